@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh machine: `make train` (the main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch is enough here; on a GPU machine use `make TORCH=torch ...` (any torch >= 2.5).
+TORCH ?= torch==2.13.0
+
+.PHONY: install train test lint bench verify
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	$(VENV)/bin/seqpar train
+
+verify: install
+	$(VENV)/bin/seqpar verify --nproc 4
+
+test: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest -x -q -p no:cacheprovider
+
+bench: install
+	$(PY) benchmarks/run_all.py

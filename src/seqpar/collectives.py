@@ -1,0 +1,317 @@
+"""Differentiable collectives over a sequence-parallel group.
+
+Uneven sizes are normal: a dim of size n split over P ranks follows ``torch.tensor_split`` (the
+first ``n % P`` ranks hold one more), see :func:`split_sizes`. Everything is built on
+``all_to_all_single`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
+``batch_isend_irecv``, which behave the same on gloo and NCCL: the code the CPU tests run is the code
+that runs on GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Group = dist.ProcessGroup
+
+# torch 2.13 renamed these (the old names warn); keep both working.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``torch.tensor_split(range(n), parts)``: the first ``n % parts`` get one more."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def split_offsets(sizes: Sequence[int]) -> list[int]:
+    """Start of each part: ``[0, s0, s0 + s1, ...]`` (length ``len(sizes)``)."""
+    offsets, acc = [], 0
+    for s in sizes:
+        offsets.append(acc)
+        acc += s
+    return offsets
+
+
+def even_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each part of :func:`split_sizes`."""
+    sizes = split_sizes(n, parts)
+    return list(zip(split_offsets(sizes), sizes, strict=True))
+
+
+# --------------------------------------------------------------------------------------------
+# all-to-all
+# --------------------------------------------------------------------------------------------
+
+def _exchange(sends: list[list[Tensor]], recv_shapes: list[list[torch.Size]], group: Group) -> list[list[Tensor]]:
+    """One ``all_to_all_single``: ``sends[r]`` goes to rank r, ``recv_shapes[s]`` come from rank s.
+
+    Each list holds one tensor per fused input; all are flattened into one buffer, so fusing q, k
+    and v costs one collective, not three.
+    """
+    ref = next(t for per_rank in sends for t in per_rank) if any(sends) else None
+    dtype = ref.dtype if ref is not None else torch.float32
+    device = ref.device if ref is not None else torch.device("cpu")
+    flat_in = [t.reshape(-1) for per_rank in sends for t in per_rank]
+    in_splits = [sum(t.numel() for t in per_rank) for per_rank in sends]
+    out_splits = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in recv_shapes]
+    send_buf = torch.cat(flat_in) if flat_in else torch.empty(0, dtype=dtype, device=device)
+    recv_buf = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    dist.all_to_all_single(recv_buf, send_buf, out_splits, in_splits, group=group)
+    out, pos = [], 0
+    for shapes in recv_shapes:
+        per_rank = []
+        for s in shapes:
+            n = int(torch.Size(s).numel())
+            per_rank.append(recv_buf[pos:pos + n].view(s))
+            pos += n
+        out.append(per_rank)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: rank r sends ``x.narrow(scatter_dim, *send_ranges[r])`` to every rank and
+    concatenates what it receives along ``gather_dim``. Backward: the same exchange reversed --
+    each gradient slice goes back to the rank it came from and is added into the range it was cut
+    from. Ranges may overlap (a KV head replicated to several ranks); adding them sums the
+    gradients of the copies, which is exactly the gradient of a replication.
+
+    Several tensors with the same dtype move in one collective (fused q, k, v).
+    """
+
+    @staticmethod
+    def forward(ctx, group, scatter_dim, gather_dim, send_ranges, recv_sizes, *xs):
+        p, me = dist.get_world_size(group), dist.get_rank(group)
+        sends = [[x.narrow(scatter_dim, *rngs[r]).contiguous() for x, rngs in zip(xs, send_ranges, strict=True)]
+                 for r in range(p)]
+        recv_shapes = []
+        for s in range(p):
+            shapes = []
+            for x, rngs, sizes in zip(xs, send_ranges, recv_sizes, strict=True):
+                shape = list(x.shape)
+                shape[scatter_dim] = rngs[me][1]
+                shape[gather_dim] = sizes[s]
+                shapes.append(torch.Size(shape))
+            recv_shapes.append(shapes)
+        received = _exchange(sends, recv_shapes, group)
+        outs = [torch.cat([received[s][i] for s in range(p)], dim=gather_dim) for i in range(len(xs))]
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        ctx.send_ranges, ctx.recv_sizes = send_ranges, recv_sizes
+        ctx.in_shapes = [x.shape for x in xs]
+        ctx.out_shapes = [o.shape for o in outs]
+        ctx.dtype, ctx.device = xs[0].dtype, xs[0].device
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group, sd, gd = ctx.group, ctx.scatter_dim, ctx.gather_dim
+        p = dist.get_world_size(group)
+        # An output that took no part in the loss has no gradient: it still must be exchanged.
+        grads = [g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+                 for g, shape in zip(grads, ctx.out_shapes, strict=True)]
+        # Slice the gradient by the rank each piece of the output came from ...
+        sends = [[g.narrow(gd, sum(sizes[:s]), sizes[s]).contiguous() for g, sizes in zip(grads, ctx.recv_sizes,
+                                                                                         strict=True)]
+                 for s in range(p)]
+        # ... and receive, from every rank r, the gradient of the slice we sent it.
+        recv_shapes = []
+        for r in range(p):
+            shapes = []
+            for shape, rngs in zip(ctx.in_shapes, ctx.send_ranges, strict=True):
+                s_ = list(shape)
+                s_[sd] = rngs[r][1]
+                shapes.append(torch.Size(s_))
+            recv_shapes.append(shapes)
+        received = _exchange(sends, recv_shapes, group)
+        dxs = []
+        for i, (shape, rngs) in enumerate(zip(ctx.in_shapes, ctx.send_ranges, strict=True)):
+            dx = torch.zeros(shape, dtype=received[0][i].dtype, device=received[0][i].device)
+            for r in range(p):
+                dx.narrow(sd, *rngs[r]).add_(received[r][i])
+            dxs.append(dx)
+        return (None, None, None, None, None, *dxs)
+
+
+def all_to_all_multi(xs: Sequence[Tensor], *, scatter_dim: int, gather_dim: int, group: Group,
+                     send_ranges: Sequence[Sequence[tuple[int, int]]],
+                     recv_sizes: Sequence[Sequence[int]]) -> tuple[Tensor, ...]:
+    """Fused all-to-all of several tensors in one collective, with autograd.
+
+    ``send_ranges[i][r] = (start, length)``: the slice of ``xs[i]`` along ``scatter_dim`` that goes
+    to rank r (ranges may overlap: replication). ``recv_sizes[i][s]``: the size along
+    ``gather_dim`` of what rank s sends for ``xs[i]``. Outputs are concatenated along
+    ``gather_dim`` in rank order. All tensors must share a dtype.
+    """
+    if len({x.dtype for x in xs}) != 1:
+        raise ValueError(f"fused all-to-all needs one dtype, got {[x.dtype for x in xs]}")
+    nd = xs[0].dim()
+    sd, gd = scatter_dim % nd, gather_dim % nd
+    if sd == gd:
+        raise ValueError(f"scatter_dim and gather_dim must differ, both are {sd}")
+    send_ranges = tuple(tuple((int(a), int(b)) for a, b in rngs) for rngs in send_ranges)
+    recv_sizes = tuple(tuple(int(s) for s in sizes) for sizes in recv_sizes)
+    return _AllToAll.apply(group, sd, gd, send_ranges, recv_sizes, *xs)
+
+
+def all_to_all(x: Tensor, *, scatter_dim: int, gather_dim: int, group: Group,
+               gather_sizes: Sequence[int] | None = None) -> Tensor:
+    """Scatter ``x`` along ``scatter_dim`` (tensor_split convention) and gather along ``gather_dim``.
+
+    ``gather_sizes[s]``: the size along ``gather_dim`` held by rank s; None means every rank holds
+    the same as this one. Backward is the reverse all-to-all. Example (Ulysses)::
+
+        x    # [B, S/P, H, D]  (this rank's sequence shard, all heads)
+        y = all_to_all(x, scatter_dim=2, gather_dim=1, group=g, gather_sizes=seq_lens)
+        y    # [B, S, H/P, D]  (the whole sequence, this rank's heads)
+    """
+    p = dist.get_world_size(group)
+    nd = x.dim()
+    sizes = list(gather_sizes) if gather_sizes is not None else [x.shape[gather_dim % nd]] * p
+    if len(sizes) != p:
+        raise ValueError(f"gather_sizes has {len(sizes)} entries for a group of {p} ranks")
+    if sizes[dist.get_rank(group)] != x.shape[gather_dim % nd]:
+        raise ValueError(f"gather_sizes[{dist.get_rank(group)}]={sizes[dist.get_rank(group)]} but this rank holds"
+                         f" {x.shape[gather_dim % nd]} along dim {gather_dim}")
+    ranges = even_ranges(x.shape[scatter_dim % nd], p)
+    return all_to_all_multi([x], scatter_dim=scatter_dim, gather_dim=gather_dim, group=group,
+                            send_ranges=[ranges], recv_sizes=[sizes])[0]
+
+
+# --------------------------------------------------------------------------------------------
+# gather / split along the sequence
+# --------------------------------------------------------------------------------------------
+
+def _gather_padded(x: Tensor, dim: int, sizes: Sequence[int], group: Group) -> Tensor:
+    """All-gather uneven shards: pad to the largest, gather once, cut the padding away."""
+    p, longest = len(sizes), max(sizes)
+    xt = x.movedim(dim, 0)
+    if xt.shape[0] < longest:
+        xt = torch.cat([xt, xt.new_zeros((longest - xt.shape[0], *xt.shape[1:]))])
+    buf = xt.new_empty((p * longest, *xt.shape[1:]))
+    all_gather_flat(buf, xt.contiguous(), group=group)
+    parts = [buf[r * longest: r * longest + sizes[r]] for r in range(p)]
+    return torch.cat(parts).movedim(0, dim)
+
+
+def _reduce_scatter_padded(x: Tensor, dim: int, sizes: Sequence[int], group: Group) -> Tensor:
+    """Sum ``x`` over ranks and keep this rank's shard (uneven shards padded to the largest)."""
+    p, longest, me = len(sizes), max(sizes), dist.get_rank(group)
+    xt = x.movedim(dim, 0)
+    offs = split_offsets(sizes)
+    padded = xt.new_zeros((p * longest, *xt.shape[1:]))
+    for r in range(p):
+        padded[r * longest: r * longest + sizes[r]] = xt[offs[r]: offs[r] + sizes[r]]
+    out = xt.new_empty((longest, *xt.shape[1:]))
+    reduce_scatter_flat(out, padded, group=group)
+    return out[: sizes[me]].movedim(0, dim)
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Forward: all-gather the shards along ``dim``. Backward: reduce-scatter -- every rank used
+    the whole gathered tensor, so the gradient of a shard is the sum of all ranks' gradients of
+    its slice (use ``split_seq(gather_seq(...))``-style pairs with care: see ``grad``)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group, grad):
+        ctx.dim, ctx.sizes, ctx.group, ctx.grad = dim, sizes, group, grad
+        return _gather_padded(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad == "slice":
+            me = dist.get_rank(ctx.group)
+            return g.narrow(ctx.dim, sum(ctx.sizes[:me]), ctx.sizes[me]), None, None, None, None
+        return _reduce_scatter_padded(g, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+
+
+class _SplitSeq(torch.autograd.Function):
+    """Forward: keep this rank's shard of a tensor every rank holds whole. Backward: all-gather the
+    shards' gradients, so each rank gets the gradient of the whole tensor (the copies were equal,
+    and each rank's loss only touched its shard)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
+        me = dist.get_rank(group)
+        return x.narrow(dim, sum(sizes[:me]), sizes[me]).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_padded(g.contiguous(), ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+
+def _sizes_for(n_local: int | None, total: int | None, sizes: Sequence[int] | None, group: Group) -> list[int]:
+    p = dist.get_world_size(group)
+    if sizes is not None:
+        if len(sizes) != p:
+            raise ValueError(f"sizes has {len(sizes)} entries for a group of {p} ranks")
+        return [int(s) for s in sizes]
+    if total is not None:
+        return split_sizes(total, p)
+    assert n_local is not None
+    return [n_local] * p
+
+
+def gather_seq(x: Tensor, *, dim: int = 1, group: Group, sizes: Sequence[int] | None = None,
+               grad: str = "sum") -> Tensor:
+    """All-gather sequence shards (``[B, S/P, ...] -> [B, S, ...]``) with autograd.
+
+    ``sizes``: each rank's shard length (default: all equal to this one's). ``grad="sum"``
+    (default) reduce-scatters the gradient, right when ranks use the gathered tensor differently;
+    ``grad="slice"`` keeps this rank's slice, right when every rank computes the same thing from it.
+    """
+    if grad not in ("sum", "slice"):
+        raise ValueError(f"grad must be 'sum' or 'slice', got {grad!r}")
+    dim = dim % x.dim()
+    return _GatherSeq.apply(x, dim, tuple(_sizes_for(x.shape[dim], None, sizes, group)), group, grad)
+
+
+def split_seq(x: Tensor, *, dim: int = 1, group: Group, sizes: Sequence[int] | None = None) -> Tensor:
+    """This rank's shard of a tensor every rank holds whole (tensor_split convention unless
+    ``sizes`` is given); the backward all-gathers."""
+    dim = dim % x.dim()
+    sizes = tuple(_sizes_for(None, x.shape[dim], sizes, group))
+    if sum(sizes) != x.shape[dim]:
+        raise ValueError(f"sizes {list(sizes)} sum to {sum(sizes)}, but dim {dim} has {x.shape[dim]}")
+    return _SplitSeq.apply(x, dim, sizes, group)
+
+
+# --------------------------------------------------------------------------------------------
+# ring
+# --------------------------------------------------------------------------------------------
+
+class RingShift:
+    """Send tensors to the next rank and receive the previous rank's, asynchronously.
+
+    ``start(tensors)`` posts the transfers and returns at once; ``wait()`` returns the received
+    tensors. Compute placed between the two overlaps the transfer. ``shift=-1`` reverses the ring.
+    """
+
+    def __init__(self, group: Group, shift: int = 1) -> None:
+        self.group = group
+        self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dst = dist.get_global_rank(group, (self.rank + shift) % self.p)
+        self.src = dist.get_global_rank(group, (self.rank - shift) % self.p)
+        self._reqs: list = []
+        self._bufs: list[Tensor] = []
+
+    def start(self, tensors: Sequence[Tensor]) -> None:
+        assert not self._reqs, "wait() for the previous transfer first"
+        self._bufs = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for t, buf in zip(tensors, self._bufs, strict=True):
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.dst, group=self.group))
+            ops.append(dist.P2POp(dist.irecv, buf, self.src, group=self.group))
+        self._reqs = dist.batch_isend_irecv(ops) if self.p > 1 else []
+        if self.p == 1:
+            self._bufs = [t for t in tensors]
+
+    def wait(self) -> list[Tensor]:
+        for req in self._reqs:
+            req.wait()
+        self._reqs = []
+        return self._bufs
