@@ -12,8 +12,8 @@ from typing import Any
 
 from torch import Tensor
 
-from .meta import SeqShard
 from .mesh import Axis, MeshOrGroup, axis_group
+from .meta import SeqShard
 
 STRATEGIES: dict[str, Callable[..., Tensor]] = {}
 

@@ -1,0 +1,1 @@
+"""The ``seqpar`` command line: train, verify, bench, plan."""
