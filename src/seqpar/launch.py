@@ -60,6 +60,8 @@ def _worker(rank: int, world: int, init_file: str, trace_dir: str, pg_timeout: f
     except BaseException:  # report everything, KeyboardInterrupt included, then leave
         status, payload = "err", traceback.format_exc().encode()
     queue.put((rank, status, payload))
+    queue.close()
+    queue.join_thread()  # the result must be in the pipe before os._exit below
     if status == "ok":
         try:
             dist.barrier()

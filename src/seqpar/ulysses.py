@@ -85,7 +85,6 @@ def ulysses_attention(
     """
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout)
     kern = get_kernel(kernel)
-    check_supported(kern, spec)
     p, me = dist.get_world_size(group), dist.get_rank(group)
     if shard is not None and (key_padding_mask is not None or segment_ids is not None):
         raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
@@ -96,6 +95,7 @@ def ulysses_attention(
                                           shard_len=None if shard is None else shard.seq_lens[me])
     else:
         seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * p
+    check_supported(kern, spec)  # after the cross-rank check: the spec is now known to be the same everywhere
     if shard is None:
         shard = SeqShard(seq_lens)
         if key_padding_mask is not None or segment_ids is not None:
