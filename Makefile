@@ -22,7 +22,7 @@ verify: install
 	$(VENV)/bin/seqpar verify --nproc 4
 
 test: install
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
 	$(PY) -m pytest -x -q -p no:cacheprovider
 
 bench: install
