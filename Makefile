@@ -23,7 +23,7 @@ verify: install
 
 test: install
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
-	$(PY) -m pytest -x -q -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider
 
 bench: install
 	$(PY) benchmarks/run_all.py
