@@ -22,6 +22,13 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def comm_device(group: Group) -> torch.device:
+    """The device a collective of ``group`` needs its tensors on: CUDA for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def split_sizes(n: int, parts: int) -> list[int]:
     """Sizes of ``torch.tensor_split(range(n), parts)``: the first ``n % parts`` get one more."""
     base, extra = divmod(n, parts)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import split_offsets
+from .collectives import comm_device, split_offsets
 from .validate import check_rows, gather_rows
 
 
@@ -61,7 +61,7 @@ def gather_seq_shard(group: dist.ProcessGroup, *, local_len: int, batch_size: in
     Costs one metadata all-gather (lengths and flags, validated on every rank) plus, when a mask
     or segment ids are given, one all-gather of them together.
     """
-    device = device or (key_padding_mask.device if key_padding_mask is not None else torch.device("cpu"))
+    device = device or comm_device(group)
     fields = {
         "len": float(local_len), "batch": float(batch_size),
         "mask": 1.0 if key_padding_mask is not None else 0.0,
