@@ -32,6 +32,21 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, mesh: MeshOrGroup, kernel: Any 
     return ulysses_attention(q, k, v, group=axis_group(mesh, Axis.SP.value), kernel=kernel or "sdpa", **kw)
 
 
+@register_strategy("ring")
+def _ring(q: Tensor, k: Tensor, v: Tensor, *, mesh: MeshOrGroup, **kw: Any) -> Tensor:
+    from .ring import ring_attention
+
+    return ring_attention(q, k, v, group=axis_group(mesh, Axis.SP.value), **kw)
+
+
+@register_strategy("hybrid")
+def _hybrid(q: Tensor, k: Tensor, v: Tensor, *, mesh: MeshOrGroup, **kw: Any) -> Tensor:
+    from .hybrid import hybrid_attention
+
+    return hybrid_attention(q, k, v, ulysses_group=axis_group(mesh, Axis.ULYSSES.value),
+                            ring_group=axis_group(mesh, Axis.RING.value), **kw)
+
+
 def sp_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: MeshOrGroup, strategy: str = "ulysses",
                  causal: bool = False, scale: float | None = None, window: int | None = None,
                  softcap: float | None = None, dropout: float = 0.0, kernel: Any = None,

@@ -108,6 +108,45 @@ def _ulysses_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tup
     return inputs, idx, run
 
 
+@register_path("ring")
+def _ring_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tuple[dict, Tensor, Callable]:
+    from .layout import layout_indices
+    from .ring import ring_attention
+
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    idx = layout_indices(case.seq, p, case.options.get("layout", "contiguous"))[r]
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seg: Tensor | None) -> Tensor:
+        return ring_attention(q, k, v, group=group, causal=case.causal, scale=case.scale, window=case.window,
+                              softcap=case.softcap, kernel=case.kernel, key_padding_mask=mask,
+                              segment_ids=seg, **case.options)
+    return inputs, idx, run
+
+
+_HYBRID_GROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+@register_path("hybrid")
+def _hybrid_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tuple[dict, Tensor, Callable]:
+    from .hybrid import hybrid_attention, hybrid_groups
+    from .layout import layout_indices
+
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    opts = dict(case.options)
+    ulysses = opts.pop("ulysses", 2 if p % 2 == 0 else 1)
+    key = (id(group), ulysses)
+    if key not in _HYBRID_GROUPS:  # new_group is collective and slow: once per (group, ulysses) per process
+        _HYBRID_GROUPS[key] = hybrid_groups(group, ulysses)
+    ulysses_group, ring_group = _HYBRID_GROUPS[key]
+    idx = layout_indices(case.seq, p, opts.get("layout", "contiguous"), ulysses=ulysses)[r]
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seg: Tensor | None) -> Tensor:
+        return hybrid_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, causal=case.causal,
+                                scale=case.scale, window=case.window, softcap=case.softcap, kernel=case.kernel,
+                                key_padding_mask=mask, segment_ids=seg, **opts)
+    return inputs, idx, run
+
+
 def run_case(case: AttnCase, group: dist.ProcessGroup) -> dict[str, float]:
     """Run one case on this rank; returns max |err| of out, dq, dk, dv over this rank's tokens."""
     inputs = case_inputs(case)

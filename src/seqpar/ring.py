@@ -1,0 +1,401 @@
+"""Ring attention: each rank keeps its queries while K/V blocks travel around the ring.
+
+One loop serves every variant. At step ``t`` rank ``r`` holds the K/V block of rank ``(r - t) % P``,
+attends its queries to it with a kernel that returns ``(out, lse)``, and merges the partial result
+into a running ``(out, lse)`` with :func:`merge_partials`::
+
+    step:      0        1        2        3          (P = 4, rank 2)
+    K/V from:  r2  ->   r1  ->   r0  ->   r3          block of rank (2 - t) % 4
+    queries:   q2       q2       q2       q2          never move
+
+Layouts (contiguous, zigzag) are token permutations: a block's causal / window visibility comes
+from the global positions of its tokens (``SeqShard.positions``), so nothing in the loop knows the
+layout. The positions, padding mask and segment ids of every block are batch-level facts already in
+the :class:`SeqShard` on every rank, so only K and V travel. A block that causal/window hide entirely
+is skipped, and a partly hidden one is trimmed to the bounding box of its visible pairs (with zigzag
+this halves every off-diagonal block and removes its mask).
+
+How K/V travel is a small swappable object: ``"p2p"`` (one hop per step, the next block's transfer
+overlapping this block's compute; backward sends dK/dV one step behind, so each returns to its owner;
+no rank ever holds more than two K/V blocks) or ``"allgather"`` (gather K/V once; the backward
+reduce-scatters dK/dV). Unequal local lengths travel padded to the longest shard (at most a few
+tokens with tensor_split-style splits); the padding is never attended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .collectives import RingShift, all_gather_flat, reduce_scatter_flat, split_offsets
+from .kernels import AttnSpec, MaskInfo, check_supported, lse_kernel
+from .layout import layout_permutation, layout_seq_lens
+from .meta import SeqShard
+from .validate import check_attention_inputs
+
+_FAR = 1 << 62  # "unbounded" for integer position intervals
+
+
+# --------------------------------------------------------------------------------------------
+# pure parts: which part of a block is visible, and how partial results merge
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The part of a (queries x keys) block worth computing: ``rows``/``cols`` are ``(start, n)``
+    of the bounding box of visible pairs; ``visible`` counts the query-key pairs causal/window allow."""
+
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    visible: int
+
+
+def _count_in(sorted_vals: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """How many of ``sorted_vals`` lie in ``[lo, hi]``, elementwise."""
+    return torch.searchsorted(sorted_vals, hi, right=True) - torch.searchsorted(sorted_vals, lo)
+
+
+def _span(mask: Tensor) -> tuple[int, int]:
+    idx = mask.nonzero().flatten()
+    return int(idx[0]), int(idx[-1]) - int(idx[0]) + 1
+
+
+def plan_block(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> BlockPlan | None:
+    """What to compute of one block, from the global positions ``q_pos [Sq]``, ``k_pos [Sk]``; None
+    when causal/window hide every pair (skip it). O((Sq + Sk) log) -- no [Sq, Sk] mask is built."""
+    nq, nk = q_pos.numel(), k_pos.numel()
+    if nq == 0 or nk == 0:
+        return None
+    if not spec.causal and spec.window is None:
+        return BlockPlan((0, nq), (0, nk), nq * nk)
+    w = spec.window if spec.window is not None else _FAR
+    # a query at q sees keys in [q - w + 1, q] (causal) or [q - w + 1, q + w - 1] (window only);
+    # mirrored, a key at k is seen by queries in [k, k + w - 1] or [k - w + 1, k + w - 1]
+    ahead = 0 if spec.causal else w - 1
+    q_cnt = _count_in(k_pos.sort().values, q_pos - w + 1, q_pos + ahead)
+    total = int(q_cnt.sum())
+    if total == 0:
+        return None
+    k_cnt = _count_in(q_pos.sort().values, k_pos - ahead, k_pos + w - 1)
+    return BlockPlan(_span(q_cnt > 0), _span(k_cnt > 0), total)
+
+
+def merge_partials(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two softmax-normalised partial results over disjoint key sets.
+
+    ``out [B, H, Sq, D]`` and ``lse [B, H, Sq]`` in the accumulation dtype (float32, float64 for
+    float64 inputs); ``out_b`` may be lower precision. Rows with ``lse = -inf`` (no key seen) weigh 0.
+    """
+    new = torch.logaddexp(lse, lse_b)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w, w_b = torch.exp(lse - safe), torch.exp(lse_b - safe)  # [B, H, Sq]
+    return out * w[..., None] + out_b.to(out.dtype) * w_b[..., None], new
+
+
+@dataclass
+class RingStats:
+    """Attention work one rank did (filled by the forward): blocks computed / skipped, the query-key
+    pairs causal/window allow in them, and the pairs the kernel was given (trimmed rectangles)."""
+
+    blocks: int = 0
+    skipped: int = 0
+    visible_pairs: int = 0
+    computed_pairs: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# how K/V travel
+# --------------------------------------------------------------------------------------------
+
+class P2PComm:
+    """K/V move one hop per step (batch_isend_irecv); dK/dV accumulators follow one step behind."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.p, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+
+    def blocks(self, k: Tensor, v: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
+        """Yield ``(owner, k, v)`` for t = 0..P-1; the caller's compute between yields overlaps the
+        transfer of the next block."""
+        shift, cur = RingShift(self.group), (k, v)
+        for t in range(self.p):
+            if t < self.p - 1:
+                shift.start(cur)
+            yield (self.rank - t) % self.p, cur[0], cur[1]
+            if t < self.p - 1:
+                cur = tuple(shift.wait())
+
+    def grad_sink(self) -> _P2PGrads:
+        return _P2PGrads(self.group, self.p)
+
+
+class _P2PGrads:
+    """Step t: add this rank's dK/dV of the block it holds to the accumulator that arrived with it
+    and pass it on; after P steps each accumulator has visited every rank and is back home."""
+
+    def __init__(self, group: dist.ProcessGroup, p: int) -> None:
+        self.shift, self.p, self.t = RingShift(group), p, 0
+
+    def push(self, dk: Tensor, dv: Tensor) -> None:
+        if self.t > 0:
+            acc_k, acc_v = self.shift.wait()
+            dk, dv = acc_k.add_(dk), acc_v.add_(dv)
+        self.shift.start([dk, dv])
+        self.t += 1
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        dk, dv = self.shift.wait()
+        return dk, dv
+
+
+class AllGatherComm:
+    """K/V gathered once (P blocks held at a time); dK/dV of all blocks reduce-scattered back."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group, self.p, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+
+    def _gather(self, x: Tensor) -> Tensor:
+        buf = x.new_empty((self.p, *x.shape))
+        all_gather_flat(buf.view(-1, *x.shape[1:]), x.contiguous(), group=self.group)
+        return buf  # [P, *x.shape]
+
+    def blocks(self, k: Tensor, v: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
+        ks, vs = (self._gather(k), self._gather(v)) if self.p > 1 else (k[None], v[None])
+        for t in range(self.p):
+            src = (self.rank - t) % self.p
+            yield src, ks[src], vs[src]
+
+    def grad_sink(self) -> _AllGatherGrads:
+        return _AllGatherGrads(self)
+
+
+class _AllGatherGrads:
+    """Collect every block's dK/dV, then one reduce-scatter: block r's sum lands on rank r."""
+
+    def __init__(self, comm: AllGatherComm) -> None:
+        self.comm, self.dks, self.dvs = comm, [None] * comm.p, [None] * comm.p
+        self.t = 0
+
+    def push(self, dk: Tensor, dv: Tensor) -> None:
+        src = (self.comm.rank - self.t) % self.comm.p
+        self.dks[src], self.dvs[src] = dk, dv
+        self.t += 1
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        if self.comm.p == 1:
+            return self.dks[0], self.dvs[0]
+        outs = []
+        for parts in (self.dks, self.dvs):
+            full = torch.stack(parts)  # [P, B, H_kv, L, D]
+            out = full.new_empty(full.shape[1:])
+            reduce_scatter_flat(out, full.view(-1, *full.shape[2:]), group=self.comm.group)
+            outs.append(out)
+        return outs[0], outs[1]
+
+
+COMMS = {"p2p": P2PComm, "allgather": AllGatherComm}
+
+
+# --------------------------------------------------------------------------------------------
+# the ring
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Ring:
+    """Everything the ring loop needs besides q, k, v (built once per call)."""
+
+    comm: Any
+    kernel: Any
+    spec: AttnSpec
+    shard: SeqShard
+    plans: list[BlockPlan | None]  # by owner rank
+    longest: int  # K/V travel padded to this length
+
+    def mask(self, owner: int, plan: BlockPlan, me: int, device: torch.device) -> MaskInfo:
+        """The block's MaskInfo, cut to the plan's rows and columns (global positions)."""
+        (r0, nr), (c0, nc) = plan.rows, plan.cols
+        qs, ks = self.shard.local_range(me)[0] + r0, self.shard.local_range(owner)[0] + c0
+        pos = self.shard.positions
+        keep, seg = self.shard.key_keep, self.shard.segments
+        return MaskInfo(
+            q_pos=(pos[qs:qs + nr] if pos is not None else torch.arange(qs, qs + nr)).to(device),
+            k_pos=(pos[ks:ks + nc] if pos is not None else torch.arange(ks, ks + nc)).to(device),
+            key_keep=keep[:, ks:ks + nc] if keep is not None else None,
+            q_seg=seg[:, qs:qs + nr] if seg is not None else None,
+            k_seg=seg[:, ks:ks + nc] if seg is not None else None)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _pad(x: Tensor, n: int) -> Tensor:
+    """``[B, H, S, D] -> [B, H, n, D]`` with zeros (the block shape every rank sends)."""
+    if x.shape[2] == n:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((*x.shape[:2], n - x.shape[2], x.shape[3]))], dim=2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: K/V blocks travel the ring, each merged into (out, lse). Backward: the blocks travel
+    again; each block's dQ/dK/dV come from the kernel's backward with the *merged* out and lse (the
+    softmax over all keys, so every block's share is exact), dQ stays, dK/dV go back to the block's
+    owner. Layouts: q [B, H, Sq, D], k, v [B, H_kv, Sk, D] (this rank's tokens)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, me: int, stats: RingStats | None):
+        acc = _acc_dtype(q.dtype)
+        out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)  # [B, H, Sq, Dv]
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # [B, H, Sq]
+        for owner, kb, vb in ring.comm.blocks(_pad(k, ring.longest), _pad(v, ring.longest)):
+            plan = ring.plans[owner]
+            if plan is None:
+                if stats is not None:
+                    stats.skipped += 1
+                continue
+            (r0, nr), (c0, nc) = plan.rows, plan.cols
+            o_b, l_b = ring.kernel.forward(q[:, :, r0:r0 + nr], kb[:, :, c0:c0 + nc], vb[:, :, c0:c0 + nc],
+                                           ring.spec, ring.mask(owner, plan, me, q.device))
+            out[:, :, r0:r0 + nr], lse[:, :, r0:r0 + nr] = merge_partials(
+                out[:, :, r0:r0 + nr], lse[:, :, r0:r0 + nr], o_b, l_b)
+            if stats is not None:
+                stats.blocks += 1
+                stats.visible_pairs += plan.visible
+                stats.computed_pairs += nr * nc
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.me = ring, me
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, me = ctx.ring, ctx.me
+        acc = lse.dtype
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # dK/dV accumulate in float32 (float64) while they travel: P partial sums per block
+        sink = ring.comm.grad_sink()
+        for owner, kb, vb in ring.comm.blocks(_pad(k, ring.longest), _pad(v, ring.longest)):
+            dk_b = kb.new_zeros(kb.shape, dtype=acc)  # [B, H_kv, L, D]
+            dv_b = vb.new_zeros(vb.shape, dtype=acc)
+            plan = ring.plans[owner]
+            if plan is not None:
+                (r0, nr), (c0, nc) = plan.rows, plan.cols
+                rows = slice(r0, r0 + nr)
+                g = ring.kernel.backward(dout[:, :, rows], q[:, :, rows], kb[:, :, c0:c0 + nc],
+                                         vb[:, :, c0:c0 + nc], out[:, :, rows], lse[:, :, rows], ring.spec,
+                                         ring.mask(owner, plan, me, q.device))
+                dq[:, :, rows] += g[0]
+                dk_b[:, :, c0:c0 + nc] = g[1]
+                dv_b[:, :, c0:c0 + nc] = g[2]
+            sink.push(dk_b, dv_b)
+        dk, dv = sink.result()
+        n = k.shape[2]
+        return dq.to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype), None, None, None
+
+
+def _ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: Any,
+          shard: SeqShard, comm: str, stats: RingStats | None = None) -> Tensor:
+    """The ring on validated inputs: ``[B, S_local, H, D] -> [B, S_local, H, Dv]``."""
+    me = dist.get_rank(group)
+    pos = shard.positions.cpu() if shard.positions is not None else None
+    offsets = split_offsets(shard.seq_lens)
+
+    def positions(r: int) -> Tensor:
+        a, n = offsets[r], shard.seq_lens[r]
+        return pos[a:a + n] if pos is not None else torch.arange(a, a + n)
+
+    q_pos = positions(me)
+    plans = [plan_block(spec, q_pos, positions(r)) for r in range(len(shard.seq_lens))]
+    ring = _Ring(COMMS[comm](group), kernel, spec, shard, plans, max(shard.seq_lens))
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ring, me, stats)
+    return out.transpose(1, 2)  # [B, S_local, H, Dv]
+
+
+def _default_kernel(q: Tensor) -> str:
+    return "flash_cpu" if q.device.type == "cpu" else "reference"
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool = False,
+    scale: float | None = None, window: int | None = None, softcap: float | None = None,
+    dropout: float = 0.0, kernel: str | Any | None = None, key_padding_mask: Tensor | None = None,
+    segment_ids: Tensor | None = None, shard: SeqShard | None = None, layout: str | None = None,
+    comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
+) -> Tensor:
+    """Exact attention over the whole sequence from sequence shards, K/V travelling around a ring.
+
+    Args:
+        q: ``[B, S_local, H, D]``; k, v: ``[B, S_local, H_kv, D]`` -- this rank's tokens, in the
+            layout's order (see :mod:`seqpar.layout`). Local lengths may differ between ranks.
+        group: the ring's process group.
+        causal, scale, window, softcap: see :class:`seqpar.kernels.AttnSpec`. ``dropout`` must be 0.
+        kernel: a kernel returning ``(out, lse)`` with a backward: ``"flash_cpu"`` (default on CPU),
+            ``"reference"`` (default elsewhere, and the only one with softcap) or a Kernel object.
+        key_padding_mask, segment_ids: this rank's ``[B, S_local]`` padding mask (True = real token)
+            and packed-document ids (one small all-gather); or pass ``shard`` to reuse global ones.
+        shard: batch-level :class:`SeqShard`; its ``positions`` say which global token each rank holds.
+        layout: ``"contiguous"`` or ``"zigzag"``; without a shard it says which tokens each rank
+            holds (:func:`seqpar.layout.layout_indices`); with one it must agree with the shard.
+            None: the shard's layout, else contiguous.
+        comm: ``"p2p"`` (K/V pass from rank to rank, overlapped) or ``"allgather"`` (gathered once).
+        validate: check inputs across ranks first (one small all-gather); without it ``shard`` gives
+            the lengths (else all ranks are assumed to hold ``S_local`` tokens).
+        stats: a :class:`RingStats` to add this rank's forward work to.
+
+    Returns ``[B, S_local, H, D]``. Raises ValueError (on every rank) for inconsistent inputs.
+    """
+    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
+    if dropout:
+        raise ValueError(f"ring attention has no dropout (got dropout={dropout}): set the attention dropout"
+                         " to 0 or use strategy='ulysses' with kernel='sdpa'")
+    kern = lse_kernel(kernel if kernel is not None else _default_kernel(q))
+    check_supported(kern, spec)
+    if comm not in COMMS:
+        raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
+    if shard is not None and (key_padding_mask is not None or segment_ids is not None):
+        raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+    if validate:
+        seq_lens = check_attention_inputs(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
+                                          segment_ids=segment_ids,
+                                          shard_len=None if shard is None else shard.seq_lens[me])
+    else:
+        seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * p
+    shard = resolve_shard(shard, tuple(seq_lens), layout, p)
+    if key_padding_mask is not None or segment_ids is not None:
+        from .ulysses import _with_global_masks
+
+        shard = _with_global_masks(shard, key_padding_mask, segment_ids, group)
+    return _ring(q, k, v, group=group, spec=spec, kernel=kern, shard=shard, comm=comm, stats=stats)
+
+
+def resolve_shard(shard: SeqShard | None, seq_lens: tuple[int, ...], layout: str | None, p: int,
+                  ulysses: int = 1) -> SeqShard:
+    """The SeqShard to use: the given one (checked against ``layout``) or one built from ``layout``.
+
+    Pure (every rank computes the same from the same gathered lengths), so its ValueErrors are
+    raised on every rank alike.
+    """
+    if len(seq_lens) != p * ulysses:
+        raise ValueError(f"the SeqShard has {len(seq_lens)} shard lengths for {p * ulysses} ranks: build it over"
+                         " this group")
+    total = sum(seq_lens)
+    if layout is None:
+        return shard if shard is not None else SeqShard(seq_lens)
+    expected = layout_seq_lens(total, p * ulysses, layout, ulysses)
+    if shard is None and layout != "contiguous" and seq_lens != expected:
+        raise ValueError(f"layout={layout!r} puts {list(expected)} tokens on the ranks but they hold {list(seq_lens)}:"
+                         " shard the batch with the same layout (seqpar.shard_batch(..., layout=...))")
+    perm = layout_permutation(total, p * ulysses, layout, ulysses)
+    if shard is None:
+        return SeqShard(seq_lens, None if layout == "contiguous" else perm)
+    have = shard.positions.cpu() if shard.positions is not None else torch.arange(total)
+    if have.shape != perm.shape or not torch.equal(have, perm):
+        raise ValueError(f"layout={layout!r} does not match the SeqShard's token positions: omit layout to use"
+                         " the shard's, or shard the batch with that layout")
+    return shard
