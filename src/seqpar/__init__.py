@@ -10,6 +10,7 @@ from .collectives import (
 )
 from .kernels import AttnSpec, MaskInfo, get_kernel
 from .meta import SeqShard, gather_seq_shard
+from .planner import Plan, plan
 from .reference import reference_attention
 from .ulysses import head_ranges, ulysses_attention
 
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttnSpec",
     "MaskInfo",
+    "Plan",
     "RingShift",
     "SeqShard",
     "all_to_all",
@@ -26,6 +28,7 @@ __all__ = [
     "gather_seq_shard",
     "get_kernel",
     "head_ranges",
+    "plan",
     "reference_attention",
     "split_seq",
     "split_sizes",

@@ -1,0 +1,148 @@
+"""``seqpar plan``: choose dp x ulysses x ring for a model, a cluster and a sequence length, and show
+the estimated communication bytes and activation memory of every candidate (no GPUs needed).
+
+The model's shape comes from flags, or from ``--model`` (a local transformers checkpoint directory or
+config.json, or a built-in tiny name); flags given explicitly override the model's values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+# With no flags: 32 heads of 128 (hidden 4096), 32 layers, on one node of 8 ranks, 128k tokens.
+DEFAULTS = dict(heads=32, kv_heads=None, head_dim=None, hidden_size=None, layers=32, intermediate_size=None,
+                world_size=8, devices_per_node=8, seq_len=131072)
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+# transformers config keys for each planner argument (first match wins)
+_CONFIG_KEYS = {"heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
+                "head_dim": ("head_dim",), "hidden_size": ("hidden_size", "n_embd"),
+                "layers": ("num_hidden_layers", "n_layer"), "intermediate_size": ("intermediate_size", "n_inner")}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="choose dp x ulysses x ring and estimate bytes and memory per rank",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="local checkpoint dir / config.json, or a built-in tiny name")
+    p.add_argument("--heads", type=int, help=f"query heads (default {DEFAULTS['heads']})")
+    p.add_argument("--kv-heads", type=int, help="KV heads (default: = heads)")
+    p.add_argument("--head-dim", type=int, help="head dim (default: hidden_size / heads, else 128)")
+    p.add_argument("--hidden-size", type=int, help="model width (default: heads * head_dim)")
+    p.add_argument("--intermediate-size", type=int, help="MLP width for the memory estimate (default 4 * hidden)")
+    p.add_argument("--layers", type=int, help=f"decoder layers (default {DEFAULTS['layers']})")
+    p.add_argument("--world-size", type=int, help=f"total ranks (default {DEFAULTS['world_size']})")
+    p.add_argument("--devices-per-node", type=int, help=f"ranks per node (default {DEFAULTS['devices_per_node']})")
+    p.add_argument("--seq-len", type=_size, help=f"tokens per sequence, e.g. 1M or 131072 "
+                                                 f"(default {DEFAULTS['seq_len']})")
+    p.add_argument("--batch", type=int, default=1, help="sequences per sp group per step (default 1)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="activation dtype (default bf16)")
+    p.add_argument("--memory-budget", type=_size, default=None,
+                   help="activation memory per rank, e.g. 40GiB (what is left after weights and optimizer);"
+                        " without it all ranks split the sequence")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
+    p.add_argument("--max-ulysses", type=int, default=None, help="cap on the ulysses degree")
+    p.add_argument("--no-causal", dest="causal", action="store_false",
+                   help="bidirectional attention (no zigzag chunks needed by ring)")
+    p.set_defaults(func=run)
+
+
+def _size(text: str) -> int:
+    """``"80GiB"`` -> bytes, ``"1M"`` -> 1048576; binary for bare K/M/G/T, decimal for KB/MB/GB/TB."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 131072, 1M, 80GiB or 40GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def model_shape(name_or_path: str) -> dict[str, int]:
+    """Planner arguments read from a transformers config: a local directory with config.json, a
+    config.json path, or a built-in name of ``seqpar.models`` (when that module exists)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--model {name_or_path}: cannot read {path}: {e}") from e
+    else:
+        cfg = _builtin_config(name_or_path)
+    cfg = {**cfg, **(cfg.get("text_config") or {})}  # multimodal configs keep the LM's shape here
+    shape = {}
+    for arg, keys in _CONFIG_KEYS.items():
+        value = next((cfg[k] for k in keys if cfg.get(k) is not None), None)
+        if value is not None:
+            shape[arg] = int(value)
+    if "heads" not in shape or "hidden_size" not in shape:
+        raise ValueError(f"--model {name_or_path}: the config has no num_attention_heads / hidden_size;"
+                         f" give --heads, --kv-heads, --head-dim and --hidden-size instead")
+    return shape
+
+
+def _builtin_config(name: str) -> dict[str, Any]:
+    try:
+        from seqpar import models
+    except ModuleNotFoundError as e:
+        if e.name != "seqpar.models":
+            raise
+        models = None
+    builtin = getattr(models, "BUILTIN_MODELS", None) or {}
+    if name in builtin:
+        cfg = builtin[name]
+        cfg = cfg() if callable(cfg) else cfg
+        return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+    if not builtin and hasattr(models, "build_model"):  # no table of names: let the builder decide
+        return models.build_model(name).config.to_dict()
+    names = ", ".join(sorted(builtin)) or "none available"
+    raise ValueError(f"--model {name}: not a local directory or config.json, nor a built-in name ({names})")
+
+
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Explicit flags > --model config > defaults; head_dim and hidden_size default from each other."""
+    shape = model_shape(args.model) if args.model else {}
+    out = {}
+    for key, default in DEFAULTS.items():
+        flag = getattr(args, key)
+        out[key] = flag if flag is not None else shape.get(key, default)
+    out["kv_heads"] = out["kv_heads"] or out["heads"]
+    if out["head_dim"] is None:
+        out["head_dim"] = out["hidden_size"] // out["heads"] if out["hidden_size"] else 128
+    out["hidden_size"] = out["hidden_size"] or out["heads"] * out["head_dim"]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from seqpar.planner import InfeasiblePlanError, format_bytes, format_table, plan
+
+    kw = _resolve(args)
+    kw.update(dtype_bytes=DTYPE_BYTES[args.dtype], batch=args.batch, memory_budget_bytes=args.memory_budget,
+              max_ulysses=args.max_ulysses, causal=args.causal, checkpointing=args.checkpointing)
+    budget = "none" if args.memory_budget is None else format_bytes(args.memory_budget)
+    print(f"model: {kw['heads']} heads / {kw['kv_heads']} KV heads x {kw['head_dim']}, hidden {kw['hidden_size']},"
+          f" {kw['layers']} layers{f' ({args.model})' if args.model else ''}; {args.dtype},"
+          f" {'causal' if args.causal else 'bidirectional'}{', checkpointing' if args.checkpointing else ''}")
+    print(f"cluster: {kw['world_size']} ranks, {kw['devices_per_node']} per node; sequence {kw['seq_len']} tokens"
+          f" x batch {args.batch}; activation budget per rank: {budget}")
+    print("bytes: per rank per layer, forward; memory: activations per rank, all layers\n")
+    try:
+        p = plan(**kw)
+    except InfeasiblePlanError as e:
+        print(format_table(e.candidates))
+        raise
+    print(p.table())
+    print(f"\nchosen: {p.chosen.label} ({p.strategy})")
+    print(f"reason: {p.reason}")
+    mesh = ", ".join(f"{k}={v}" for k, v in p.mesh_kwargs().items())
+    print(f"use:    mesh = seqpar.init_mesh({mesh}); strategy={p.strategy!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    from seqpar.cli.main import main
+
+    sys.exit(main(["plan", *sys.argv[1:]]))
