@@ -360,6 +360,9 @@ def ring_attention(
     if shard is not None and (key_padding_mask is not None or segment_ids is not None):
         raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
     p, me = dist.get_world_size(group), dist.get_rank(group)
+    if shard is not None and len(shard.seq_lens) != p:
+        raise ValueError(f"the SeqShard has {len(shard.seq_lens)} shard lengths for a ring of {p} ranks: build it"
+                         " over this group")
     if validate:
         seq_lens = check_attention_inputs(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
                                           segment_ids=segment_ids,

@@ -115,31 +115,48 @@ def _with_global_masks(shard: SeqShard, key_padding_mask: Tensor | None, segment
     return SeqShard(shard.seq_lens, shard.positions, keep, seg)
 
 
-def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: Any,
-             shard: SeqShard) -> Tensor:
+def heads_to_seq(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, seq_lens: list[int]
+                 ) -> tuple[Tensor, Tensor, Tensor, list[tuple[int, int]]]:
+    """The first all-to-all: ``[B, S/P, H, D] -> [B, S, H/P, D]`` for q, k, v in one collective.
+
+    Returns ``(q, k, v, q_ranges)``: this rank's query heads with the KV heads they read (one copy
+    per query head where the GQA grouping does not line up with the split), and every rank's
+    query-head range for :func:`seq_to_heads`. Backward: the reverse all-to-all.
+    """
     p, me = dist.get_world_size(group), dist.get_rank(group)
     n_heads, n_kv = q.shape[2], k.shape[2]
     q_ranges, kv_ranges = head_ranges(n_heads, n_kv, p)
-    seq_lens = list(shard.seq_lens)
-
-    # [B, S/P, H, D] -> [B, S, H/P, D], q, k and v in one collective
     qh, kh, vh = all_to_all_multi(
         [q, k, v], scatter_dim=2, gather_dim=1, group=group,
         send_ranges=[q_ranges, kv_ranges, kv_ranges], recv_sizes=[seq_lens] * 3)
+    if q_ranges[me][1]:
+        idx = _kv_index(q_ranges[me], kv_ranges[me], n_heads // n_kv)
+        if idx is not None:  # uneven GQA split: give each query head its own copy of its KV head
+            kh, vh = kh.index_select(2, idx.to(kh.device)), vh.index_select(2, idx.to(vh.device))
+    return qh, kh, vh, q_ranges
+
+
+def seq_to_heads(out: Tensor, *, group: dist.ProcessGroup, seq_lens: list[int],
+                 q_ranges: list[tuple[int, int]]) -> Tensor:
+    """The second all-to-all: ``[B, S, H/P, D] -> [B, S/P, H, D]``. Backward: the reverse."""
+    seq_ranges = list(zip(split_offsets(seq_lens), seq_lens, strict=True))
+    head_counts = [n for _, n in q_ranges]
+    return all_to_all_multi([out], scatter_dim=1, gather_dim=2, group=group,
+                            send_ranges=[seq_ranges], recv_sizes=[head_counts])[0]
+
+
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: Any,
+             shard: SeqShard) -> Tensor:
+    me = dist.get_rank(group)
+    seq_lens = list(shard.seq_lens)
+    qh, kh, vh, q_ranges = heads_to_seq(q, k, v, group=group, seq_lens=seq_lens)  # [B, S, H/P, D]
 
     if q_ranges[me][1] == 0:  # more ranks than query heads: nothing to compute here
         out = qh.new_zeros(qh.shape[:3] + (v.shape[3],)) + 0 * qh.sum() + 0 * kh.sum() + 0 * vh.sum()
     else:
-        idx = _kv_index(q_ranges[me], kv_ranges[me], n_heads // n_kv)
-        if idx is not None:  # uneven GQA split: give each query head its own copy of its KV head
-            kh, vh = kh.index_select(2, idx.to(kh.device)), vh.index_select(2, idx.to(vh.device))
         info = MaskInfo(q_pos=shard.positions, k_pos=shard.positions, key_keep=shard.key_keep,
                         q_seg=shard.segments, k_seg=shard.segments)
         out = attend(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), spec, info, kernel)
         out = out.transpose(1, 2)  # [B, S, H/P, Dv]
 
-    # [B, S, H/P, D] -> [B, S/P, H, D]
-    seq_ranges = list(zip(split_offsets(seq_lens), seq_lens, strict=True))
-    head_counts = [n for _, n in q_ranges]
-    return all_to_all_multi([out], scatter_dim=1, gather_dim=2, group=group,
-                            send_ranges=[seq_ranges], recv_sizes=[head_counts])[0]
+    return seq_to_heads(out, group=group, seq_lens=seq_lens, q_ranges=q_ranges)  # [B, S/P, H, D]

@@ -1,0 +1,152 @@
+"""Hybrid Ulysses x ring attention: Ulysses all-to-all inside a ulysses group, ring across groups.
+
+Ranks form a ``ring x ulysses`` grid (``sp_rank = ring_idx * U + ulysses_idx``, as in
+:func:`seqpar.init_mesh`). The U ranks of one ring step hold consecutive pieces of the layout, so
+their all-to-all yields one whole ring chunk for a subset of heads; the R ranks that share a
+ulysses index (hence the same heads) then run the ring on it::
+
+    q, k, v   # [B, S/(R*U), H, D]      sp shard, all heads
+      | all-to-all over the ulysses group (scatter heads, gather sequence)
+    q, k, v   # [B, S/R, H/U, D]        this ring rank's chunk, this ulysses rank's heads
+      | ring attention over the ring group (K/V chunks travel)
+    out       # [B, S/R, H/U, D]
+      | all-to-all back
+    out       # [B, S/(R*U), H, D]
+
+Ulysses is capped by the head count and moves activations once; the ring has no cap but moves K/V
+P-1 times: keep ulysses inside a node and the ring across nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .collectives import _gather_padded, all_gather_flat
+from .kernels import AttnSpec, check_supported, lse_kernel
+from .meta import SeqShard
+from .ring import COMMS, RingStats, _default_kernel, _ring, resolve_shard
+from .ulysses import heads_to_seq, seq_to_heads
+from .validate import check_attention_inputs
+
+_MSG_BYTES = 1024  # a ulysses group's error message, shared with the other groups (truncated)
+
+
+def hybrid_groups(group: dist.ProcessGroup, ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's ``(ulysses_group, ring_group)`` when ``group``'s ranks form a ``ring x ulysses`` grid
+    (ring-major). Collective over the default group (``dist.new_group``): every process calls it.
+    Prefer ``seqpar.init_mesh(sp=..., ulysses=..., ring=...)``, which builds the same axes."""
+    ranks = dist.get_process_group_ranks(group)
+    if ulysses < 1 or len(ranks) % ulysses:
+        raise ValueError(f"ulysses={ulysses} must divide the group size {len(ranks)}")
+    ring = len(ranks) // ulysses
+    me = dist.get_rank()
+    mine = []
+    for members in [ranks[i * ulysses:(i + 1) * ulysses] for i in range(ring)] + [ranks[j::ulysses]
+                                                                                    for j in range(ulysses)]:
+        pg = dist.new_group(members)
+        if me in members:
+            mine.append(pg)
+    return mine[0], mine[1]
+
+
+def hybrid_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup,
+    causal: bool = False, scale: float | None = None, window: int | None = None, softcap: float | None = None,
+    dropout: float = 0.0, kernel: str | Any | None = None, key_padding_mask: Tensor | None = None,
+    segment_ids: Tensor | None = None, shard: SeqShard | None = None, layout: str | None = None,
+    comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
+) -> Tensor:
+    """Exact attention over the whole sequence: Ulysses inside ``ulysses_group``, ring over ``ring_group``.
+
+    Layouts and options as :func:`seqpar.ring_attention`; ``shard`` and ``layout`` describe the
+    ``R * U`` sp ranks in ring-major order (:func:`seqpar.layout.layout_indices` with ``ulysses=U``).
+    Returns ``[B, S_local, H, D]``. Raises ValueError on every rank for inconsistent inputs.
+    """
+    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
+    if dropout:
+        raise ValueError(f"hybrid attention runs a ring, which has no dropout (got dropout={dropout}): set the"
+                         " attention dropout to 0 or use strategy='ulysses' with kernel='sdpa'")
+    kern = lse_kernel(kernel if kernel is not None else _default_kernel(q))
+    check_supported(kern, spec)
+    if comm not in COMMS:
+        raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
+    if shard is not None and (key_padding_mask is not None or segment_ids is not None):
+        raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
+    n_u, n_r = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
+    u, r = dist.get_rank(ulysses_group), dist.get_rank(ring_group)
+    if shard is not None and len(shard.seq_lens) != n_u * n_r:
+        raise ValueError(f"the SeqShard has {len(shard.seq_lens)} shard lengths for ulysses={n_u} x ring={n_r}"
+                         f" = {n_u * n_r} ranks: build it over the sp axis of this mesh")
+    if validate:
+        seq_lens = _check_inputs(q, k, v, ulysses_group, ring_group, spec, key_padding_mask, segment_ids,
+                                 None if shard is None else shard.seq_lens[r * n_u + u])
+    else:
+        seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * (n_u * n_r)
+    sp_shard = resolve_shard(shard, tuple(seq_lens), layout, n_r, ulysses=n_u)
+    my_lens = list(sp_shard.seq_lens[r * n_u:(r + 1) * n_u])
+    ring_lens = tuple(sum(sp_shard.seq_lens[i * n_u:(i + 1) * n_u]) for i in range(n_r))
+    keep, seg = sp_shard.key_keep, sp_shard.segments
+    if key_padding_mask is not None or segment_ids is not None:
+        keep, seg = _gather_masks(key_padding_mask, segment_ids, ulysses_group, ring_group, my_lens, ring_lens)
+    # the ring sees R ranks holding whole ring chunks; the layout permutation is the same one
+    ring_shard = SeqShard(ring_lens, sp_shard.positions, keep, seg)
+
+    qh, kh, vh, q_ranges = heads_to_seq(q, k, v, group=ulysses_group, seq_lens=my_lens)  # [B, S/R, H/U, D]
+    if q_ranges[u][1] == 0:  # more ulysses ranks than query heads: this ring group has nothing to do
+        out = qh.new_zeros(qh.shape[:3] + (v.shape[3],)) + 0 * qh.sum() + 0 * kh.sum() + 0 * vh.sum()
+    else:
+        out = _ring(qh, kh, vh, group=ring_group, spec=spec, kernel=kern, shard=ring_shard, comm=comm,
+                    stats=stats)  # [B, S/R, H/U, Dv]
+    return seq_to_heads(out, group=ulysses_group, seq_lens=my_lens, q_ranges=q_ranges)  # [B, S/(R*U), H, Dv]
+
+
+def _gather_masks(key_padding_mask: Tensor | None, segment_ids: Tensor | None, ulysses_group: dist.ProcessGroup,
+                  ring_group: dist.ProcessGroup, my_lens: list[int], ring_lens: tuple[int, ...]
+                  ) -> tuple[Tensor | None, Tensor | None]:
+    """Global ``[B, S]`` key mask and segment ids in layout order: gather the ring chunk inside the
+    ulysses group, then the chunks over the ring (ring-major order is the layout order)."""
+    pieces = [t.to(torch.int64) for t in (key_padding_mask, segment_ids) if t is not None]
+    chunk = _gather_padded(torch.stack(pieces), 2, my_lens, ulysses_group)  # [n, B, S/R]
+    full = _gather_padded(chunk, 2, ring_lens, ring_group)  # [n, B, S]
+    keep = full[0].bool() if key_padding_mask is not None else None
+    seg = full[-1] if segment_ids is not None else None
+    return keep, seg
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, ulysses_group: dist.ProcessGroup,
+                  ring_group: dist.ProcessGroup, spec: AttnSpec, key_padding_mask: Tensor | None,
+                  segment_ids: Tensor | None, shard_len: int | None) -> tuple[int, ...]:
+    """Validate over the whole ``ring x ulysses`` grid so every rank raises the same ValueError.
+
+    1. Each ulysses group checks its ranks' inputs (one all-gather); an error is kept, not raised.
+    2. The ring group shares every ulysses group's verdict, lengths and message (one all-gather):
+       every rank sees the same table and raises the same error if any group failed.
+    3. All inputs are well-formed now; the ring group checks that the groups agree (same heads,
+       dtype, options), which every ring group sees alike. Returns all sp ranks' local lengths.
+    """
+    kw = dict(spec=spec, key_padding_mask=key_padding_mask, segment_ids=segment_ids, shard_len=shard_len)
+    n_u = dist.get_world_size(ulysses_group)
+    try:
+        lens, err = check_attention_inputs(q, k, v, group=ulysses_group, **kw), ""
+    except ValueError as e:
+        lens, err = (0,) * n_u, str(e)
+    msg = list(err.encode()[:_MSG_BYTES])
+    row = torch.tensor([1 if err else 0, *lens, len(msg), *msg, *[0] * (_MSG_BYTES - len(msg))],
+                       dtype=torch.int64, device=q.device)
+    n_r = dist.get_world_size(ring_group)
+    table = row.new_empty((n_r, row.numel()))
+    if n_r > 1:
+        all_gather_flat(table.view(-1), row, group=ring_group)
+    else:
+        table[0] = row
+    rows = table.tolist()
+    failed = [(i, bytes(t[2 + n_u:2 + n_u + t[1 + n_u]]).decode(errors="replace")) for i, t in enumerate(rows)
+              if t[0]]
+    if failed:
+        raise ValueError("\n".join(f"in the ulysses group of ring rank {i}: {m}" for i, m in failed))
+    check_attention_inputs(q, k, v, group=ring_group, **kw)
+    return tuple(n for t in rows for n in t[1:1 + n_u])
