@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import _gather_padded, all_gather_flat
+from . import collectives
+from .collectives import _gather_padded
 from .kernels import AttnSpec, check_supported, lse_kernel
 from .meta import SeqShard
-from .ring import COMMS, RingStats, _default_kernel, _ring, resolve_shard
+from .ring import RingStats, _default_kernel, _ring, resolve_shard
+from .ring_comm import COMMS
 from .ulysses import heads_to_seq, seq_to_heads
 from .validate import check_attention_inputs
 
@@ -140,7 +142,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, ulysses_group: dist.ProcessGr
     n_r = dist.get_world_size(ring_group)
     table = row.new_empty((n_r, row.numel()))
     if n_r > 1:
-        all_gather_flat(table.view(-1), row, group=ring_group)
+        collectives.all_gather_flat(table.view(-1), row, group=ring_group)
     else:
         table[0] = row
     rows = table.tolist()

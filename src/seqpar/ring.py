@@ -15,16 +15,16 @@ the :class:`SeqShard` on every rank, so only K and V travel. A block that causal
 is skipped, and a partly hidden one is trimmed to the bounding box of its visible pairs (with zigzag
 this halves every off-diagonal block and removes its mask).
 
-How K/V travel is a small swappable object: ``"p2p"`` (one hop per step, the next block's transfer
-overlapping this block's compute; backward sends dK/dV one step behind, so each returns to its owner;
-no rank ever holds more than two K/V blocks) or ``"allgather"`` (gather K/V once; the backward
-reduce-scatters dK/dV). Unequal local lengths travel padded to the longest shard (at most a few
-tokens with tensor_split-style splits); the padding is never attended.
+How K/V travel is a small swappable object (:mod:`seqpar.ring_comm`): ``"p2p"`` (one hop per
+step, the next block's transfer overlapping this block's compute; backward sends dK/dV one step
+behind, so each returns to its owner; no rank ever holds more than two K/V blocks) or
+``"allgather"`` (gather K/V once; the backward reduce-scatters dK/dV). Unequal local lengths travel
+padded to the longest shard (at most a few tokens with tensor_split-style splits); the padding is
+never attended.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import RingShift, all_gather_flat, reduce_scatter_flat, split_offsets
+from .collectives import split_offsets
 from .kernels import AttnSpec, MaskInfo, check_supported, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
 from .meta import SeqShard
+from .ring_comm import COMMS
 from .validate import check_attention_inputs
 
 _FAR = 1 << 62  # "unbounded" for integer position intervals
@@ -106,98 +107,6 @@ class RingStats:
     skipped: int = 0
     visible_pairs: int = 0
     computed_pairs: int = 0
-
-
-# --------------------------------------------------------------------------------------------
-# how K/V travel
-# --------------------------------------------------------------------------------------------
-
-class P2PComm:
-    """K/V move one hop per step (batch_isend_irecv); dK/dV accumulators follow one step behind."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group, self.p, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-
-    def blocks(self, k: Tensor, v: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
-        """Yield ``(owner, k, v)`` for t = 0..P-1; the caller's compute between yields overlaps the
-        transfer of the next block."""
-        shift, cur = RingShift(self.group), (k, v)
-        for t in range(self.p):
-            if t < self.p - 1:
-                shift.start(cur)
-            yield (self.rank - t) % self.p, cur[0], cur[1]
-            if t < self.p - 1:
-                cur = tuple(shift.wait())
-
-    def grad_sink(self) -> _P2PGrads:
-        return _P2PGrads(self.group, self.p)
-
-
-class _P2PGrads:
-    """Step t: add this rank's dK/dV of the block it holds to the accumulator that arrived with it
-    and pass it on; after P steps each accumulator has visited every rank and is back home."""
-
-    def __init__(self, group: dist.ProcessGroup, p: int) -> None:
-        self.shift, self.p, self.t = RingShift(group), p, 0
-
-    def push(self, dk: Tensor, dv: Tensor) -> None:
-        if self.t > 0:
-            acc_k, acc_v = self.shift.wait()
-            dk, dv = acc_k.add_(dk), acc_v.add_(dv)
-        self.shift.start([dk, dv])
-        self.t += 1
-
-    def result(self) -> tuple[Tensor, Tensor]:
-        dk, dv = self.shift.wait()
-        return dk, dv
-
-
-class AllGatherComm:
-    """K/V gathered once (P blocks held at a time); dK/dV of all blocks reduce-scattered back."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group, self.p, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-
-    def _gather(self, x: Tensor) -> Tensor:
-        buf = x.new_empty((self.p, *x.shape))
-        all_gather_flat(buf.view(-1, *x.shape[1:]), x.contiguous(), group=self.group)
-        return buf  # [P, *x.shape]
-
-    def blocks(self, k: Tensor, v: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
-        ks, vs = (self._gather(k), self._gather(v)) if self.p > 1 else (k[None], v[None])
-        for t in range(self.p):
-            src = (self.rank - t) % self.p
-            yield src, ks[src], vs[src]
-
-    def grad_sink(self) -> _AllGatherGrads:
-        return _AllGatherGrads(self)
-
-
-class _AllGatherGrads:
-    """Collect every block's dK/dV, then one reduce-scatter: block r's sum lands on rank r."""
-
-    def __init__(self, comm: AllGatherComm) -> None:
-        self.comm, self.dks, self.dvs = comm, [None] * comm.p, [None] * comm.p
-        self.t = 0
-
-    def push(self, dk: Tensor, dv: Tensor) -> None:
-        src = (self.comm.rank - self.t) % self.comm.p
-        self.dks[src], self.dvs[src] = dk, dv
-        self.t += 1
-
-    def result(self) -> tuple[Tensor, Tensor]:
-        if self.comm.p == 1:
-            return self.dks[0], self.dvs[0]
-        outs = []
-        for parts in (self.dks, self.dvs):
-            full = torch.stack(parts)  # [P, B, H_kv, L, D]
-            out = full.new_empty(full.shape[1:])
-            reduce_scatter_flat(out, full.view(-1, *full.shape[2:]), group=self.comm.group)
-            outs.append(out)
-        return outs[0], outs[1]
-
-
-COMMS = {"p2p": P2PComm, "allgather": AllGatherComm}
 
 
 # --------------------------------------------------------------------------------------------
