@@ -42,6 +42,17 @@ def test_bytes_small_case_by_hand():
     assert by_split(p, 4, 1, 1).comm_bytes == 0
 
 
+def test_ring_moves_one_kv_copy_per_query_head_when_groups_do_not_line_up():
+    # 6 query heads, 3 KV heads (groups of 2) over ulysses=2: rank 0 has query heads 0-2 reading KV
+    # heads 0, 0, 1; rank 1 has 3-5 reading 1, 2, 2. The all-to-all sends 2 + 2 KV heads; Ulysses then
+    # gives each query head its own copy, so the hybrid ring moves 3 + 3. d = 8, N = 16, T = 4.
+    p = plan(heads=6, kv_heads=3, head_dim=8, hidden_size=48, world_size=4, devices_per_node=4, seq_len=16)
+    c = by_split(p, 1, 2, 2)
+    assert c.kv_copies == 4
+    assert c.ulysses_bytes == 1 / 2 * 4 * (2 * 48 + 2 * 4 * 8) * 2 == 640
+    assert c.ring_bytes == 2 * 1 * 4 * (3 + 3) * 8 * 2 == 768  # measured on gloo: 1408 bytes per rank in all
+
+
 def test_bytes_match_the_issue_formulas_for_even_gqa():
     n, h, g = 1 << 20, 32 * 128, 8 * 128
     p = plan(**LLAMA_8B, world_size=8, devices_per_node=8, seq_len=n)

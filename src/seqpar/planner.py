@@ -9,21 +9,24 @@ Notation: ``N`` tokens, ``T = N / sp`` tokens per rank, ``d`` head dim, ``h = H 
 width), ``U`` ulysses, ``R`` ring, ``b`` bytes per element, ``B`` sequences per step::
 
     ulysses = B * b * (U-1)/U * T * (2h + 2g')
-    ring    = B * b * 2 * (R-1) * T * g'          (U = 1: 2 * N * g * (R-1)/R)
+    ring    = B * b * 2 * (R-1) * T * g''         (U = 1: 2 * N * g * (R-1)/R)
 
 * Ulysses: the all-to-all in moves this rank's q (``h``), k and v (``g'`` each) except the 1/U share
   it keeps; the one back moves ``out`` (``h``). ``g' = d * sum_r kv_heads(r)`` counts each KV head
   once per ulysses rank that receives it (:func:`seqpar.head_ranges`): with ``H_kv < U``, or uneven
   query heads, a KV head goes to several ranks and ``g'`` exceeds ``g = H_kv * d``.
 * Ring: each rank keeps its queries and passes K and V blocks ``R-1`` hops. After the ulysses
-  all-to-all a rank holds ``N/R`` tokens of ``g'/U`` KV width, so a hop carries ``2 * (N/R) * g'/U``
-  = ``2 * T * g'`` elements. Pure ring is the classic ``2 N g (R-1)/R``; hybrid is the sum of both.
+  all-to-all a rank holds ``N/R`` tokens of its ``kv(r)`` KV heads, so a hop carries
+  ``2 * (N/R) * kv(r) * d`` elements: ``2 * T * g''`` on average with ``g'' = d * sum_r kv(r)``.
+  ``kv(r)`` is what rank r received, except where its query heads do not line up with whole GQA
+  groups (3 query heads of groups of 2): Ulysses then gives each query head its own KV copy and the
+  ring moves those. Usually ``g'' = g'``. Pure ring is the classic ``2 N g (R-1)/R``.
 * Uneven heads (``H % U != 0``) leave some capacity idle: ``idle = 1 - H / (U * ceil(H/U))``.
 
 Estimated activation memory per rank (rough; weights, gradients, optimizer states and the LM head's
 logits are not included, so give as budget what remains after them). ``T`` here is the largest
 shard (zigzag chunks included), ``I`` the MLP width (default ``4 * hidden``), ``q``/``kv`` the
-largest head counts a ulysses rank computes/receives::
+largest query / ``kv(r)`` head counts of a ulysses rank::
 
     per layer, kept for backward = B * (T * (4*hidden + h + 4*I) * b       norms, o-proj input, SwiGLU
                                       + U*T * ((2q + 2kv) * d * b + 4q))   kernel's q, k, v, out, lse
@@ -222,10 +225,11 @@ def _estimate(dp: int, u: int, r: int, *, heads: int, kv_heads: int, head_dim: i
     sp, n, d, b = u * r, devices_per_node, head_dim, dtype_bytes
     q_ranges, kv_ranges = head_ranges(heads, kv_heads, u)
     kv_copies = sum(k for _, k in kv_ranges)
-    q_max, kv_max = max(k for _, k in q_ranges), max(k for _, k in kv_ranges)
+    kv_used = [_kv_heads_used(qr, kr, heads // kv_heads) for qr, kr in zip(q_ranges, kv_ranges, strict=True)]
+    q_max, kv_max = max(k for _, k in q_ranges), max(kv_used)
     tokens = seq_len / sp  # average per rank: the bytes are averages over ranks
     ulysses_bytes = batch * b * (u - 1) / u * tokens * (2 * heads * d + 2 * kv_copies * d)
-    ring_bytes = batch * b * 2 * (r - 1) * tokens * kv_copies * d
+    ring_bytes = batch * b * 2 * (r - 1) * tokens * sum(kv_used) * d
     inter = ulysses_bytes * _ulysses_off_node(u, n) + ring_bytes * _ring_off_node(u, r, n)
 
     t = _largest_shard(seq_len, u, r, zigzag=causal and r > 1)
@@ -238,6 +242,16 @@ def _estimate(dp: int, u: int, r: int, *, heads: int, kv_heads: int, head_dim: i
     memory = batch * (kept + running)
     return Candidate(dp, u, r, round(ulysses_bytes), round(ring_bytes), round(inter), memory, kv_copies,
                      kv_copies / kv_heads, 1 - heads / (u * q_max), spans_nodes=u > 1 and n % u != 0)
+
+
+def _kv_heads_used(q_range: tuple[int, int], kv_range: tuple[int, int], group: int) -> int:
+    """KV heads a ulysses rank's kernel (and hybrid ring) works on: the ones it received, or one copy
+    per query head when its query heads do not line up with whole GQA groups (as ``heads_to_seq``
+    expands them, e.g. query heads 0-2 of groups of 2 read KV heads 0, 0, 1)."""
+    (start, n), n_kv = q_range, kv_range[1]
+    reads = [(start + j) // group - kv_range[0] for j in range(n)]
+    lined_up = n_kv > 0 and n % n_kv == 0 and reads == [j // (n // n_kv) for j in range(n)]
+    return n_kv if lined_up else n
 
 
 def _largest_shard(seq_len: int, u: int, r: int, *, zigzag: bool) -> int:
