@@ -3,7 +3,6 @@ shapes, what it rules out and why, its errors, and the `seqpar plan` CLI in-proc
 
 import json
 import sys
-import types
 
 import pytest
 
@@ -274,14 +273,17 @@ def test_cli_model_from_config_json(tmp_path, capsys):
     assert "hidden 3584, 2 layers" in capsys.readouterr().out
 
 
-def test_cli_model_builtin_and_unknown(monkeypatch, capsys):
-    fake = types.ModuleType("seqpar.models")
-    fake.BUILTIN_MODELS = {"tiny-x": lambda: {"num_attention_heads": 8, "num_key_value_heads": 2,
-                                              "hidden_size": 64, "num_hidden_layers": 2}}
-    monkeypatch.setitem(sys.modules, "seqpar.models", fake)
-    monkeypatch.setattr(seqpar, "models", fake, raising=False)
-    assert main(["plan", "--model", "tiny-x", "--world-size", "4", "--devices-per-node", "4"]) == 0
-    assert "8 heads / 2 KV heads x 8, hidden 64, 2 layers (tiny-x)" in capsys.readouterr().out
+def test_cli_model_builtin_and_unknown(capsys):
+    assert main(["plan", "--model", "tiny-llama", "--world-size", "4", "--devices-per-node", "4"]) == 0
+    assert "4 heads / 2 KV heads x 8, hidden 32, 2 layers (tiny-llama)" in capsys.readouterr().out
     assert main(["plan", "--model", "no-such-model"]) == 2
-    assert "--model no-such-model: not a local directory or config.json, nor a built-in name (tiny-x)" \
-        in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("seqpar plan: error: --model no-such-model: not a local directory or config.json,"
+                          " nor a built-in name (tiny-llama, ")
+
+
+def test_cli_model_without_a_models_module(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "seqpar.models", None)  # import fails as if the module were absent
+    monkeypatch.delattr(seqpar, "models", raising=False)
+    assert main(["plan", "--model", "tiny-llama"]) == 2
+    assert "nor a built-in name (none available)" in capsys.readouterr().err

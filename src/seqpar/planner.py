@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .collectives import split_sizes
 from .ulysses import head_ranges
@@ -188,7 +188,7 @@ def plan(*, heads: int, kv_heads: int, head_dim: int, hidden_size: int, world_si
             c = _estimate(world_size // sp, u, sp // u, **shape)
             why = _why_not(c, heads=heads, devices_per_node=devices_per_node, seq_len=seq_len, causal=causal,
                            max_ulysses=max_ulysses, memory_budget_bytes=memory_budget_bytes)
-            cands.append(Candidate(**{**c.__dict__, "why_not": why}))
+            cands.append(replace(c, why_not=why))
     cands = tuple(cands)
     ok = [c for c in cands if c.feasible]
     if not ok:

@@ -85,21 +85,19 @@ def model_shape(name_or_path: str) -> dict[str, int]:
 
 
 def _builtin_config(name: str) -> dict[str, Any]:
+    """The config of a built-in name of ``seqpar.models`` (``BUILTIN_MODELS`` + ``builtin_config``)."""
     try:
         from seqpar import models
     except ModuleNotFoundError as e:
         if e.name != "seqpar.models":
             raise
         models = None
-    builtin = getattr(models, "BUILTIN_MODELS", None) or {}
-    if name in builtin:
-        cfg = builtin[name]
-        cfg = cfg() if callable(cfg) else cfg
+    names = list(getattr(models, "BUILTIN_MODELS", None) or [])
+    if name in names and hasattr(models, "builtin_config"):
+        cfg = models.builtin_config(name)
         return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-    if not builtin and hasattr(models, "build_model"):  # no table of names: let the builder decide
-        return models.build_model(name).config.to_dict()
-    names = ", ".join(sorted(builtin)) or "none available"
-    raise ValueError(f"--model {name}: not a local directory or config.json, nor a built-in name ({names})")
+    raise ValueError(f"--model {name}: not a local directory or config.json, nor a built-in name"
+                     f" ({', '.join(names) or 'none available'})")
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:
