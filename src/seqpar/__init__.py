@@ -8,7 +8,11 @@ from .collectives import (
     split_seq,
     split_sizes,
 )
+from .data import count_target_tokens, shard_batch
+from .fsdp import apply_ddp, apply_fsdp
+from .hf import parallelize, parallelized, unparallelize
 from .kernels import AttnSpec, MaskInfo, get_kernel
+from .loss import gather_log_probs, sync_gradients
 from .meta import SeqShard, gather_seq_shard
 from .planner import Plan, plan
 from .reference import reference_attention
@@ -24,13 +28,22 @@ __all__ = [
     "SeqShard",
     "all_to_all",
     "all_to_all_multi",
+    "apply_ddp",
+    "apply_fsdp",
+    "count_target_tokens",
+    "gather_log_probs",
     "gather_seq",
     "gather_seq_shard",
     "get_kernel",
     "head_ranges",
+    "parallelize",
+    "parallelized",
     "plan",
     "reference_attention",
+    "shard_batch",
     "split_seq",
     "split_sizes",
+    "sync_gradients",
     "ulysses_attention",
+    "unparallelize",
 ]
