@@ -150,5 +150,9 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, ulysses_group: dist.ProcessGr
               if t[0]]
     if failed:
         raise ValueError("\n".join(f"in the ulysses group of ring rank {i}: {m}" for i, m in failed))
-    check_attention_inputs(q, k, v, group=ring_group, **kw)
+    try:
+        check_attention_inputs(q, k, v, group=ring_group, **kw)
+    except ValueError as e:
+        raise ValueError(f"{e}\n  (ranks counted along the ring axis: ring rank i holds sp ranks"
+                         f" {n_u}*i .. {n_u}*i+{n_u - 1})") from None
     return tuple(n for t in rows for n in t[1:1 + n_u])
