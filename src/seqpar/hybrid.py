@@ -72,7 +72,7 @@ def hybrid_attention(
     if dropout:
         raise ValueError(f"hybrid attention runs a ring, which has no dropout (got dropout={dropout}): set the"
                          " attention dropout to 0 or use strategy='ulysses' with kernel='sdpa'")
-    kern = lse_kernel(kernel if kernel is not None else _default_kernel(q))
+    kern = lse_kernel(kernel if kernel is not None else _default_kernel(q, spec))
     check_supported(kern, spec)
     if comm not in COMMS:
         raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")

@@ -225,8 +225,10 @@ def _ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: At
     return out.transpose(1, 2)  # [B, S_local, H, Dv]
 
 
-def _default_kernel(q: Tensor) -> str:
-    return "flash_cpu" if q.device.type == "cpu" else "reference"
+def _default_kernel(q: Tensor, spec: AttnSpec) -> str:
+    """The fused CPU kernel where it honours the options, else the reference (softcap, GPU)."""
+    fast = lse_kernel("flash_cpu")
+    return "flash_cpu" if q.device.type == "cpu" and spec.options() <= fast.supports else "reference"
 
 
 def ring_attention(
@@ -243,8 +245,9 @@ def ring_attention(
             layout's order (see :mod:`seqpar.layout`). Local lengths may differ between ranks.
         group: the ring's process group.
         causal, scale, window, softcap: see :class:`seqpar.kernels.AttnSpec`. ``dropout`` must be 0.
-        kernel: a kernel returning ``(out, lse)`` with a backward: ``"flash_cpu"`` (default on CPU),
-            ``"reference"`` (default elsewhere, and the only one with softcap) or a Kernel object.
+        kernel: a kernel returning ``(out, lse)`` with a backward: ``"flash_cpu"`` (default on CPU
+            unless softcap is set), ``"reference"`` (default otherwise; the only one with softcap) or
+            a Kernel object.
         key_padding_mask, segment_ids: this rank's ``[B, S_local]`` padding mask (True = real token)
             and packed-document ids (one small all-gather); or pass ``shard`` to reuse global ones.
         shard: batch-level :class:`SeqShard`; its ``positions`` say which global token each rank holds.
@@ -262,7 +265,7 @@ def ring_attention(
     if dropout:
         raise ValueError(f"ring attention has no dropout (got dropout={dropout}): set the attention dropout"
                          " to 0 or use strategy='ulysses' with kernel='sdpa'")
-    kern = lse_kernel(kernel if kernel is not None else _default_kernel(q))
+    kern = lse_kernel(kernel if kernel is not None else _default_kernel(q, spec))
     check_supported(kern, spec)
     if comm not in COMMS:
         raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")

@@ -33,6 +33,12 @@ def attention_grid(strategy: str, quick: bool) -> list:
     if strategy == "ulysses":
         cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, kernel=k, mask=m, strategy=strategy)
                   for k in ("flash_cpu", "sdpa") for m in ("pad", "packed")]
+    if strategy in ("ring", "hybrid"):  # the load-balanced layout, the fused CPU kernel, K/V gathered once
+        cases += [AttnCase(seq=c.seq, heads=c.heads, kv_heads=c.kv_heads, causal=True, mask=c.mask, strategy=strategy,
+                           options={"layout": "zigzag"}) for c in cases if c.causal and c.window is None]
+        cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, kernel="flash_cpu", mask=m, window=w,
+                           strategy=strategy, options={"layout": "zigzag", "comm": comm})
+                  for m in ("pad", "packed") for w in (None, 5) for comm in ("p2p", "allgather")]
     return cases
 
 
