@@ -13,6 +13,7 @@ from .fsdp import apply_ddp, apply_fsdp
 from .hf import parallelize, parallelized, unparallelize
 from .kernels import AttnSpec, MaskInfo, get_kernel
 from .loss import gather_log_probs, sync_gradients
+from .mesh import init_mesh
 from .meta import SeqShard, gather_seq_shard
 from .planner import Plan, plan
 from .reference import reference_attention
@@ -36,6 +37,7 @@ __all__ = [
     "gather_seq_shard",
     "get_kernel",
     "head_ranges",
+    "init_mesh",
     "parallelize",
     "parallelized",
     "plan",

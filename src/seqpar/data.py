@@ -291,6 +291,10 @@ def shard_batch(batch: Mapping[str, Any], mesh: MeshOrGroup, *, layout: str = "c
     prep = prepare_batch(batch, ignore_index)
     pieces = layout_indices(s, p, layout, _ulysses_degree(mesh))
     seq_lens = tuple(int(t.numel()) for t in pieces)
+    if min(seq_lens) == 0:  # transformers' attention reshapes cannot take an empty shard
+        raise ValueError(f"a sequence of {s} tokens leaves an SP rank without tokens with sp={p} and layout="
+                         f"{layout!r} (shard lengths {list(seq_lens)}): use sequences of at least "
+                         f"{p if layout == 'contiguous' else 2 * p // _ulysses_degree(mesh)} tokens or a smaller sp")
     perm = torch.cat(pieces).to(device) if layout != "contiguous" else None
     idx = pieces[me].to(device)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -72,7 +71,7 @@ def apply_fsdp(model: nn.Module, mesh: MeshOrGroup, **fully_shard_kwargs: Any) -
     return model
 
 
-def _sum_allreduce_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _sum_allreduce_hook(group, bucket):  # no annotations: DDP compares them to the real classes, not strings
     """DDP communication hook: all-reduce the bucket and keep the sum (the default divides)."""
     fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])

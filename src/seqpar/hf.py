@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from .attention import STRATEGIES, sp_attention
 from .data import BATCH_KWARG, LocalBatch
 from .kernels import AttnSpec, MaskInfo, dense_mask, plan_mask
+from .layout import inverse_permutation
 from .loss import make_loss_function
 from .mesh import Axis, MeshOrGroup, axis_group
 
@@ -119,13 +120,38 @@ class ModelKernel:
             cache[key] = (causal, allowed, seen)
         return cache[key]
 
+    def _in_order(self, mask: MaskInfo) -> tuple[MaskInfo, Tensor | None, Tensor | None]:
+        """A permuted layout (zigzag) put back in token order: ``(mask, perm, inverse)``. The
+        model's function then sees the sequence exactly as without SP (same key order in its
+        reductions, and sdpa keeps its is_causal fast path)."""
+        if mask.q_pos is None or mask.k_pos is None or not (mask.q_pos is mask.k_pos or
+                                                           torch.equal(mask.q_pos, mask.k_pos)):
+            return mask, None, None
+        key = ("order", mask.q_pos.data_ptr())
+        cache = self.batch.mask_cache
+        if key not in cache:
+            perm = mask.q_pos
+            inv = inverse_permutation(perm)
+
+            def order(t: Tensor | None) -> Tensor | None:
+                return None if t is None else t.index_select(1, inv.to(t.device))
+
+            seg = order(mask.q_seg)
+            cache[key] = (MaskInfo(key_keep=order(mask.key_keep), q_seg=seg, k_seg=seg), perm, inv)
+        return cache[key]
+
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
-        causal, attn_mask, seen = self._mask(spec, mask or MaskInfo(), q)
+        # q [B, H, S, D], k / v [B, H_kv, S, D], the whole sequence in layout order
+        mask, perm, inv = self._in_order(mask or MaskInfo())
+        if inv is not None:
+            q, k, v = (t.index_select(2, inv.to(t.device)) for t in (q, k, v))
+        causal, attn_mask, seen = self._mask(spec, mask, q)
         extra = {} if spec.softcap is None else {"softcap": spec.softcap}
         out, _ = self.fn(_LocalHeads(self.module, q.shape[1] // k.shape[1]), q, k, v, attn_mask,
                          dropout=spec.dropout, scaling=spec.scale, is_causal=causal, **extra)
         out = out.transpose(1, 2)  # [B, S, H, D] -> [B, H, S, D]
-        return out if seen is None else out * seen
+        out = out if seen is None else out * seen
+        return out if perm is None else out.index_select(2, perm.to(out.device))
 
 
 def _eager_function(module: nn.Module) -> Callable[..., Any] | None:

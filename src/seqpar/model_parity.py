@@ -141,8 +141,9 @@ def make_model(case: ModelCase) -> nn.Module:
     return model
 
 
-def reference_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """The non-parallel model on the whole batch, transformers' own masks, float64 token mean."""
+def reference_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
+    """The non-parallel model on the whole batch with transformers' own masks: ``(sum of the
+    float64 token losses, number of targets)``."""
     kw: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
     for key in ("attention_mask", "position_ids"):
         if key in batch:
@@ -151,7 +152,13 @@ def reference_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     targets = batch["labels"][:, 1:]
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
                          reduction="sum")
-    return ce / (targets != -100).sum()
+    return ce, int((targets != -100).sum())
+
+
+def reference_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """The non-parallel token-mean loss of the whole batch (see :func:`reference_token_loss`)."""
+    total, n = reference_token_loss(model, batch)
+    return total / n
 
 
 def param_group(name: str) -> str:
