@@ -240,8 +240,14 @@ def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, n
 
     # a malformed batch makes the comparisons meaningless: report only the problem then
     bad = any(row["problem"] for row in rows)
-    check_rows(rows, same=[] if bad else list(_SAME), local=local, what="batch for shard_batch",
-               describe=lambda n: _SAME[n] + " (every SP rank must get the same full batch)")
+    try:
+        check_rows(rows, same=[] if bad else list(_SAME), local=local, what="batch for shard_batch",
+                   describe=lambda n: _SAME[n])
+    except ValueError as e:
+        if bad:
+            raise
+        raise ValueError(f"{e}\n  every SP rank must get the same full batch: shard the data loader over the dp "
+                         "ranks only (shard_batch splits the sequence)") from None
     return b, s
 
 
