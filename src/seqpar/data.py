@@ -214,7 +214,8 @@ def _checksum(t: Tensor | None) -> float:
 
 _SAME = {
     "batch": "batch size", "seq": "sequence length (dim 1 of input_ids)", "ids": "the batch content (input_ids)",
-    "labels": "the labels", "mask": "whether an attention_mask is given", "pos": "the position_ids",
+    "labels": "the label content", "mask": "the attention_mask content",
+    "pos": "the position_ids content",
     "weights": "whether loss_weights are given", "layout": "layout", "items": "num_items_in_batch",
 }
 
@@ -227,7 +228,7 @@ def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, n
         "problem": float(code), "batch": float(b), "seq": float(s),
         "ids": _checksum(batch.get("input_ids")) if ok else MISSING,
         "labels": _checksum(batch.get("labels")) if ok else MISSING,
-        "mask": 1.0 if ok and batch.get("attention_mask") is not None else 0.0,
+        "mask": _checksum(batch.get("attention_mask")) if ok else MISSING,
         "pos": _checksum(batch.get("position_ids")) if ok else MISSING,
         "weights": 1.0 if ok and batch.get("loss_weights") is not None else 0.0,
         "layout": float(LAYOUTS.index(layout)), "items": MISSING if num_items is None else float(num_items),
