@@ -6,20 +6,17 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.data import (
-    BATCH_KWARG,
+from seqpar.data import BATCH_KWARG, LocalBatch, _checksum, _local_problem
+from seqpar.launch import run_distributed
+from seqpar.layout import layout_indices
+from seqpar.meta import SeqShard
+from seqpar.targets import (
     IGNORE_INDEX,
-    LocalBatch,
-    _checksum,
-    _local_problem,
     prepare_batch,
     segments_from_positions,
     shift_targets,
     target_count,
 )
-from seqpar.launch import run_distributed
-from seqpar.layout import layout_indices
-from seqpar.meta import SeqShard
 
 X = IGNORE_INDEX
 

@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.data import BATCH_KWARG, LocalBatch, prepare_batch
+from seqpar.data import BATCH_KWARG, LocalBatch
 from seqpar.launch import run_distributed
 from seqpar.layout import layout_indices
 from seqpar.loss import _GlobalTokenMean, make_loss_function, token_losses
 from seqpar.meta import SeqShard
+from seqpar.targets import prepare_batch
 
 P, B, S, V = 3, 2, 10, 7
 

@@ -238,6 +238,9 @@ def parallelize(model: nn.Module, mesh: MeshOrGroup, *, strategy: str = "ulysses
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
     axis_group(mesh, Axis.SP.value)  # raises without an sp axis
+    if strategy == "hybrid":  # raise now, not at the first forward
+        axis_group(mesh, Axis.ULYSSES.value)
+        axis_group(mesh, Axis.RING.value)
     from transformers import AttentionInterface, PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):

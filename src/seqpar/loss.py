@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .collectives import gather_seq
-from .data import BATCH_KWARG, IGNORE_INDEX, LocalBatch
+from .data import BATCH_KWARG, LocalBatch
 from .layout import inverse_permutation
 from .mesh import Axis, MeshOrGroup, axis_group, axis_size, has_axis
 from .meta import SeqShard
+from .targets import IGNORE_INDEX
 
 
 class _GlobalTokenMean(torch.autograd.Function):

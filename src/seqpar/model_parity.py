@@ -20,43 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .models import BUILTIN_MODELS, build_model
+from .models import BUILTIN_MODELS, EAGER_FLOAT64, build_model, register_eager_float64
 
 LOSS_TOL = 1e-9
 GRAD_TOL = 1e-8
 F32_GRAD_RTOL = 1e-5  # for weights a model itself computes in float32 (see float32_params)
-EAGER_FLOAT64 = "eager_float64"
-
-
-def eager_float64_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                            attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            softcap: float | None = None, **kwargs: Any) -> tuple[Tensor, Tensor]:
-    """Eager attention in the inputs' dtype. transformers' eager softmax runs in float32: in a
-    float64 model that is float32-exact only, and its float64 mask minimum becomes -inf there, so
-    a row a sliding window hides completely turns NaN. Same math otherwise (scale, softcap,
-    additive mask, GQA). query ``[B, H, S, D]``, key / value ``[B, H_kv, S, D]`` -> ``[B, S, H, D]``."""
-    n_rep = query.shape[1] // key.shape[1]
-    k, v = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
-    scores = torch.matmul(query, k.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if attention_mask is not None:
-        scores = scores + attention_mask[..., : k.shape[2]]
-    weights = torch.softmax(scores, dim=-1)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, v).transpose(1, 2).contiguous(), weights
-
-
-def register_eager_float64() -> str:
-    """Register :func:`eager_float64_attention` (with transformers' eager mask) as "eager_float64"."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import eager_mask
-
-    AttentionInterface.register(EAGER_FLOAT64, eager_float64_attention)
-    AttentionMaskInterface.register(EAGER_FLOAT64, eager_mask)
-    return EAGER_FLOAT64
-
-
 def float32_params(model: nn.Module) -> set[str]:
     """Parameters the model itself computes with in float32 even in a float64 model: Gemma's
     RMSNorm scales by ``1 + weight.float()``, so its weight gradient is a float32 sum over the
@@ -207,16 +175,25 @@ def compare(case: ModelCase, mesh: Any, p: int) -> dict[str, Any]:
             "worst_param": worst_name, "f32_params": len(f32), "f32_rel": f32_worst}
 
 
-def sp_meshes(world: int, sizes: tuple[int, ...]) -> dict[int, Any]:
+def hybrid_split(p: int) -> dict[str, int]:
+    """``ulysses x ring`` for a hybrid run on ``p`` ranks: the largest ulysses with ulysses <= ring."""
+    ulysses = max(d for d in range(1, p + 1) if p % d == 0 and d * d <= p)
+    return {"ulysses": ulysses, "ring": p // ulysses}
+
+
+def sp_meshes(world: int, sizes: tuple[int, ...], strategy: str = "ulysses") -> dict[int, Any]:
     """For each SP size: a ``dp x sp`` mesh when it divides the world (the dp replicas run the
-    same batch), else a process group of the first ``P`` ranks (the others sit that size out).
-    Every rank must call this together (it creates process groups)."""
+    same batch; ``dp x ring x ulysses`` for the hybrid strategy), else a process group of the first
+    ``P`` ranks (the others sit that size out). Every rank must call this together."""
     from .mesh import init_mesh
 
     out: dict[int, Any] = {}
     for p in sizes:
         if world % p == 0:
-            out[p] = init_mesh(sp=p, device_type="cpu")
+            split = hybrid_split(p) if strategy == "hybrid" else {}
+            out[p] = init_mesh(sp=p, device_type="cpu", **split)
+        elif strategy == "hybrid":
+            raise ValueError(f"the hybrid strategy needs a mesh: sp={p} must divide the world size {world}")
         else:
             group = dist.new_group(list(range(p)))
             out[p] = group if dist.get_rank() < p else None
@@ -225,16 +202,17 @@ def sp_meshes(world: int, sizes: tuple[int, ...]) -> dict[int, Any]:
 
 def run_model_parity(rank: int, world: int, cases: list[ModelCase], sizes: tuple[int, ...] | None = None
                      ) -> list[dict[str, Any]]:
-    """Run every case at every SP size (default: the world); returns this rank's rows. ValueErrors
-    of a case are reported in its row (``error``), so one bad case does not hide the others."""
+    """Run every case at every SP size (default: the world); returns this rank's rows. Cases are
+    grouped by strategy, each on meshes of its kind (see :func:`sp_meshes`)."""
     torch.set_num_threads(1)
-    meshes = sp_meshes(world, sizes or (world,))
     rows = []
-    for p, mesh in meshes.items():
-        if mesh is None:
-            continue
-        for case in cases:
-            rows.append(compare(case, mesh, p))
+    for strategy in dict.fromkeys(c.strategy for c in cases):
+        for p, mesh in sp_meshes(world, sizes or (world,), strategy).items():
+            if mesh is None:
+                continue
+            for case in cases:
+                if case.strategy == strategy:
+                    rows.append(compare(case, mesh, p))
     return rows
 
 
