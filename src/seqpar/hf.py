@@ -252,6 +252,9 @@ def parallelize(model: nn.Module, mesh: MeshOrGroup, *, strategy: str = "ulysses
     original = config._attn_implementation
     if original is not None and original.startswith("seqpar_"):
         raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
+    if original == "sdpa" and getattr(config, "attn_logit_softcapping", None) and kernel is None:
+        raise ValueError(f"{type(model).__name__} uses attn_logit_softcapping, which transformers' sdpa does not "
+                         "support: load it with attn_implementation='eager' (or pass kernel='reference')")
     name = f"seqpar_{strategy}_{next(_names)}"  # no "flash" in it: transformers would fetch a Hub kernel
     AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original))
     model.set_attn_implementation(name if sub is None else {sub: name})
