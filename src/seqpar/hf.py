@@ -21,8 +21,8 @@ The local kernel is the model's own implementation where it can be wrapped: ``sd
 modeling file's function, which is what carries Gemma 2's softcap) and any function registered
 together with transformers' ``sdpa_mask`` or ``eager_mask`` (that says which mask format it takes).
 Anything else (flash_attention_*, flex_attention) runs on seqpar's kernels (``sdpa``, or
-``reference`` for softcap). Strategies other than Ulysses need a kernel that returns the log-sum-exp and use
-seqpar's. ``unparallelize`` restores the implementation and the loss function.
+``reference`` for softcap). Ring and hybrid need a kernel that returns the log-sum-exp, so they
+use seqpar's. ``unparallelize`` restores the implementation and the loss function.
 """
 
 from __future__ import annotations
@@ -199,6 +199,11 @@ def _make_attention(mesh: MeshOrGroup, strategy: str, kernel: Any, original: str
                 raise ValueError(f"seqpar cannot run a {original!r} attention whose keys are not the sharded "
                                  "sequence; use attn_implementation='sdpa' or 'eager'")
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if attention_mask is not None:
+            # transformers builds no mask for seqpar's name, so this one is the model's own
+            # (a prefix-LM or image mask...): it describes the local shard, seqpar cannot use it
+            raise ValueError(f"{type(module).__name__} passes its own attention mask, which seqpar cannot shard; "
+                             "seqpar masks padding and packed documents itself (from shard_batch)")
         if batch.sp_size != p or query.shape[2] != batch.local_len:
             raise ValueError(f"the batch was sharded for sp={batch.sp_size} with {batch.local_len} tokens on rank "
                              f"{me}, but the model runs over sp={p} with {query.shape[2]}: shard the batch with "
