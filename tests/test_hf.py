@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import seqpar
+from seqpar.data import BATCH_KWARG
 from seqpar.debug import count_collectives
 from seqpar.launch import run_distributed
 from seqpar.model_parity import (
@@ -69,7 +70,7 @@ class _NoHeadsConfig:
 def _misuse(rank, world):
     """Every misuse on every rank: the ValueError message (None when nothing was raised)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import AttentionInterface, BloomConfig, BloomForCausalLM
 
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     model = make_model(ModelCase(model="tiny-llama"))
@@ -103,6 +104,17 @@ def _misuse(rank, world):
     attempt("parallelized twice", lambda: seqpar.parallelize(model, mesh))
     attempt("unsharded batch into a parallel model", lambda: model(**batch))
     attempt("unknown strategy", lambda: seqpar.parallelize(make_model(ModelCase()), mesh, strategy="nope"))
+    attn = AttentionInterface()[model.config._attn_implementation]  # seqpar's function, as layers call it
+    module = model.model.layers[0].self_attn
+    q = torch.randn(2, 4, local["input_ids"].shape[1], 8, dtype=torch.float64)
+    k = torch.randn(2, 2, q.shape[2], 8, dtype=torch.float64)
+    attempt("the model's own mask", lambda: attn(module, q, k, k, torch.zeros(2, 1, q.shape[2], q.shape[2]),
+                                                 scaling=0.3, **{BATCH_KWARG: local[BATCH_KWARG]}))
+    # cross-attention (keys not the sharded sequence) is left to the model's own function
+    kx = torch.randn(2, 2, 5, 8, dtype=torch.float64)
+    got, _ = attn(module, q, kx, kx, None, scaling=0.3, **{BATCH_KWARG: local[BATCH_KWARG]})
+    want, _ = AttentionInterface()["sdpa"](module, q, kx, kx, None, scaling=0.3)
+    errors["cross-attention left alone"] = float((got - want).abs().max())
     # after all that, the model still works, and unparallelize gives the plain model back
     errors["loss after misuse"] = float(model(**local).loss.detach())
     seqpar.unparallelize(model)
@@ -187,6 +199,7 @@ MISUSE = {
     "parallelized twice": "already parallelized",
     "unsharded batch into a parallel model": "shard_batch",
     "unknown strategy": "unknown strategy 'nope'",
+    "the model's own mask": "passes its own attention mask",
 }
 
 
@@ -202,6 +215,7 @@ def test_model_usable_after_misuse_and_unparallelize(results):
         m = res["misuse"]
         assert abs(m["loss after misuse"] - m["loss unparallelized"]) <= LOSS_TOL
         assert not m["bloom attention"].startswith("seqpar")
+        assert m["cross-attention left alone"] == 0.0
 
 
 def test_only_the_text_decoder_is_parallelized(results):
