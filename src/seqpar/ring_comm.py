@@ -28,7 +28,7 @@ class P2PComm:
     def blocks(self, k: Tensor, v: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
         """Yield ``(owner, k, v)`` for t = 0..P-1; the caller's compute between yields overlaps the
         transfer of the next block."""
-        shift, cur = RingShift(self.group), (k, v)
+        shift, cur = RingShift(self.group), (k, v)  # [B, H_kv, L, D] each, L the longest shard
         for t in range(self.p):
             if t < self.p - 1:
                 shift.start(cur)
@@ -51,7 +51,7 @@ class _P2PGrads:
         if self.t > 0:
             acc_k, acc_v = self.shift.wait()
             dk, dv = acc_k.add_(dk), acc_v.add_(dv)
-        self.shift.start([dk, dv])
+        self.shift.start([dk, dv])  # [B, H_kv, L, D] float32 (float64) partial sums
         self.t += 1
 
     def result(self) -> tuple[Tensor, Tensor]:
