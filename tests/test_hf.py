@@ -117,7 +117,9 @@ def _misuse(rank, world):
     errors["cross-attention left alone"] = float((got - want).abs().max())
     # after all that, the model still works, and unparallelize gives the plain model back
     errors["loss after misuse"] = float(model(**local).loss.detach())
+    twin = copy.deepcopy(model)  # e.g. a DPO reference model
     seqpar.unparallelize(model)
+    errors["twin loss"] = float(twin(**local).loss.detach())  # the copy keeps working
     errors["loss unparallelized"] = float(reference_loss(model, batch).detach())
     errors["bloom attention"] = bloom.config._attn_implementation
     return errors
@@ -214,6 +216,7 @@ def test_model_usable_after_misuse_and_unparallelize(results):
     for res in results:
         m = res["misuse"]
         assert abs(m["loss after misuse"] - m["loss unparallelized"]) <= LOSS_TOL
+        assert m["twin loss"] == m["loss after misuse"]
         assert not m["bloom attention"].startswith("seqpar")
         assert m["cross-attention left alone"] == 0.0
 

@@ -276,20 +276,18 @@ def parallelize(model: nn.Module, mesh: MeshOrGroup, *, strategy: str = "ulysses
 
 
 def _released(*args: Any, **kwargs: Any) -> Any:
-    raise ValueError("this seqpar attention was released by seqpar.unparallelize")
+    raise ValueError("this seqpar attention belongs to a model parallelize refused")
 
 
 def unparallelize(model: nn.Module) -> nn.Module:
     """Undo :func:`parallelize`: the original attention implementation and loss function come
-    back; the registered seqpar function is released (it no longer holds the mesh)."""
-    from transformers import AttentionInterface
-
+    back. The registered seqpar function stays registered: a deep copy of the parallelized model
+    (an EMA or DPO reference model) still uses it."""
     state: _Parallel | None = getattr(model, _ATTR, None)
     if state is None:
         raise ValueError("this model is not parallelized by seqpar")
     model.set_attn_implementation(state.original if state.sub_config is None else {state.sub_config: state.original})
     model.loss_function = state.loss_function
-    AttentionInterface.register(state.name, _released)
     delattr(model, _ATTR)
     return model
 
