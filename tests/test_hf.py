@@ -93,6 +93,9 @@ def _misuse(rank, world):
     attempt("already sharded on one rank", lambda: seqpar.shard_batch(local if rank == 2 else batch, mesh))
     other = dict(batch, input_ids=(batch["input_ids"] + (rank == 3)) % vocab)
     attempt("different batches", lambda: seqpar.shard_batch(other, mesh))
+    attempt("num_items_in_batch differs", lambda: seqpar.shard_batch(batch, mesh, num_items_in_batch=10 + rank))
+    attempt("unknown layout on one rank",
+            lambda: seqpar.shard_batch(batch, mesh, layout="spiral" if rank == 1 else "contiguous"))
     attempt("shorter than sp", lambda: seqpar.shard_batch(case_batch(ModelCase(batch="plain", seq=3), vocab),
                                                           mesh))
     dp_only = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -194,6 +197,8 @@ MISUSE = {
     "already sharded on one rank": "rank 2: this batch is already sharded",
     "different batches": "the batch content (input_ids) differs across ranks",
     "shorter than sp": "leaves an SP rank without tokens",
+    "num_items_in_batch differs": "num_items_in_batch differs across ranks",
+    "unknown layout on one rank": "layout differs across ranks: ['0', 'absent', '0', '0']",
     "no sp axis: shard_batch": "no 'sp' axis",
     "no sp axis: parallelize": "no 'sp' axis",
     "attention not through AttentionInterface": "does not route its attention through",

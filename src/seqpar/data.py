@@ -150,7 +150,8 @@ def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, n
         "mask": _checksum(batch.get("attention_mask")) if ok else MISSING,
         "pos": _checksum(batch.get("position_ids")) if ok else MISSING,
         "weights": 1.0 if ok and batch.get("loss_weights") is not None else 0.0,
-        "layout": float(LAYOUTS.index(layout)), "items": MISSING if num_items is None else float(num_items),
+        "layout": float(LAYOUTS.index(layout)) if layout in LAYOUTS else MISSING,
+        "items": MISSING if num_items is None else float(num_items),
     }
     rows = gather_rows(fields, group, device)
 
@@ -203,16 +204,17 @@ def shard_batch(batch: Mapping[str, Any], mesh: MeshOrGroup, *, layout: str = "c
     ranks' batches differ, or if the mesh has no ``"sp"`` axis.
     """
     group = axis_group(mesh, Axis.SP.value)
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}: choose one of {list(LAYOUTS)}")
     if isinstance(num_items_in_batch, Tensor):
         num_items_in_batch = float(num_items_in_batch.item())
-    if num_items_in_batch is not None and num_items_in_batch <= 0:
-        raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch}")
     p, me = dist.get_world_size(group), dist.get_rank(group)
     ref = batch.get("input_ids") if batch.get("input_ids") is not None else batch.get("inputs_embeds")
     device = ref.device if isinstance(ref, Tensor) else torch.device("cpu")
     _, s = _validate(batch, group, layout, num_items_in_batch, device)
+    # the arguments below are now known to agree across the SP ranks: raising is safe
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: choose one of {list(LAYOUTS)}")
+    if num_items_in_batch is not None and num_items_in_batch <= 0:
+        raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch}")
 
     prep = prepare_batch(batch, ignore_index)
     pieces = layout_indices(s, p, layout, _ulysses_degree(mesh))
