@@ -1,0 +1,30 @@
+"""``seqpar train``: long-sequence training with sequence parallelism, from one command or from Python.
+
+    from seqpar.train import TrainConfig, train
+    summary = train(TrainConfig(seq_len=4096, sp=2, steps=300))   # local gloo workers
+
+Inside your own process group (torchrun), ``run_training(prepare_job(cfg, world))`` on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import TrainConfig
+from .job import Job, prepare_job
+from .loop import Trainer, run_training
+from .tasks import CopyTask
+
+
+def train(cfg: TrainConfig | None = None, **options: Any) -> dict[str, Any]:
+    """Run a training job on local worker processes (gloo); returns rank 0's summary.
+
+    ``options`` override fields of ``cfg`` (or of the defaults). Raises ValueError for bad options
+    or data, :class:`seqpar.train.launcher.JobFailed` if a worker dies or hangs."""
+    from .launcher import run_local
+
+    cfg = (cfg or TrainConfig()).replace(**options)
+    return run_local(prepare_job(cfg))
+
+
+__all__ = ["CopyTask", "Job", "TrainConfig", "Trainer", "prepare_job", "run_training", "train"]

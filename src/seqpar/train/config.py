@@ -1,0 +1,215 @@
+"""Every option of ``seqpar train`` in one place: defaults, help text, config files, validation.
+
+The same names serve the command line (``--seq-len``), config files (``seq_len:`` or ``seq-len =``
+in YAML / TOML) and the Python API (``TrainConfig(seq_len=...)``). Precedence: built-in default <
+config file < command line. :func:`check_config` is pure (no processes, no collectives) so the
+parent rejects bad options before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
+DTYPES = ("float32", "bfloat16", "float64")
+
+# The model `seqpar train` builds when --model is a built-in name: the built-in family (tiny-llama by
+# default) at a size that learns the embedded task in a few CPU minutes. Vocabulary and maximum
+# position come from the data (task or tokenizer) and --seq-len.
+TRAIN_SIZE: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=4, head_dim=32)
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    """Options of ``seqpar train`` (see ``seqpar train --help``)."""
+
+    model: str = _opt("tiny-llama", "a built-in config name (tiny-llama, tiny-qwen3, tiny-mistral, tiny-gemma2; "
+                      "sized by --model-config) or a local transformers checkpoint directory (its tokenizer too)")
+    model_config: str = _opt("", "JSON object of config fields for a built-in model, applied over the training "
+                             f"size {json.dumps(TRAIN_SIZE)}", metavar="JSON")
+    data: list[str] = _opt(None, "text files (one document each) or JSONL files (one JSON object per line with a "
+                           "text field); without it, the embedded long-range copy task", nargs="+", metavar="FILE")
+    text_field: str = _opt("text", "the JSONL field that holds the text")
+    seq_len: int = _opt(4096, "tokens per row (the sequence every SP group shares)")
+    packing: bool = _opt(False, "pack several documents per row (position ids restart, no attention across "
+                         "documents) instead of one padded document per row")
+    sp: int = _opt(2, "sequence-parallel degree: ranks that share one sequence")
+    dp: int = _opt(None, "data-parallel degree (default: world size / sp)")
+    strategy: str = _opt("ulysses", "sequence-parallel attention: ulysses, ring, hybrid (ring x ulysses) or auto "
+                         "(seqpar.plan picks)", choices=STRATEGIES)
+    steps: int = _opt(320, "optimizer steps")
+    lr: float = _opt(3e-3, "peak learning rate (AdamW)")
+    warmup: int = _opt(30, "linear warmup steps, then cosine decay to --min-lr-ratio x lr")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of --lr")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
+    micro_batch: int = _opt(1, "rows per rank per forward (one dp rank's rows; its SP ranks share them)")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step")
+    dtype: str = _opt("float32", "compute dtype: float32, bfloat16 (fp32 master weights) or float64",
+                      choices=DTYPES)
+    save_dir: str = _opt(os.path.join("runs", "seqpar-train"), "where metrics.jsonl and checkpoints/ go; a "
+                         "fresh run replaces an earlier one there")
+    save_every: int = _opt(100, "checkpoint every N steps (and always at the end); 0: only at the end")
+    keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep")
+    resume: bool = _opt(False, "continue from the latest complete checkpoint in --save-dir (same loss curve)")
+    seed: int = _opt(0, "seed of the model init and the data order")
+    eval_rows: int = _opt(8, "held-out rows for the final evaluation (task accuracy / loss)")
+    fsdp: str = _opt("auto", "FSDP2 over the dp x sp ranks: on, off, or auto (on with CUDA)",
+                     choices=("auto", "on", "off"))
+    nproc: int = _opt(None, "local worker processes when not under torchrun (default: sp x dp, or sp)")
+    timeout: float = _opt(300.0, "seconds a collective may wait before the job counts as hung")
+    progress: bool = _opt(True, "progress bar on rank 0 (--no-progress to turn it off)")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Options from a YAML (.yaml / .yml) or TOML (.toml) file: a flat mapping of option names
+    (``seq_len`` or ``seq-len``). Raises ValueError naming the file and the bad key or value."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {path!r}: no such file")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext in (".yaml", ".yml"):
+            import yaml
+
+            with open(path) as f:
+                raw = yaml.safe_load(f)
+        elif ext == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        else:
+            raise ValueError(f"--config {path!r}: use a .yaml, .yml or .toml file")
+    except ValueError:
+        raise
+    except Exception as e:  # the parsers' own error types; their message says where
+        raise ValueError(f"--config {path!r} is not valid {ext[1:].upper()}: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path!r} must hold a mapping of option names to values")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS or name == "config":
+            raise ValueError(f"--config {path!r}: unknown option {key!r}; options: "
+                             f"{', '.join(sorted(n.replace('_', '-') for n in FIELDS))}")
+        out[name] = _coerce(name, value, f"--config {path!r}")
+    return out
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """A config-file value as the field's type (ints, floats, bools, strings, a list of files)."""
+    default = FIELDS[name].default
+    kind = {"data": list, "dp": int, "nproc": int}.get(name, type(default))
+    bad = ValueError(f"{where}: {name.replace('_', '-')} = {value!r} should be {kind.__name__}")
+    if kind is list:
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise bad
+        return list(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if kind is str:
+        if name == "model_config" and isinstance(value, dict):
+            return json.dumps(value)
+        if not isinstance(value, str):
+            raise bad
+        return value
+    return value
+
+
+def model_overrides(cfg: TrainConfig) -> dict[str, Any]:
+    """Config fields for a built-in model: :data:`TRAIN_SIZE` updated by ``--model-config``."""
+    extra: dict[str, Any] = {}
+    if cfg.model_config:
+        try:
+            extra = json.loads(cfg.model_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--model-config must be a JSON object, e.g. '{{\"num_hidden_layers\": 4}}': "
+                             f"{e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--model-config must be a JSON object, e.g. '{\"num_hidden_layers\": 4}'")
+    return {**TRAIN_SIZE, **extra}
+
+
+def world_layout(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
+    """``(world, sp, dp)`` the job runs with; ValueError naming the option to change."""
+    if cfg.sp < 1:
+        raise ValueError(f"--sp must be >= 1, got {cfg.sp}")
+    if cfg.dp is not None and cfg.dp < 1:
+        raise ValueError(f"--dp must be >= 1, got {cfg.dp}")
+    if world is None:
+        world = cfg.nproc if cfg.nproc is not None else cfg.sp * (cfg.dp or 1)
+    if world < 1:
+        raise ValueError(f"--nproc must be >= 1, got {world}")
+    if world % cfg.sp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}: choose --sp in {divisors} "
+                         f"or --nproc a multiple of {cfg.sp}")
+    dp = cfg.dp if cfg.dp is not None else world // cfg.sp
+    if dp * cfg.sp != world:
+        raise ValueError(f"--dp {dp} x --sp {cfg.sp} = {dp * cfg.sp} ranks, but the world has {world}: "
+                         f"use --dp {world // cfg.sp} or omit it")
+    return world, cfg.sp, dp
+
+
+def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
+    """Validate what needs no model or data; returns ``(world, sp, dp)``. Raises ValueError."""
+    world, sp, dp = world_layout(cfg, world)
+    positive = {"steps": cfg.steps, "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum,
+                "seq_len": cfg.seq_len, "keep_checkpoints": cfg.keep_checkpoints}
+    for name, v in positive.items():
+        if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if cfg.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    for name in ("warmup", "save_every", "eval_rows"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if cfg.grad_clip < 0 or cfg.weight_decay < 0:
+        raise ValueError("--grad-clip and --weight-decay must be >= 0")
+    if cfg.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout}")
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {list(STRATEGIES)}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {cfg.dtype!r}: choose one of {list(DTYPES)}")
+    if cfg.strategy == "hybrid" and sp < 4:
+        raise ValueError(f"--strategy hybrid needs --sp >= 4 (ring x ulysses, each >= 2), got --sp {sp}: "
+                         "use ulysses or ring")
+    model_overrides(cfg)
+    return world, sp, dp

@@ -1,0 +1,140 @@
+"""Everything about a ``seqpar train`` job that can be decided before any worker starts.
+
+:func:`prepare_job` is run by the parent (or every torchrun rank) first: it checks the options,
+the model (name, path, config), the data files and the sequence length against the SP split,
+and resolves the strategy into mesh sizes and a layout -- all without a process group, so a bad
+option is one clear error instead of a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .config import TrainConfig, check_config, model_overrides
+from .tasks import CopyTask
+
+# what must match for --resume to continue the same loss curve (--steps may grow: the schedule
+# then follows the new total; --sp and the strategy may change: checkpoints reshard)
+RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packing", "seed", "micro_batch",
+               "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "dtype")
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: TrainConfig
+    world: int
+    sp: int
+    dp: int
+    strategy: str  # "ulysses", "ring" or "hybrid" ("auto" resolved)
+    mesh_kwargs: dict[str, int]  # for seqpar.init_mesh
+    layout: str  # for seqpar.shard_batch
+    heads: int
+    kv_heads: int
+    reason: str = ""  # why "auto" chose what it chose
+
+
+def _model_config(cfg: TrainConfig) -> Any:
+    """The transformers config the job will build (no weights are loaded)."""
+    from seqpar.models import BUILTIN_MODELS, builtin_config
+
+    if cfg.model in BUILTIN_MODELS:
+        return builtin_config(cfg.model, **model_overrides(cfg))
+    if not os.path.isdir(cfg.model):
+        raise ValueError(f"--model {cfg.model!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}) nor an "
+                         "existing checkpoint directory")
+    if cfg.model_config:
+        raise ValueError("--model-config applies to built-in models only; a checkpoint brings its own config")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model)
+    except Exception as e:  # transformers raises OSError / ValueError / KeyError depending on what is wrong
+        raise ValueError(f"--model {cfg.model!r} is not a loadable transformers checkpoint: "
+                         f"{str(e).splitlines()[0]}") from None
+
+
+def _text_config(config: Any) -> Any:
+    return config if getattr(config, "num_attention_heads", None) else getattr(config, "text_config", config)
+
+
+def _hybrid_split(sp: int, heads: int) -> tuple[int, int]:
+    """``(ulysses, ring)`` for --strategy hybrid: the largest ulysses degree that leaves a ring of
+    at least 2 and does not exceed the head count."""
+    options = [u for u in range(2, sp) if sp % u == 0 and sp // u >= 2 and u <= heads]
+    if not options:
+        raise ValueError(f"--strategy hybrid cannot split --sp {sp} into ulysses x ring (each >= 2, ulysses <= "
+                         f"{heads} heads): use --strategy ulysses or ring")
+    u = max(options)
+    return u, sp // u
+
+
+def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool = True) -> Job:
+    """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --dp) and
+    resolve the strategy. Raises ValueError with the option to change."""
+    world, sp, dp = check_config(cfg, world)
+    config = _text_config(_model_config(cfg))
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    from seqpar.models import BUILTIN_MODELS
+
+    if cfg.model not in BUILTIN_MODELS and max_pos is not None and cfg.seq_len > max_pos:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}: "
+                         f"use --seq-len <= {max_pos}")
+
+    strategy, reason = cfg.strategy, ""
+    mesh_kwargs: dict[str, int] = {"sp": sp, "dp": dp}
+    if strategy == "auto":
+        from seqpar.planner import plan
+
+        hidden = int(config.hidden_size)
+        head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+        p = plan(heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden, world_size=sp,
+                 devices_per_node=sp, seq_len=cfg.seq_len, layers=int(config.num_hidden_layers),
+                 batch=cfg.micro_batch)
+        strategy, reason = p.strategy, p.reason
+        if strategy == "hybrid":
+            mesh_kwargs.update(ulysses=p.ulysses, ring=p.ring)
+    elif strategy == "hybrid":
+        u, r = _hybrid_split(sp, heads)
+        mesh_kwargs.update(ulysses=u, ring=r)
+    layout = "contiguous" if strategy == "ulysses" or sp == 1 else "zigzag"
+
+    ulysses = mesh_kwargs.get("ulysses", sp if strategy == "ulysses" else 1)
+    pieces = sp if layout == "contiguous" else 2 * sp // ulysses
+    if cfg.seq_len < pieces:
+        raise ValueError(f"--seq-len {cfg.seq_len} is too short for --sp {sp} with {strategy} ({layout} layout "
+                         f"cuts each row into {pieces} pieces): use --seq-len >= {pieces} or a smaller --sp")
+    if not cfg.data:
+        CopyTask(cfg.seq_len, cfg.seed)  # raises for a row too short for the task
+    elif read_data:
+        from .data import read_documents
+
+        read_documents(cfg.data, cfg.text_field)
+    job = Job(cfg, world, sp, dp, strategy, mesh_kwargs, layout, heads, kv_heads, reason)
+    if cfg.resume:
+        from . import checkpoint as ckpt
+
+        path = ckpt.latest_checkpoint(cfg.save_dir)
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint in {ckpt.checkpoint_root(cfg.save_dir)!r}; "
+                             "run without --resume to start fresh")
+        check_resumable(job, ckpt.read_trainer_state(path), path)
+    return job
+
+
+def check_resumable(job: Job, state: dict[str, Any], path: str) -> None:
+    """Raise ValueError unless the checkpoint at ``path`` was written by the same run's options."""
+    old = state.get("config", {})
+    diff = [k for k in RESUME_KEYS if old.get(k) != getattr(job.cfg, k)]
+    if diff:
+        what = ", ".join(f"--{k.replace('_', '-')} {old.get(k)!r} -> {getattr(job.cfg, k)!r}" for k in diff)
+        raise ValueError(f"--resume: {path} was written with other options ({what}); use the same ones to "
+                         "continue the same run")
+    if state.get("dp") != job.dp:
+        raise ValueError(f"--resume: {path} was written with dp={state.get('dp')} and this run has dp={job.dp}, "
+                         f"so the data order would differ: use --dp {state.get('dp')}")
+    if int(state["step"]) > job.cfg.steps:
+        raise ValueError(f"--resume: {path} is at step {state['step']}, past --steps {job.cfg.steps}")

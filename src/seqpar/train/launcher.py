@@ -1,0 +1,96 @@
+"""Starting a ``seqpar train`` job: local gloo workers, or the ranks torchrun started.
+
+Local workers come from :func:`seqpar.launch.run_distributed` (forkserver, one thread each, file
+rendezvous, a collective timeout). What this module adds is what a command line needs: turning
+the ranks' failures into one message -- a bad option (ValueError) as that one line, a dead or hung
+worker as which rank and why, with the last complete checkpoint named.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from datetime import timedelta
+from typing import Any
+
+from .job import Job, prepare_job
+from .loop import local_worker, run_training
+
+_SIGNALS = {-s.value: s.name for s in signal.Signals}
+
+
+def under_torchrun() -> bool:
+    """True in a process torchrun (or another torch.distributed launcher) started as one rank."""
+    env = os.environ
+    return "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+class JobFailed(RuntimeError):
+    """A worker died, hung or raised something other than a bad-input ValueError."""
+
+
+def _value_error(text: str) -> str | None:
+    """The message of the last ``ValueError`` in a traceback text, or None."""
+    m = list(re.finditer(r"^ValueError: (.*)", text, flags=re.M))
+    if not m:
+        return None
+    return text[m[-1].start(1):].strip()
+
+
+def _describe(rank: int, text: str) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    m = re.search(r"exit code (-?\d+)", first)
+    if first.startswith("died") and m:
+        code = int(m.group(1))
+        return f"rank {rank} died (exit code {code}{', ' + _SIGNALS[code] if code in _SIGNALS else ''})"
+    if first.startswith("hung"):
+        return f"rank {rank} hung"
+    last = [line for line in text.strip().splitlines() if line.strip()]
+    return f"rank {rank}: {last[-1].strip() if last else 'failed'}"
+
+
+def run_local(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Run ``job`` on ``job.world`` local gloo workers; rank 0's summary.
+
+    Raises ValueError (one message) for bad input found by a worker, :class:`JobFailed` when a
+    worker dies, hangs or crashes -- after every worker has been stopped.
+    """
+    from seqpar.launch import WorkerError, run_distributed
+
+    try:
+        results = run_distributed(local_worker, job.world, job.cfg, stop_after, timeout=10.0**7,
+                                  pg_timeout=job.cfg.timeout, env={"OMP_NUM_THREADS": "1"})
+    except WorkerError as e:
+        for rank in sorted(e.errors):
+            msg = _value_error(e.errors[rank])
+            if msg is not None:
+                raise ValueError(msg) from None
+        lines = [_describe(r, e.errors[r]) for r in sorted(e.errors)]
+        raise JobFailed("; ".join(lines)) from None
+    return results[0]
+
+
+def run_torchrun(cfg: Any) -> dict[str, Any] | None:
+    """Run as one rank of a torchrun job: NCCL and one GPU per rank when CUDA is there, else gloo.
+    Options are checked before the process group starts (a ValueError is the same on every rank).
+    Returns the summary on rank 0, None elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if cfg.nproc is not None and cfg.nproc != world:
+        raise ValueError(f"--nproc {cfg.nproc} does not match torchrun's world size {world}: omit --nproc")
+    job = prepare_job(cfg, world)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
+    try:
+        summary = run_training(job)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return summary if int(os.environ["RANK"]) == 0 else None

@@ -1,0 +1,88 @@
+"""The embedded long-range task ``seqpar train`` learns when given no data: copy across the sequence.
+
+Each row is a random string followed by its copy::
+
+    position   0     1 ... L      L+1    L+2 ... 2L+1
+    token      BOS   x1 ... xL    SEP    x1  ...  xL       (L = (seq_len - 2) // 2)
+    target     -     -  ...  -    x1     x2  ...  -        every copied symbol is a target
+
+The symbol to predict always sits ``L + 1`` tokens back (2047 at ``--seq-len 4096``): no local
+statistics help (symbols are uniform and independent), so the loss only falls once attention
+learns to reach across the whole sequence. Under sequence parallelism that is across ranks: with
+``sp = 2`` every answer lives in the other rank's shard. Chance accuracy is ``1 / SYMBOLS``.
+
+Rows are a pure function of ``(seed, split, index)``: the data order never depends on how many
+ranks run the job or where it was resumed, and held-out rows never coincide with training rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+PAD, BOS, SEP = 0, 1, 2
+SPECIALS = 3
+IGNORE = -100
+TRAIN, EVAL = 0, 1
+
+
+@dataclass(frozen=True)
+class CopyTask:
+    """Rows of ``seq_len`` tokens: ``[BOS] x [SEP] x`` with ``x`` uniform over ``symbols`` symbols."""
+
+    seq_len: int
+    seed: int = 0
+    symbols: int = 64
+
+    name = "copy"
+    min_seq_len = 6  # BOS, 2 symbols, SEP, 2 symbols: at least one target that is not the first copy
+
+    def __post_init__(self) -> None:
+        if self.seq_len < self.min_seq_len:
+            raise ValueError(f"--seq-len {self.seq_len} is too short for the copy task: use at least "
+                             f"{self.min_seq_len} (thousands show what sequence parallelism is for)")
+
+    @property
+    def vocab_size(self) -> int:
+        return SPECIALS + self.symbols
+
+    @property
+    def span(self) -> int:
+        """L: symbols per copy; each target sits L + 1 tokens after its source."""
+        return (self.seq_len - 2) // 2
+
+    @property
+    def chance(self) -> float:
+        return 1.0 / self.symbols
+
+    def _generator(self, split: int, index: int) -> torch.Generator:
+        # one independent stream per (seed, split, row); plain ints, no salted str hashing
+        return torch.Generator().manual_seed(((self.seed * 2 + split) * 2**31 + index) % 2**63)
+
+    def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
+        """Row ``index`` of ``split`` (TRAIN or EVAL): ``input_ids`` and ``labels``, each ``[seq_len]``."""
+        n = self.span
+        x = SPECIALS + torch.randint(0, self.symbols, (n,), generator=self._generator(split, index))
+        ids = torch.full((self.seq_len,), SEP, dtype=torch.long)
+        ids[0] = BOS
+        ids[1:n + 1] = x
+        ids[n + 2:2 * n + 2] = x
+        labels = torch.full_like(ids, IGNORE)
+        labels[n + 2:2 * n + 2] = x  # unshifted: shard_batch makes labels[i + 1] the target of position i
+        return {"input_ids": ids, "labels": labels}
+
+    def describe(self) -> str:
+        return (f"copy task: {self.span} random symbols (of {self.symbols}) then their copy; every answer sits "
+                f"{self.span + 1} tokens back")
+
+
+def answer_accuracy(logits: Tensor, targets: Tensor) -> tuple[int, int]:
+    """``(correct, total)`` greedy predictions over the positions that have a target.
+
+    ``logits [B, S, V]`` and ``targets [B, S]`` are position-aligned (shifted targets, as
+    :func:`seqpar.shard_batch` returns them), so this works on one SP rank's shard as is."""
+    mask = targets != IGNORE
+    correct = (logits.argmax(dim=-1) == targets) & mask
+    return int(correct.sum()), int(mask.sum())
