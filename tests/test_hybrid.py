@@ -1,7 +1,6 @@
 """Hybrid Ulysses x ring attention against the float64 reference, forward and backward, on ring x ulysses
 grids of 1 to 4 gloo processes; the mesh strategies; collective counts; misuse errors on every rank."""
 
-import contextlib
 
 import pytest
 import torch
@@ -55,15 +54,6 @@ GRIDS = {1: _small_grid(1), 2: _full_grid(2) + _full_grid(1), 3: _small_grid(3) 
          4: _full_grid(2) + _small_grid(4) + _small_grid(1)}
 
 
-@contextlib.contextmanager
-def counting():
-    """count_collectives, keeping the real dist.isend/irecv (P2POp checks their identity)."""
-    isend, irecv = dist.isend, dist.irecv
-    with count_collectives() as calls:
-        dist.isend, dist.irecv = isend, irecv
-        yield calls
-
-
 def _inputs(rank, b=2, s=5, h=4, hk=2, d=8):
     g = torch.Generator().manual_seed(rank)
     return tuple(torch.randn(b, s, hh, d, generator=g, dtype=torch.float64, requires_grad=True) for hh in (h, hk, hk))
@@ -74,9 +64,9 @@ def _counts(rank, world, ug, rg):
     shard = SeqShard((5,) * world, layout_permutation(5 * world, world // 2, "zigzag", 2))
     out = {}
     for name, kw in (("trusted", {"shard": shard, "validate": False}), ("validated", {"layout": "zigzag"})):
-        with counting() as fwd:
+        with count_collectives() as fwd:
             o = hybrid_attention(q, k, v, ulysses_group=ug, ring_group=rg, causal=True, **kw)
-        with counting() as bwd:
+        with count_collectives() as bwd:
             o.sum().backward()
         out[name] = (dict(fwd), dict(bwd))
     return out

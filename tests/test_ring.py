@@ -1,7 +1,6 @@
 """Ring attention against the float64 reference, forward and backward, over real gloo processes; its
 load balance, collective counts and misuse errors; and the pure parts (block plans, lse merge)."""
 
-import contextlib
 
 import pytest
 import torch
@@ -60,16 +59,6 @@ def _balance(rank, world):
     return out
 
 
-@contextlib.contextmanager
-def counting():
-    """seqpar.debug.count_collectives, keeping the real dist.isend/irecv: P2POp checks their identity,
-    so wrapped ones make batch_isend_irecv refuse (each P2P op is counted in batch_isend_irecv anyway)."""
-    isend, irecv = dist.isend, dist.irecv
-    with count_collectives() as calls:
-        dist.isend, dist.irecv = isend, irecv
-        yield calls
-
-
 def _counts(rank, world):
     """Collectives per call: (forward, backward) counters for each comm, trusted and validated."""
     g = torch.Generator().manual_seed(rank)
@@ -79,9 +68,9 @@ def _counts(rank, world):
     for name, kw in (("p2p", {"shard": shard, "validate": False}),
                      ("allgather", {"shard": shard, "validate": False, "comm": "allgather"}),
                      ("p2p validated", {"layout": "zigzag"})):
-        with counting() as fwd:
+        with count_collectives() as fwd:
             o = ring_attention(q, k, v, group=dist.group.WORLD, causal=True, **kw)
-        with counting() as bwd:
+        with count_collectives() as bwd:
             o.sum().backward()
         out[name] = (dict(fwd), dict(bwd))
     return out

@@ -8,7 +8,6 @@ it and issue no collective of their own for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,26 +82,20 @@ def gather_seq_shard(group: dist.ProcessGroup, *, local_len: int, batch_size: in
     check_rows(rows, same=list(names), describe=lambda n: names[n], local=local, what="sequence shard")
     seq_lens = tuple(int(row["len"]) for row in rows)
 
-    key_keep = segments = None
-    if key_padding_mask is not None or segment_ids is not None:
-        pieces = []
-        if key_padding_mask is not None:
-            pieces.append(key_padding_mask.to(device=device, dtype=torch.int64))
-        if segment_ids is not None:
-            pieces.append(segment_ids.to(device=device, dtype=torch.int64))
-        stacked = torch.stack(pieces)  # [n, B, S_local]
-        full = _gather_uneven(stacked, seq_lens, group)  # [n, B, S]
-        i = 0
-        if key_padding_mask is not None:
-            key_keep = full[i].bool()
-            i += 1
-        if segment_ids is not None:
-            segments = full[i]
-    return SeqShard(seq_lens, positions, key_keep, segments)
+    return with_global_masks(SeqShard(seq_lens, positions), key_padding_mask, segment_ids, group, device)
 
 
-def _gather_uneven(x: Tensor, sizes: Sequence[int], group: dist.ProcessGroup) -> Tensor:
-    """All-gather ``[..., S_local]`` int shards along the last dim (no autograd: masks, ids)."""
+def with_global_masks(shard: SeqShard, key_padding_mask: Tensor | None, segment_ids: Tensor | None,
+                      group: dist.ProcessGroup, device: torch.device | None = None) -> SeqShard:
+    """``shard`` plus the global key mask and segment ids, from each rank's ``[B, S_local]`` pieces:
+    one all-gather of both together (none when neither is given)."""
+    if key_padding_mask is None and segment_ids is None:
+        return shard
     from .collectives import _gather_padded
 
-    return _gather_padded(x, x.dim() - 1, sizes, group)
+    pieces = [t.to(device=device or t.device, dtype=torch.int64) for t in (key_padding_mask, segment_ids)
+              if t is not None]
+    full = _gather_padded(torch.stack(pieces), 2, shard.seq_lens, group)  # [n, B, S]
+    keep = full[0].bool() if key_padding_mask is not None else None
+    seg = full[-1] if segment_ids is not None else None
+    return SeqShard(shard.seq_lens, shard.positions, keep, seg)

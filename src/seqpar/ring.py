@@ -35,7 +35,7 @@ from torch import Tensor
 from .collectives import split_offsets
 from .kernels import AttnSpec, MaskInfo, check_supported, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
-from .meta import SeqShard
+from .meta import SeqShard, with_global_masks
 from .ring_comm import COMMS
 from .validate import check_attention_inputs
 
@@ -282,10 +282,7 @@ def ring_attention(
     else:
         seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * p
     shard = resolve_shard(shard, tuple(seq_lens), layout, p)
-    if key_padding_mask is not None or segment_ids is not None:
-        from .ulysses import _with_global_masks
-
-        shard = _with_global_masks(shard, key_padding_mask, segment_ids, group)
+    shard = with_global_masks(shard, key_padding_mask, segment_ids, group)
     return _ring(q, k, v, group=group, spec=spec, kernel=kern, shard=shard, comm=comm, stats=stats)
 
 

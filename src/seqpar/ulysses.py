@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .collectives import all_to_all_multi, even_ranges, split_offsets
 from .kernels import AttnSpec, MaskInfo, attend, check_supported, get_kernel
-from .meta import SeqShard
+from .meta import SeqShard, with_global_masks
 from .validate import check_attention_inputs
 
 
@@ -98,21 +98,8 @@ def ulysses_attention(
     check_supported(kern, spec)  # after the cross-rank check: the spec is now known to be the same everywhere
     if shard is None:
         shard = SeqShard(seq_lens)
-        if key_padding_mask is not None or segment_ids is not None:
-            shard = _with_global_masks(shard, key_padding_mask, segment_ids, group)
+        shard = with_global_masks(shard, key_padding_mask, segment_ids, group)
     return _ulysses(q, k, v, group=group, spec=spec, kernel=kern, shard=shard)
-
-
-def _with_global_masks(shard: SeqShard, key_padding_mask: Tensor | None, segment_ids: Tensor | None,
-                       group: dist.ProcessGroup) -> SeqShard:
-    """One all-gather of this rank's mask and segment ids (stacked) into global ones."""
-    from .collectives import _gather_padded
-
-    pieces = [t.to(torch.int64) for t in (key_padding_mask, segment_ids) if t is not None]
-    full = _gather_padded(torch.stack(pieces), 2, shard.seq_lens, group)  # [n, B, S]
-    keep = full[0].bool() if key_padding_mask is not None else None
-    seg = full[-1] if segment_ids is not None else None
-    return SeqShard(shard.seq_lens, shard.positions, keep, seg)
 
 
 def heads_to_seq(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, seq_lens: list[int]
