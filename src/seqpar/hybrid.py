@@ -27,10 +27,9 @@ from torch import Tensor
 
 from . import collectives
 from .collectives import _gather_padded
-from .kernels import AttnSpec, check_supported, lse_kernel
+from .kernels import AttnSpec, check_supported
 from .meta import SeqShard
-from .ring import RingStats, _default_kernel, _ring, resolve_shard
-from .ring_comm import COMMS
+from .ring import RingStats, _ring, resolve_shard, ring_options
 from .ulysses import heads_to_seq, seq_to_heads
 from .validate import check_attention_inputs
 
@@ -69,15 +68,8 @@ def hybrid_attention(
     Returns ``[B, S_local, H, D]``. Raises ValueError on every rank for inconsistent inputs.
     """
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
-    if dropout:
-        raise ValueError(f"hybrid attention runs a ring, which has no dropout (got dropout={dropout}): set the"
-                         " attention dropout to 0 or use strategy='ulysses' with kernel='sdpa'")
-    kern = lse_kernel(kernel if kernel is not None else _default_kernel(q, spec))
-    check_supported(kern, spec)
-    if comm not in COMMS:
-        raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
-    if shard is not None and (key_padding_mask is not None or segment_ids is not None):
-        raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
+    kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,
+                        masks_given=key_padding_mask is not None or segment_ids is not None)
     n_u, n_r = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
     u, r = dist.get_rank(ulysses_group), dist.get_rank(ring_group)
     if shard is not None and len(shard.seq_lens) != n_u * n_r:
@@ -88,6 +80,7 @@ def hybrid_attention(
                                  None if shard is None else shard.seq_lens[r * n_u + u])
     else:
         seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * (n_u * n_r)
+    check_supported(kern, spec)  # after the cross-rank check: the spec is the same everywhere now
     sp_shard = resolve_shard(shard, tuple(seq_lens), layout, n_r, ulysses=n_u)
     my_lens = list(sp_shard.seq_lens[r * n_u:(r + 1) * n_u])
     ring_lens = tuple(sum(sp_shard.seq_lens[i * n_u:(i + 1) * n_u]) for i in range(n_r))

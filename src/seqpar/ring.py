@@ -262,15 +262,8 @@ def ring_attention(
     Returns ``[B, S_local, H, D]``. Raises ValueError (on every rank) for inconsistent inputs.
     """
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
-    if dropout:
-        raise ValueError(f"ring attention has no dropout (got dropout={dropout}): set the attention dropout"
-                         " to 0 or use strategy='ulysses' with kernel='sdpa'")
-    kern = lse_kernel(kernel if kernel is not None else _default_kernel(q, spec))
-    check_supported(kern, spec)
-    if comm not in COMMS:
-        raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
-    if shard is not None and (key_padding_mask is not None or segment_ids is not None):
-        raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
+    kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,
+                        masks_given=key_padding_mask is not None or segment_ids is not None)
     p, me = dist.get_world_size(group), dist.get_rank(group)
     if shard is not None and len(shard.seq_lens) != p:
         raise ValueError(f"the SeqShard has {len(shard.seq_lens)} shard lengths for a ring of {p} ranks: build it"
@@ -281,9 +274,25 @@ def ring_attention(
                                           shard_len=None if shard is None else shard.seq_lens[me])
     else:
         seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * p
+    check_supported(kern, spec)  # after the cross-rank check: the spec is the same everywhere now
     shard = resolve_shard(shard, tuple(seq_lens), layout, p)
     shard = with_global_masks(shard, key_padding_mask, segment_ids, group)
     return _ring(q, k, v, group=group, spec=spec, kernel=kern, shard=shard, comm=comm, stats=stats)
+
+
+def ring_options(q: Tensor, spec: AttnSpec, *, kernel: Any, dropout: float, comm: str, shard: SeqShard | None,
+                 masks_given: bool) -> Any:
+    """Argument checks shared by ring and hybrid attention (no communication; the arguments are the
+    same on every rank); returns the kernel. Whether it supports ``spec`` is checked after the
+    cross-rank validation, where ``spec`` is known to agree."""
+    if dropout:
+        raise ValueError(f"ring attention has no dropout (got dropout={dropout}): set the attention dropout"
+                         " to 0 or use strategy='ulysses' with kernel='sdpa'")
+    if comm not in COMMS:
+        raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
+    if shard is not None and masks_given:
+        raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
+    return lse_kernel(kernel if kernel is not None else _default_kernel(q, spec))
 
 
 def resolve_shard(shard: SeqShard | None, seq_lens: tuple[int, ...], layout: str | None, p: int,
