@@ -60,13 +60,18 @@ def _exchange(sends: list[list[Tensor]], recv_shapes: list[list[torch.Size]], gr
     Each list holds one tensor per fused input; all are flattened into one buffer, so fusing q, k
     and v costs one collective, not three.
     """
-    ref = next(t for per_rank in sends for t in per_rank) if any(sends) else None
-    dtype = ref.dtype if ref is not None else torch.float32
-    device = ref.device if ref is not None else torch.device("cpu")
-    flat_in = [t.reshape(-1) for per_rank in sends for t in per_rank]
+    ref = next(t for per_rank in sends for t in per_rank)
+    dtype, device = ref.dtype, ref.device
     in_splits = [sum(t.numel() for t in per_rank) for per_rank in sends]
     out_splits = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in recv_shapes]
-    send_buf = torch.cat(flat_in) if flat_in else torch.empty(0, dtype=dtype, device=device)
+    # Pieces are strided views (a head slice of [B, S, H, D]): copy each straight into its place in
+    # the send buffer -- one copy, not a .contiguous() and then a cat.
+    send_buf = torch.empty(sum(in_splits), dtype=dtype, device=device)
+    pos = 0
+    for per_rank in sends:
+        for t in per_rank:
+            send_buf[pos:pos + t.numel()].view(t.shape).copy_(t)
+            pos += t.numel()
     recv_buf = torch.empty(sum(out_splits), dtype=dtype, device=device)
     dist.all_to_all_single(recv_buf, send_buf, out_splits, in_splits, group=group)
     out, pos = [], 0
@@ -93,7 +98,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, scatter_dim, gather_dim, send_ranges, recv_sizes, *xs):
         p, me = dist.get_world_size(group), dist.get_rank(group)
-        sends = [[x.narrow(scatter_dim, *rngs[r]).contiguous() for x, rngs in zip(xs, send_ranges, strict=True)]
+        sends = [[x.narrow(scatter_dim, *rngs[r]) for x, rngs in zip(xs, send_ranges, strict=True)]
                  for r in range(p)]
         recv_shapes = []
         for s in range(p):
@@ -121,8 +126,7 @@ class _AllToAll(torch.autograd.Function):
         grads = [g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
                  for g, shape in zip(grads, ctx.out_shapes, strict=True)]
         # Slice the gradient by the rank each piece of the output came from ...
-        sends = [[g.narrow(gd, sum(sizes[:s]), sizes[s]).contiguous() for g, sizes in zip(grads, ctx.recv_sizes,
-                                                                                         strict=True)]
+        sends = [[g.narrow(gd, sum(sizes[:s]), sizes[s]) for g, sizes in zip(grads, ctx.recv_sizes, strict=True)]
                  for s in range(p)]
         # ... and receive, from every rank r, the gradient of the slice we sent it.
         recv_shapes = []
@@ -136,11 +140,25 @@ class _AllToAll(torch.autograd.Function):
         received = _exchange(sends, recv_shapes, group)
         dxs = []
         for i, (shape, rngs) in enumerate(zip(ctx.in_shapes, ctx.send_ranges, strict=True)):
-            dx = torch.zeros(shape, dtype=received[0][i].dtype, device=received[0][i].device)
+            pieces = [received[r][i] for r in range(p)]
+            if _is_partition(rngs, shape[sd]):  # the usual case: one copy, no zero-fill
+                dxs.append(torch.cat([pieces[r] for r in sorted(range(p), key=lambda r: rngs[r][0])], dim=sd))
+                continue
+            dx = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
             for r in range(p):
-                dx.narrow(sd, *rngs[r]).add_(received[r][i])
+                dx.narrow(sd, *rngs[r]).add_(pieces[r])
             dxs.append(dx)
         return (None, None, None, None, None, *dxs)
+
+
+def _is_partition(ranges: Sequence[tuple[int, int]], n: int) -> bool:
+    """Do the ranges tile ``[0, n)`` exactly once (no replication, nothing left out)?"""
+    pos = 0
+    for start, length in sorted(r for r in ranges if r[1]):
+        if start != pos:
+            return False
+        pos += length
+    return pos == n
 
 
 def all_to_all_multi(xs: Sequence[Tensor], *, scatter_dim: int, gather_dim: int, group: Group,
