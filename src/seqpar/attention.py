@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .mesh import Axis, MeshOrGroup, axis_group
+from .mesh import Axis, MeshOrGroup, axis_group, axis_size, has_axis
 from .meta import SeqShard
 
 STRATEGIES: dict[str, Callable[..., Tensor]] = {}
@@ -45,6 +45,23 @@ def _hybrid(q: Tensor, k: Tensor, v: Tensor, *, mesh: MeshOrGroup, **kw: Any) ->
 
     return hybrid_attention(q, k, v, ulysses_group=axis_group(mesh, Axis.ULYSSES.value),
                             ring_group=axis_group(mesh, Axis.RING.value), **kw)
+
+
+def resolve_strategy(strategy: str, mesh: MeshOrGroup, num_heads: int) -> str:
+    """The strategy ``"auto"`` stands for on ``mesh`` (other names are returned as they are).
+
+    A mesh built with ``ulysses`` and ``ring`` axes (``seqpar.init_mesh(sp=, ulysses=, ring=)``,
+    e.g. from ``seqpar.plan(...).mesh_kwargs()``) runs ``"hybrid"``; otherwise ``"ulysses"`` while
+    every rank gets at least one query head (sp <= heads: it moves less and has no cap on kernels),
+    else ``"ring"``, which has no head limit. Pure: no communication.
+    """
+    if strategy != "auto":
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}: choose one of {sorted([*STRATEGIES, 'auto'])}")
+        return strategy
+    if has_axis(mesh, Axis.ULYSSES.value) and has_axis(mesh, Axis.RING.value):
+        return "hybrid"
+    return "ulysses" if axis_size(mesh, Axis.SP.value) <= num_heads else "ring"
 
 
 def sp_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: MeshOrGroup, strategy: str = "ulysses",

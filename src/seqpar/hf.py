@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .attention import STRATEGIES, sp_attention
+from .attention import STRATEGIES, resolve_strategy, sp_attention
 from .data import BATCH_KWARG, LocalBatch
 from .kernels import AttnSpec, MaskInfo, dense_mask, plan_mask
 from .layout import inverse_permutation
@@ -232,7 +232,8 @@ def parallelize(model: nn.Module, mesh: MeshOrGroup, *, strategy: str = "ulysses
 
     Feed it ``model(**seqpar.shard_batch(batch, mesh))``; ``out.loss`` is then the exact loss of the
     whole batch on every SP rank (see :mod:`seqpar.loss` for the gradient contract). ``strategy``:
-    any of ``seqpar.attention.STRATEGIES`` ("ulysses", and "ring" / "hybrid" where registered).
+    any of ``seqpar.attention.STRATEGIES`` ("ulysses", "ring", "hybrid") or ``"auto"`` (see
+    :func:`seqpar.attention.resolve_strategy`).
     ``kernel``: None (the model's own attention where it can be wrapped, else seqpar's) or any
     kernel :func:`seqpar.sp_attention` accepts. Returns the model.
 
@@ -240,8 +241,8 @@ def parallelize(model: nn.Module, mesh: MeshOrGroup, *, strategy: str = "ulysses
     ``AttentionInterface``, has no attention heads, is already parallelized, if the strategy is
     unknown or the mesh has no ``"sp"`` axis -- the same on every rank, before any collective.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {sorted(STRATEGIES)}")
+    if strategy != "auto" and strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {sorted([*STRATEGIES, 'auto'])}")
     axis_group(mesh, Axis.SP.value)  # raises without an sp axis
     if strategy == "hybrid":  # raise now, not at the first forward
         axis_group(mesh, Axis.ULYSSES.value)
@@ -254,6 +255,7 @@ def parallelize(model: nn.Module, mesh: MeshOrGroup, *, strategy: str = "ulysses
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized: call seqpar.unparallelize(model) first")
     config, sub = _attention_config(model.config)
+    strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
     original = config._attn_implementation
     if original is not None and original.startswith("seqpar_"):
         raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
