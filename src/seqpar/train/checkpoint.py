@@ -120,9 +120,13 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 def load_model_weights(path: str, model: nn.Module) -> nn.Module:
     """Load a checkpoint's weights into a plain (unsharded) ``model`` in a single process -- no
     process group needed; e.g. to evaluate or export a trained model."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": single process is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
     model.load_state_dict(state["model"])
     return model

@@ -19,9 +19,12 @@ DTYPES = ("float32", "bfloat16", "float64")
 
 # The model `seqpar train` builds when --model is a built-in name: the built-in family (tiny-llama by
 # default) at a size that learns the embedded task in a few CPU minutes. Vocabulary and maximum
-# position come from the data (task or tokenizer) and --seq-len.
+# position come from the data (task or tokenizer) and --seq-len. A RoPE base of 1000 (instead of
+# 10000): measured on the copy task at 4096 tokens, attention found the 2048-token offset within
+# 85-145 steps for 6 of 6 seeds, against 1 of 3 within 200-400 steps at 10000.
 TRAIN_SIZE: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=4, head_dim=32)
+                                  num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                                  rope_theta=1000.0)
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -46,8 +49,8 @@ class TrainConfig:
     dp: int = _opt(None, "data-parallel degree (default: world size / sp)")
     strategy: str = _opt("ulysses", "sequence-parallel attention: ulysses, ring, hybrid (ring x ulysses) or auto "
                          "(seqpar.plan picks)", choices=STRATEGIES)
-    steps: int = _opt(320, "optimizer steps")
-    lr: float = _opt(3e-3, "peak learning rate (AdamW)")
+    steps: int = _opt(400, "optimizer steps")
+    lr: float = _opt(1e-2, "peak learning rate (AdamW)")
     warmup: int = _opt(30, "linear warmup steps, then cosine decay to --min-lr-ratio x lr")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of --lr")
     weight_decay: float = _opt(0.0, "AdamW weight decay")

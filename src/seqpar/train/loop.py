@@ -259,6 +259,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
     (the same on every rank). ``stop_after``: leave after that many steps in total (as if
     interrupted right after the checkpoint of that step), for tests of --resume."""
     cfg = job.cfg
+    t_setup = time.perf_counter()
     trainer = Trainer(job)
     resume_from, replaced = _prepare_save_dir(trainer)
     metrics_path = os.path.join(cfg.save_dir, METRICS_FILE)
@@ -270,8 +271,11 @@ def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
         first_eval = state.get("first_eval")
         if trainer.rank == 0:
             _truncate_metrics(metrics_path, trainer.step)
-    elif not isinstance(trainer.data, TextData) or trainer.data.n_eval:
+    setup_s = time.perf_counter() - t_setup
+    t_eval = time.perf_counter()
+    if resume_from is None:
         first_eval = trainer.evaluate()
+    eval_s = time.perf_counter() - t_eval
 
     trainer_state = {"config": cfg.to_dict(), "dp": job.dp, "sp": job.sp, "world": job.world,
                      "strategy": job.strategy, "first_eval": first_eval}
@@ -322,7 +326,9 @@ def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
         if metrics is not None:
             metrics.close()
     train_time = time.perf_counter() - t_start
+    t_eval = time.perf_counter()
     final_eval = trainer.evaluate() if trainer.step >= cfg.steps else None
+    eval_s += time.perf_counter() - t_eval
     if saved is None:
         saved = ckpt.latest_checkpoint(cfg.save_dir)
     return {
@@ -333,7 +339,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
         "checkpoint": os.path.abspath(saved) if saved else None, "world": job.world, "sp": job.sp, "dp": job.dp,
         "strategy": job.strategy, "layout": job.layout, "params": trainer.n_params, "fsdp": trainer.use_fsdp,
         "device": str(trainer.device), "tokens_per_step": tokens_per_step, "resumed_from": resume_from,
-        "replaced_previous": replaced, "reason": job.reason,
+        "replaced_previous": replaced, "reason": job.reason, "setup_s": setup_s, "eval_s": eval_s,
     }
 
 
