@@ -47,7 +47,8 @@ def _describe(rank: int, text: str) -> str:
     if first.startswith("hung"):
         return f"rank {rank} hung"
     last = [line for line in text.strip().splitlines() if line.strip()]
-    return f"rank {rank}: {last[-1].strip() if last else 'failed'}"
+    msg = last[-1].strip() if last else "failed"
+    return f"rank {rank}: {msg if len(msg) <= 200 else msg[:200] + '...'}"
 
 
 def run_local(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
@@ -66,7 +67,14 @@ def run_local(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
             msg = _value_error(e.errors[rank])
             if msg is not None:
                 raise ValueError(msg) from None
-        lines = [_describe(r, e.errors[r]) for r in sorted(e.errors)]
+        lost = [r for r in sorted(e.errors) if e.errors[r].startswith(("died", "hung"))]
+        if lost:  # the others only failed because these ranks went away: do not list their errors
+            others = [r for r in range(job.world) if r not in lost]
+            lines = [_describe(r, e.errors[r]) for r in lost]
+            if others:
+                lines.append(f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped")
+        else:
+            lines = [_describe(r, e.errors[r]) for r in sorted(e.errors)]
         raise JobFailed("; ".join(lines)) from None
     return results[0]
 

@@ -345,12 +345,12 @@ def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
 
 def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> dict[str, Any]:
     """Entry point of a local (gloo) worker started by :func:`seqpar.launch.run_distributed`. A
-    ValueError is returned, not raised, so the parent prints it once."""
+    ValueError propagates: the launcher turns it into one message."""
     _die_with_parent()
-    try:
-        return run_training(prepare_job(cfg, world, read_data=False), stop_after=stop_after)
-    except ValueError as e:
-        return {"error": str(e)}
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
+    return run_training(prepare_job(cfg, world, read_data=False), stop_after=stop_after)
 
 
 def _die_with_parent() -> None:
