@@ -42,7 +42,12 @@ def runs(tmp_path_factory):
     part = resume.replace(save_dir=str(root / "parts"))
     out["first_half"] = run_local(prepare_job(part), stop_after=4)
     out["resumed"] = run_local(prepare_job(part.replace(resume=True)))
-    out["dirs"] = {k: str(root / k) for k in ("smoke", "straight", "parts")}
+    # the same with FSDP2 (sharded checkpoints, float32 gradient reduction) and dp=2
+    fsdp = resume.replace(fsdp="on", sp=1, nproc=2, steps=4, save_every=2)
+    run_local(prepare_job(fsdp.replace(save_dir=str(root / "fsdp_straight"))))
+    run_local(prepare_job(fsdp.replace(save_dir=str(root / "fsdp_parts"))), stop_after=2)
+    out["fsdp_resumed"] = run_local(prepare_job(fsdp.replace(save_dir=str(root / "fsdp_parts"), resume=True)))
+    out["dirs"] = {k: str(root / k) for k in ("smoke", "straight", "parts", "fsdp_straight", "fsdp_parts")}
     return out
 
 
@@ -83,14 +88,18 @@ def test_checkpoints_written_and_loadable(runs):
     assert not [n for n in os.listdir(os.path.join(runs["dirs"]["smoke"], "checkpoints")) if n.startswith(".tmp")]
 
 
-def test_resume_continues_the_same_loss_curve_exactly(runs):
-    straight = _metrics(runs["dirs"]["straight"])
-    parts = _metrics(runs["dirs"]["parts"])
-    assert runs["first_half"]["steps"] == 4 and runs["resumed"]["resumed_from"].endswith("step_00000004")
-    assert [m["step"] for m in parts] == list(range(1, 9))
+@pytest.mark.parametrize("kind", ["", "fsdp_"])
+def test_resume_continues_the_same_loss_curve_exactly(runs, kind):
+    straight = _metrics(runs["dirs"][kind + "straight"])
+    parts = _metrics(runs["dirs"][kind + "parts"])
+    n = 4 if kind else 8
+    assert runs[kind + "resumed"]["resumed_from"].endswith(f"step_{n // 2:08d}")
+    assert runs[kind + "resumed"]["fsdp"] == bool(kind)
+    assert [m["step"] for m in parts] == list(range(1, n + 1))
     for a, b in zip(straight, parts, strict=True):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] and a["lr"] == b["lr"], (a, b)
-    assert runs["straight"]["final_eval"] == runs["resumed"]["final_eval"]
+    if not kind:
+        assert runs["straight"]["final_eval"] == runs["resumed"]["final_eval"]
 
 
 def test_second_run_replaces_the_first(runs):
@@ -134,6 +143,8 @@ PARITY = {  # name: (world, options); every one reads rows 0 and 1 of the same p
     "sp2_accum2": (2, dict(sp=2, micro_batch=1, grad_accum=2)),
     "sp2_ring": (2, dict(sp=2, micro_batch=2, strategy="ring")),
     "sp2_fsdp": (2, dict(sp=2, micro_batch=2, fsdp="on")),
+    "sp4_hybrid": (4, dict(sp=4, micro_batch=2, strategy="hybrid")),
+    "sp2_dp2_fsdp": (4, dict(sp=2, micro_batch=1, fsdp="on")),
 }
 
 
@@ -143,10 +154,13 @@ def parity(tmp_path_factory):
     base = TrainConfig(data=[_data_file(tmp)], packing=True, seq_len=37, dtype="float64", progress=False,
                        save_dir=str(tmp / "unused"), model_config=json.dumps({"hidden_size": 32, "head_dim": 8,
                                                                               "intermediate_size": 64}))
-    names = list(PARITY)
-    results = run_distributed(_first_step, 2, [base.replace(**PARITY[n][1]) for n in names], timeout=300)[0]
+    results = {}
+    for world in (2, 4):
+        names = [n for n, (w, _) in PARITY.items() if w == world]
+        got = run_distributed(_first_step, world, [base.replace(**PARITY[n][1]) for n in names], timeout=300)[0]
+        results.update(zip(names, got, strict=True))
     ref = run_distributed(_first_step, 1, [base.replace(sp=1, micro_batch=2)], timeout=300)[0][0]
-    return ref, dict(zip(names, results, strict=True))
+    return ref, results
 
 
 @pytest.mark.parametrize("name", list(PARITY))

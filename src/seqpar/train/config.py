@@ -57,7 +57,8 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
     micro_batch: int = _opt(1, "rows per rank per forward (one dp rank's rows; its SP ranks share them)")
     grad_accum: int = _opt(1, "micro-batches per optimizer step")
-    dtype: str = _opt("float32", "compute dtype: float32, bfloat16 (fp32 master weights) or float64",
+    dtype: str = _opt("float32", "compute dtype: float32, bfloat16 (FSDP2 mixed precision, fp32 master weights) "
+                      "or float64",
                       choices=DTYPES)
     save_dir: str = _opt(os.path.join("runs", "seqpar-train"), "where metrics.jsonl and checkpoints/ go; a "
                          "fresh run replaces an earlier one there")
@@ -66,7 +67,7 @@ class TrainConfig:
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --save-dir (same loss curve)")
     seed: int = _opt(0, "seed of the model init and the data order")
     eval_rows: int = _opt(8, "held-out rows for the final evaluation (task accuracy / loss)")
-    fsdp: str = _opt("auto", "FSDP2 over the dp x sp ranks: on, off, or auto (on with CUDA)",
+    fsdp: str = _opt("auto", "FSDP2 over the dp x sp ranks: on, off, or auto (on with CUDA or bfloat16)",
                      choices=("auto", "on", "off"))
     nproc: int = _opt(None, "local worker processes when not under torchrun (default: sp x dp, or sp)")
     timeout: float = _opt(300.0, "seconds a collective may wait before the job counts as hung")

@@ -101,6 +101,9 @@ def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool =
         u, r = _hybrid_split(sp, heads)
         mesh_kwargs.update(ulysses=u, ring=r)
     layout = "contiguous" if strategy == "ulysses" or sp == 1 else "zigzag"
+    if cfg.dtype == "bfloat16" and cfg.fsdp == "off":
+        raise ValueError("--dtype bfloat16 trains through FSDP2's mixed precision (bf16 compute, fp32 master "
+                         "weights): use --fsdp auto or on")
 
     ulysses = mesh_kwargs.get("ulysses", sp if strategy == "ulysses" else 1)
     pieces = sp if layout == "contiguous" else 2 * sp // ulysses

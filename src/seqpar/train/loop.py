@@ -15,7 +15,6 @@ so the loss and gradients are those of one big batch on one device, whatever dp,
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from torch import Tensor
 
 import seqpar
 from seqpar.collectives import all_gather_flat
+from seqpar.mesh import axis_group
 from seqpar.models import BUILTIN_MODELS, build_model
 
 from . import checkpoint as ckpt
@@ -50,6 +50,12 @@ def peak_memory_mib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux (bytes on macOS)
     return kib / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def use_fsdp(cfg: TrainConfig, device_type: str) -> bool:
+    """FSDP2 when asked, and by default with CUDA or bfloat16 (its mixed precision keeps fp32
+    master weights; autocast would hand attention q/k in fp32 and v in bf16)."""
+    return cfg.fsdp == "on" or (cfg.fsdp == "auto" and (device_type == "cuda" or cfg.dtype == "bfloat16"))
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -76,8 +82,8 @@ class Trainer:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self.device)
         self.mesh = seqpar.init_mesh(**job.mesh_kwargs, device_type=self.device.type)
-        self.dp_rank = self.mesh.get_local_rank("dp")
-        self.sp_rank = self.mesh.get_local_rank("sp") if "sp" in (self.mesh.mesh_dim_names or ()) else 0
+        self.dp_rank = dist.get_rank(axis_group(self.mesh, "dp"))
+        self.sp_rank = dist.get_rank(axis_group(self.mesh, "sp"))  # hybrid: the flattened ring x ulysses axis
 
         dtype = DTYPES[cfg.dtype]
         param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -96,16 +102,18 @@ class Trainer:
         model.to(self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         seqpar.parallelize(model, self.mesh, strategy=job.strategy)
-        self.use_fsdp = cfg.fsdp == "on" or (cfg.fsdp == "auto" and self.device.type == "cuda")
-        self.autocast = dtype == torch.bfloat16
+        self.use_fsdp = use_fsdp(cfg, self.device.type)
         if self.use_fsdp:
-            kw: dict[str, Any] = {}
-            if dtype == torch.bfloat16:
-                from torch.distributed.fsdp import MixedPrecisionPolicy
+            from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+            kw: dict[str, Any] = {}
+            if dtype == torch.bfloat16:  # bf16 compute, fp32 master weights and gradient reduction
                 kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                self.autocast = False
             seqpar.apply_fsdp(model, self.mesh, **kw)
+            for module in model.modules():
+                # the summed (divide factor 1) reduction as a plain SUM: gloo has no PREMUL_SUM
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
@@ -137,11 +145,6 @@ class Trainer:
             out.append({k: v.to(self.device) for k, v in stack(rows).items()})
         return out
 
-    def _context(self) -> contextlib.AbstractContextManager:
-        if self.autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def forward_backward(self, step: int) -> tuple[float, int]:
         """Gradients of the global token-mean loss of ``step`` on every rank (complete and exact
         after this: summed over dp x sp). Returns ``(this dp rank's share of the loss, targets)``."""
@@ -150,8 +153,7 @@ class Trainer:
         share = 0.0
         for b in batches:
             local = seqpar.shard_batch(b, self.mesh, layout=self.job.layout, num_items_in_batch=n_items or None)
-            with self._context():
-                loss = self.model(**local).loss
+            loss = self.model(**local).loss
             loss.backward()
             share += float(loss.detach())
         if not self.use_fsdp:
@@ -192,8 +194,7 @@ class Trainer:
             local = seqpar.shard_batch(batch, self.mesh, layout=self.job.layout)
             targets = local.pop("labels")
             local.pop("shift_labels", None)
-            with self._context():
-                logits = self.model(**local).logits
+            logits = self.model(**local).logits
             if i >= len(mine):
                 continue  # padding round of a dp rank with fewer rows
             from seqpar.loss import token_losses
