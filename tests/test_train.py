@@ -30,7 +30,7 @@ def _metrics(save_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    smoke = TrainConfig(seq_len=64, micro_batch=8, lr=5e-3, warmup=5, steps=60, save_every=30, progress=False,
+    smoke = TrainConfig(seq_len=64, micro_batch=8, lr=5e-3, warmup=5, steps=60, save_every=30, progress=False, seed=0,
                         save_dir=str(root / "smoke"))
     resume = TrainConfig(seq_len=64, micro_batch=2, lr=5e-3, warmup=2, steps=8, save_every=4, progress=False,
                          eval_rows=2)

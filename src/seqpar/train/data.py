@@ -116,6 +116,7 @@ class TextData:
         self.eval = [rows[i] for i in perm[:n_eval]]
         self.train = [rows[i] for i in perm[n_eval:]]
         self.seed = seed
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its permutation): rows are read in order
         self.vocab_size = vocab_size
         self._describe = describe
         self.chance: float | None = None
@@ -127,8 +128,10 @@ class TextData:
             return self.eval[index]
         n = len(self.train)
         epoch, k = divmod(index, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch + 1))
-        return self.train[int(perm[k])]
+        if self._order[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch + 1)
+            self._order = (epoch, torch.randperm(n, generator=g).tolist())
+        return self.train[self._order[1][k]]
 
     @property
     def n_eval(self) -> int:
