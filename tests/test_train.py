@@ -14,7 +14,8 @@ from seqpar.train.checkpoint import complete_checkpoints, load_model_weights, re
 from seqpar.train.config import model_overrides
 from seqpar.train.job import prepare_job
 from seqpar.train.launcher import run_local
-from seqpar.train.loop import Trainer, _gather_stats
+from seqpar.train.loop import Trainer
+from seqpar.train.run import _gather_stats
 from seqpar.train.tasks import CopyTask
 
 

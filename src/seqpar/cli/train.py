@@ -59,8 +59,9 @@ def _duration(s: float) -> str:
 
 def format_summary(s: dict[str, Any]) -> str:
     """The closing report of a run (rank 0's summary)."""
-    lines = [f"seqpar train: {s['steps']} steps in {_duration(s['train_time_s'])} (+{s['setup_s']:.0f}s setup, "
-             f"{s['eval_s']:.0f}s eval) -- sp={s['sp']} x dp={s['dp']} "
+    this_run = f" ({len(s['losses'])} in this run)" if s.get("resumed_from") else ""
+    lines = [f"seqpar train: {s['steps']} steps{this_run} in {_duration(s['train_time_s'])} "
+             f"(+{s['setup_s']:.0f}s setup, {s['eval_s']:.0f}s eval) -- sp={s['sp']} x dp={s['dp']} "
              f"({s['strategy']}, {s['world']} ranks on {s['device'].split(':')[0]}{', FSDP2' if s['fsdp'] else ''}), "
              f"{s['tokens_per_step']:,} tokens per step, {s['params']:,} parameters"]
     lines.append(f"  data        {s['data']}")

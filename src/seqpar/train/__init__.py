@@ -12,7 +12,8 @@ from typing import Any
 
 from .config import TrainConfig
 from .job import Job, prepare_job
-from .loop import Trainer, run_training
+from .loop import Trainer
+from .run import run_training
 from .tasks import CopyTask
 
 

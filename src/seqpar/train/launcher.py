@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from .job import Job, prepare_job
-from .loop import local_worker, run_training
+from .run import local_worker, run_training
 
 _SIGNALS = {-s.value: s.name for s in signal.Signals}
 

@@ -1,0 +1,181 @@
+"""One ``seqpar train`` run on every rank: save dir, resume, the step loop with its progress bar and
+metrics (one JSON line per step), checkpoints, the final evaluation and the summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from seqpar.collectives import all_gather_flat
+
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .job import Job, check_resumable, prepare_job
+from .loop import Trainer, peak_memory_mib
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _gather_stats(trainer: Trainer, loss_share: float) -> tuple[float, list[float]]:
+    """One all-gather: the step's global loss (sum of the dp ranks' shares) and every rank's peak
+    memory."""
+    row = torch.tensor([loss_share if trainer.sp_rank == 0 else 0.0, peak_memory_mib(trainer.device)],
+                       dtype=torch.float64, device=trainer.device)
+    table = torch.empty(trainer.world * 2, dtype=torch.float64, device=trainer.device)
+    all_gather_flat(table, row)
+    table = table.view(trainer.world, 2)
+    return float(table[:, 0].sum()), table[:, 1].tolist()
+
+
+def _prepare_save_dir(trainer: Trainer) -> tuple[str | None, bool]:
+    """Rank 0: for a fresh run, clear an earlier run's metrics and checkpoints; for --resume,
+    find the latest complete checkpoint. Returns ``(checkpoint or None, replaced an old run)``."""
+    cfg = trainer.cfg
+    metrics = os.path.join(cfg.save_dir, METRICS_FILE)
+    replaced = False
+    path = None
+    if cfg.resume:
+        path = ckpt.latest_checkpoint(cfg.save_dir)
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint in {ckpt.checkpoint_root(cfg.save_dir)!r}; "
+                             "run without --resume to start fresh")
+    if trainer.rank == 0:
+        os.makedirs(cfg.save_dir, exist_ok=True)
+        if not cfg.resume:
+            replaced = os.path.exists(metrics) or os.path.isdir(ckpt.checkpoint_root(cfg.save_dir))
+            shutil.rmtree(ckpt.checkpoint_root(cfg.save_dir), ignore_errors=True)
+            open(metrics, "w").close()
+    dist.barrier()
+    return path, replaced
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Keep the metric lines up to ``step`` (those after it are about to be recomputed)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Train as configured (every rank calls this inside the process group); returns a summary
+    (the same on every rank). ``stop_after``: leave after that many steps in total (as if
+    interrupted right after the checkpoint of that step), for tests of --resume."""
+    cfg = job.cfg
+    t_setup = time.perf_counter()
+    trainer = Trainer(job)
+    resume_from, replaced = _prepare_save_dir(trainer)
+    metrics_path = os.path.join(cfg.save_dir, METRICS_FILE)
+    first_eval = None
+    if resume_from is not None:
+        check_resumable(job, ckpt.read_trainer_state(resume_from), resume_from)
+        state = ckpt.load_checkpoint(resume_from, trainer.model, trainer.optimizer, trainer.scheduler)
+        trainer.step = int(state["step"])
+        first_eval = state.get("first_eval")
+        if trainer.rank == 0:
+            _truncate_metrics(metrics_path, trainer.step)
+    setup_s = time.perf_counter() - t_setup
+    t_eval = time.perf_counter()
+    if resume_from is None:
+        first_eval = trainer.evaluate()
+    eval_s = time.perf_counter() - t_eval
+
+    trainer_state = {"config": cfg.to_dict(), "dp": job.dp, "sp": job.sp, "world": job.world,
+                     "strategy": job.strategy, "first_eval": first_eval}
+    last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    bar = None
+    if trainer.rank == 0 and cfg.progress:
+        import threading
+
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: os._exit would leak it
+        bar = tqdm(total=cfg.steps, initial=trainer.step, desc="seqpar train", unit="step", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=0.5)
+    tokens_per_step = job.dp * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+    losses: list[tuple[int, float]] = []
+    mem: list[float] = []
+    saved = None
+    t_start = time.perf_counter()
+    metrics = open(metrics_path, "a") if trainer.rank == 0 else None  # noqa: SIM115 -- closed below
+    try:
+        while trainer.step < last:
+            t0 = time.perf_counter()
+            share, n_targets = trainer.forward_backward(trainer.step)
+            lr = trainer.optimizer.param_groups[0]["lr"]
+            grad_norm = trainer.optimizer_step()  # trainer.step: steps done, so this is step 1, 2, ...
+            loss, mem = _gather_stats(trainer, share)
+            dt = time.perf_counter() - t0
+            losses.append((trainer.step, loss))
+            if not math.isfinite(loss):
+                raise ValueError(f"the loss became {loss} at step {trainer.step}: lower --lr or use --dtype float32")
+            if metrics is not None:
+                metrics.write(json.dumps({"step": trainer.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                          "targets": n_targets, "tokens": tokens_per_step,
+                                          "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                                          "peak_mem_mib": [round(m, 1) for m in mem]}) + "\n")
+                metrics.flush()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"loss {loss:.4f} | {tokens_per_step / dt:,.0f} tok/s | peak mem/rank "
+                                    f"{'/'.join(f'{m:.0f}' for m in mem)} MiB", refresh=False)
+            due = cfg.save_every and trainer.step % cfg.save_every == 0
+            if due or trainer.step == last:
+                saved = ckpt.save_checkpoint(cfg.save_dir, trainer.step, trainer.model, trainer.optimizer,
+                                             trainer.scheduler, trainer_state, keep=cfg.keep_checkpoints)
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+    train_time = time.perf_counter() - t_start
+    t_eval = time.perf_counter()
+    final_eval = trainer.evaluate() if trainer.step >= cfg.steps else None
+    eval_s += time.perf_counter() - t_eval
+    if saved is None:
+        saved = ckpt.latest_checkpoint(cfg.save_dir)
+    return {
+        "steps": trainer.step, "losses": losses, "first_loss": losses[0][1] if losses else None,
+        "last_loss": losses[-1][1] if losses else None, "peak_mem_mib": mem, "train_time_s": train_time,
+        "first_eval": first_eval, "final_eval": final_eval, "chance": trainer.data.chance,
+        "data": trainer.data.describe(), "metrics": os.path.abspath(metrics_path),
+        "checkpoint": os.path.abspath(saved) if saved else None, "world": job.world, "sp": job.sp, "dp": job.dp,
+        "strategy": job.strategy, "layout": job.layout, "params": trainer.n_params, "fsdp": trainer.use_fsdp,
+        "device": str(trainer.device), "tokens_per_step": tokens_per_step,
+        "resumed_from": resume_from and os.path.abspath(resume_from), "replaced_previous": replaced,
+        "reason": job.reason, "setup_s": setup_s, "eval_s": eval_s,
+    }
+
+
+def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> dict[str, Any]:
+    """Entry point of a local (gloo) worker started by :func:`seqpar.launch.run_distributed`. A
+    ValueError propagates: the launcher turns it into one message."""
+    _die_with_parent()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
+    return run_training(prepare_job(cfg, world, read_data=False), stop_after=stop_after)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent (the forkserver) goes away, so a killed launcher never
+    leaves workers behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
