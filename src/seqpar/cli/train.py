@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         flag = "--" + name.replace("_", "-")
         meta = f.metadata
         default = f.default
-        shown = "off" if default is False else "on" if default is True else default
+        shown = meta.get("shown", "off" if default is False else "on" if default is True else default)
         text = f"{meta['help']} (default: {shown})"
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": text}
         if name == "progress":

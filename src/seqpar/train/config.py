@@ -28,6 +28,7 @@ TRAIN_SIZE: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hi
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
+    """A field with its --help text; ``shown`` says the default in words where the value would not."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -38,15 +39,15 @@ class TrainConfig:
     model: str = _opt("tiny-llama", "a built-in config name (tiny-llama, tiny-qwen3, tiny-mistral, tiny-gemma2; "
                       "sized by --model-config) or a local transformers checkpoint directory (its tokenizer too)")
     model_config: str = _opt("", "JSON object of config fields for a built-in model, applied over the training "
-                             f"size {json.dumps(TRAIN_SIZE)}", metavar="JSON")
+                             f"size {json.dumps(TRAIN_SIZE)}", metavar="JSON", shown="{}")
     data: list[str] = _opt(None, "text files (one document each) or JSONL files (one JSON object per line with a "
-                           "text field); without it, the embedded long-range copy task", nargs="+", metavar="FILE")
+                           "text field)", nargs="+", metavar="FILE", shown="none: the embedded long-range copy task")
     text_field: str = _opt("text", "the JSONL field that holds the text")
     seq_len: int = _opt(4096, "tokens per row (the sequence every SP group shares)")
     packing: bool = _opt(False, "pack several documents per row (position ids restart, no attention across "
                          "documents) instead of one padded document per row")
     sp: int = _opt(2, "sequence-parallel degree: ranks that share one sequence")
-    dp: int = _opt(None, "data-parallel degree (default: world size / sp)")
+    dp: int = _opt(None, "data-parallel degree", shown="world size / sp")
     strategy: str = _opt("ulysses", "sequence-parallel attention: ulysses, ring, hybrid (ring x ulysses) or auto "
                          "(seqpar.plan picks)", choices=STRATEGIES)
     steps: int = _opt(300, "optimizer steps")
@@ -72,7 +73,7 @@ class TrainConfig:
     eval_rows: int = _opt(8, "held-out rows for the final evaluation (task accuracy / loss)")
     fsdp: str = _opt("auto", "FSDP2 over the dp x sp ranks: on, off, or auto (on with CUDA or bfloat16)",
                      choices=("auto", "on", "off"))
-    nproc: int = _opt(None, "local worker processes when not under torchrun (default: sp x dp, or sp)")
+    nproc: int = _opt(None, "local worker processes when not under torchrun", shown="sp x dp, or sp")
     timeout: float = _opt(300.0, "seconds a collective may wait before the job counts as hung")
     progress: bool = _opt(True, "progress bar on rank 0 (--no-progress to turn it off)")
 

@@ -85,7 +85,8 @@ def make_rows(docs: Sequence[list[int]], seq_len: int, *, packing: bool, pad_id:
         for doc in docs:
             for start in range(0, len(doc), seq_len):
                 chunk = doc[start:start + seq_len]
-                rows.append(_row(chunk, list(range(len(chunk))), seq_len, pad_id))
+                if len(chunk) >= 2:  # one token has no target
+                    rows.append(_row(chunk, list(range(len(chunk))), seq_len, pad_id))
         return rows
     ids: list[int] = []
     pos: list[int] = []
@@ -101,7 +102,7 @@ def make_rows(docs: Sequence[list[int]], seq_len: int, *, packing: bool, pad_id:
                 ids, pos = [], []
     if ids:
         rows.append(_row(ids, pos, seq_len, pad_id))
-    return rows
+    return [r for r in rows if int(r["attention_mask"].sum()) >= 2]  # a row without a target teaches nothing
 
 
 class TextData:
@@ -110,7 +111,7 @@ class TextData:
     def __init__(self, rows: list[dict[str, Tensor]], *, seed: int, eval_rows: int, vocab_size: int,
                  describe: str) -> None:
         if not rows:
-            raise ValueError("--data produced no rows")
+            raise ValueError("--data has no document of two tokens or more: nothing to learn")
         perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
         n_eval = min(eval_rows, len(rows) // 10)
         self.eval = [rows[i] for i in perm[:n_eval]]
@@ -120,8 +121,7 @@ class TextData:
         self.vocab_size = vocab_size
         self._describe = describe
         self.chance: float | None = None
-        if not any(bool((r["labels"] != IGNORE).sum() > 1) for r in self.train):
-            raise ValueError("--data has no row with two tokens or more: nothing to learn")
+
 
     def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
         if split == EVAL:
