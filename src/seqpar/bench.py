@@ -273,15 +273,16 @@ def check_cases(all_cases: list[BenchCase]) -> None:
 
 
 def torchrun_rows(all_cases: list[BenchCase]) -> list[dict[str, Any]] | None:
-    """Under torchrun: every case in this one job (the world size is P; the 1-rank cases run on
-    each rank alone, dp = world), peaks reset between cases. Rows on rank 0, None elsewhere."""
+    """Under torchrun, on GPUs: every case in this one job (the world size is P, whatever --nproc
+    says; the 1-rank cases run on each rank alone, dp = world), the allocator's peak reset between
+    cases. Rows on rank 0, None elsewhere."""
     from datetime import timedelta
 
-    device = torch.device("cpu")
-    backend = "gloo"
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
-        torch.cuda.set_device(device)
+    # on CPU, memory freed by one case stays resident for the next, so RSS cannot be measured this way
+    assert torch.cuda.is_available(), "checked by the caller"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl"
+    torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=900))
     world = dist.get_world_size()
     rows = []
@@ -295,8 +296,7 @@ def torchrun_rows(all_cases: list[BenchCase]) -> list[dict[str, Any]] | None:
             dist.all_gather(out, table)
             mems = [float(t[0]) for t in out]
             rows.append({**asdict(case), "mem_mib": max(mems), "mem_mib_per_rank": [round(m, 1) for m in mems],
-                         "step_s": max(float(t[1]) for t in out),
-                         "measure": "CUDA allocator peak" if device.type == "cuda" else "peak RSS"})
+                         "step_s": max(float(t[1]) for t in out), "measure": "CUDA allocator peak"})
     finally:
         dist.destroy_process_group()
     return rows if int(os.environ.get("RANK", 0)) == 0 else None

@@ -56,6 +56,15 @@ def run(args: argparse.Namespace) -> int:
     from seqpar.train.launcher import under_torchrun
 
     if under_torchrun():
+        import torch
+
+        if not torch.cuda.is_available():
+            if int(os.environ.get("RANK", 0)) != 0:
+                return 2  # rank 0 says why
+            raise ValueError("seqpar bench under torchrun measures the CUDA allocator; on CPU run it without "
+                             "torchrun (it starts fresh processes for every configuration)")
+        world = int(os.environ["WORLD_SIZE"])
+        cases = bench.cases(args.model, args.model_config, args.seq_lens, [world], strategies, args.steps, args.dtype)
         rows = bench.torchrun_rows(cases)
         if rows is None:
             return 0  # not rank 0
