@@ -68,6 +68,9 @@ def apply_fsdp(model: nn.Module, mesh: MeshOrGroup, **fully_shard_kwargs: Any) -
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                # a divide factor of 1 otherwise becomes PREMUL_SUM in fp32/bf16, which gloo lacks
+                module.set_force_sum_reduction_for_comms(True)
     return model
 
 

@@ -217,6 +217,10 @@ def _make_attention(mesh: MeshOrGroup, strategy: str, kernel: Any, original: str
             fn, kind = _original_function(original, module)
             kern = ModelKernel(fn, module, kind, batch) if fn is not None else (
                 "reference" if softcap is not None else "sdpa")
+        if not query.dtype == key.dtype == value.dtype:
+            # under torch.autocast RoPE leaves q, k in float32 while v is bfloat16; the fused
+            # all-to-all needs one dtype, and autocast would run attention in v's anyway
+            query, key = query.to(value.dtype), key.to(value.dtype)
         out = sp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
                            strategy=strategy, causal=causal, scale=scaling, window=window, softcap=softcap,
                            dropout=dropout, kernel=kern, shard=batch.shard, validate=False)

@@ -126,7 +126,8 @@ def run_distributed(fn: Callable[..., Any], nproc: int, *args: Any, timeout: flo
                         os.kill(procs[r].pid, signal.SIGUSR1)
                 time.sleep(0.5)
                 for r in missing:
-                    stack = open(os.path.join(tmp, f"rank{r}.txt")).read().strip()
+                    trace = os.path.join(tmp, f"rank{r}.txt")
+                    stack = open(trace).read().strip() if os.path.exists(trace) else "(no stack: died early)"
                     alive = procs[r].is_alive()
                     errors[r] = (f"{'hung (no result within the deadline)' if alive else 'died without a result'}"
                                  f" (exit code {procs[r].exitcode})\n{stack}")

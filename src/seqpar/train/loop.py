@@ -98,16 +98,12 @@ class Trainer:
         seqpar.parallelize(model, self.mesh, strategy=job.strategy)
         self.use_fsdp = use_fsdp(cfg, self.device.type)
         if self.use_fsdp:
-            from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+            from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kw: dict[str, Any] = {}
             if dtype == torch.bfloat16:  # bf16 compute, fp32 master weights and gradient reduction
                 kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            seqpar.apply_fsdp(model, self.mesh, **kw)
-            for module in model.modules():
-                # the summed (divide factor 1) reduction as a plain SUM: gloo has no PREMUL_SUM
-                if isinstance(module, FSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
+            seqpar.apply_fsdp(model, self.mesh, **kw)  # summed reduction as a plain SUM (gloo has no PREMUL_SUM)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
