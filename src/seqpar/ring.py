@@ -37,7 +37,7 @@ from .kernels import AttnSpec, MaskInfo, check_supported, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
 from .meta import SeqShard, with_global_masks
 from .ring_comm import COMMS
-from .validate import check_attention_inputs
+from .validate import shard_lengths
 
 _FAR = 1 << 62  # "unbounded" for integer position intervals
 
@@ -264,16 +264,12 @@ def ring_attention(
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
     kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,
                         masks_given=key_padding_mask is not None or segment_ids is not None)
-    p, me = dist.get_world_size(group), dist.get_rank(group)
+    p = dist.get_world_size(group)
     if shard is not None and len(shard.seq_lens) != p:
         raise ValueError(f"the SeqShard has {len(shard.seq_lens)} shard lengths for a ring of {p} ranks: build it"
                          " over this group")
-    if validate:
-        seq_lens = check_attention_inputs(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
-                                          segment_ids=segment_ids,
-                                          shard_len=None if shard is None else shard.seq_lens[me])
-    else:
-        seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * p
+    seq_lens = shard_lengths(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
+                             segment_ids=segment_ids, shard=shard, validate=validate)
     check_supported(kern, spec)  # after the cross-rank check: the spec is the same everywhere now
     shard = resolve_shard(shard, tuple(seq_lens), layout, p)
     shard = with_global_masks(shard, key_padding_mask, segment_ids, group)

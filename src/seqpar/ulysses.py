@@ -28,7 +28,7 @@ from torch import Tensor
 from .collectives import all_to_all_multi, even_ranges, split_offsets
 from .kernels import AttnSpec, MaskInfo, attend, check_supported, get_kernel
 from .meta import SeqShard, with_global_masks
-from .validate import check_attention_inputs
+from .validate import shard_lengths
 
 
 def head_ranges(n_heads: int, n_kv_heads: int, parts: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -85,16 +85,11 @@ def ulysses_attention(
     """
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout)
     kern = get_kernel(kernel)
-    p, me = dist.get_world_size(group), dist.get_rank(group)
     if shard is not None and (key_padding_mask is not None or segment_ids is not None):
         raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
 
-    if validate:
-        seq_lens = check_attention_inputs(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
-                                          segment_ids=segment_ids,
-                                          shard_len=None if shard is None else shard.seq_lens[me])
-    else:
-        seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * p
+    seq_lens = shard_lengths(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
+                             segment_ids=segment_ids, shard=shard, validate=validate)
     check_supported(kern, spec)  # after the cross-rank check: the spec is now known to be the same everywhere
     if shard is None:
         shard = SeqShard(seq_lens)

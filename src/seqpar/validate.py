@@ -134,3 +134,15 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Proce
     check_rows(rows, same=list(_ATTN_NAMES), local=local, what="attention input",
                describe=lambda n: _ATTN_NAMES[n])
     return tuple(int(row["q.1"]) for row in rows)
+
+
+def shard_lengths(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec,
+                  key_padding_mask: Tensor | None, segment_ids: Tensor | None, shard, validate: bool
+                  ) -> tuple[int, ...]:
+    """Every rank's local length: validated across ranks (:func:`check_attention_inputs`, one
+    all-gather) when ``validate``, else taken from ``shard`` (or assumed equal to this rank's)."""
+    if validate:
+        me = dist.get_rank(group)
+        return check_attention_inputs(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
+                                      segment_ids=segment_ids, shard_len=None if shard is None else shard.seq_lens[me])
+    return tuple(shard.seq_lens) if shard is not None else (q.shape[1],) * dist.get_world_size(group)
