@@ -23,6 +23,7 @@ verify: install
 
 test: install
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -p no:cacheprovider
 
 bench: install

@@ -21,12 +21,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from seqpar.hybrid import hybrid_attention, hybrid_groups
-from seqpar.launch import run_distributed
-from seqpar.layout import layout_indices, layout_permutation, layout_seq_lens
-from seqpar.meta import SeqShard
-from seqpar.ring import RingStats, ring_attention
-from seqpar.ulysses import ulysses_attention
+from seqpar.attention.hybrid import hybrid_attention, hybrid_groups
+from seqpar.attention.layout import layout_indices, layout_permutation, layout_seq_lens
+from seqpar.attention.ring import RingStats, ring_attention
+from seqpar.attention.shard import SeqShard
+from seqpar.attention.ulysses import ulysses_attention
+from seqpar.comm.launch import run_distributed
 
 # name, layout (hybrid: ulysses = 2 where P is even, ring = P / 2)
 STRATEGIES = (

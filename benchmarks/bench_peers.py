@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.debug import count_collectives
-from seqpar.launch import run_distributed
-from seqpar.meta import SeqShard
-from seqpar.ulysses import ulysses_attention
+from seqpar.attention.shard import SeqShard
+from seqpar.attention.ulysses import ulysses_attention
+from seqpar.comm.counting import count_collectives
+from seqpar.comm.launch import run_distributed
 
 
 def _sdpa_bshd(q, k, v, *args, **kwargs):

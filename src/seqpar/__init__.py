@@ -1,60 +1,50 @@
-"""seqpar: exact sequence parallelism for PyTorch and HuggingFace transformers."""
+"""seqpar: exact sequence parallelism for PyTorch and HuggingFace transformers.
 
-from .collectives import (
-    RingShift,
-    all_to_all,
-    all_to_all_multi,
-    gather_seq,
-    split_seq,
-    split_sizes,
-)
-from .data import count_target_tokens, shard_batch
-from .fsdp import apply_ddp, apply_fsdp
-from .hf import parallelize, parallelized, unparallelize
-from .hybrid import hybrid_attention, hybrid_groups
-from .kernels import AttnSpec, MaskInfo, get_kernel
-from .layout import inverse_permutation, layout_indices, layout_permutation
-from .loss import gather_log_probs, sync_gradients
-from .mesh import init_mesh
-from .meta import SeqShard, gather_seq_shard
+The package is layered, lowest first (a module imports only its own layer or below; ``lint-imports``
+checks it): ``comm`` (mesh, collectives, cross-rank agreement, local process launch), ``attention``
+(spec and kernels, the float64 reference, layouts, Ulysses, ring, hybrid, dispatch), ``batch``
+(shard_batch, targets, the exact loss), ``integrations`` (transformers, FSDP2/DDP, models) beside
+``planner``, ``testing`` (parity engines), ``train``, ``bench``, and ``cli`` on top.
+
+What a user calls is listed in ``__all__``; everything else stays importable from its module.
+"""
+
+from .attention.dispatch import sp_attention
+from .attention.hybrid import hybrid_attention
+from .attention.reference import reference_attention
+from .attention.ring import ring_attention
+from .attention.shard import SeqShard
+from .attention.ulysses import ulysses_attention
+from .batch.loss import gather_log_probs, sync_gradients
+from .batch.sharding import count_target_tokens, shard_batch
+from .comm.collectives import all_to_all
+from .comm.gather import gather_seq, split_seq
+from .comm.mesh import init_mesh
+from .integrations.fsdp import apply_ddp, apply_fsdp
+from .integrations.hf import parallelize, parallelized, unparallelize
 from .planner import Plan, plan
-from .reference import reference_attention
-from .ring import RingStats, ring_attention
-from .ulysses import head_ranges, ulysses_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttnSpec",
-    "MaskInfo",
     "Plan",
-    "RingShift",
-    "RingStats",
     "SeqShard",
     "all_to_all",
-    "all_to_all_multi",
     "apply_ddp",
     "apply_fsdp",
     "count_target_tokens",
     "gather_log_probs",
     "gather_seq",
-    "gather_seq_shard",
-    "get_kernel",
-    "head_ranges",
     "hybrid_attention",
-    "hybrid_groups",
     "init_mesh",
-    "inverse_permutation",
-    "layout_indices",
-    "layout_permutation",
     "parallelize",
     "parallelized",
     "plan",
     "reference_attention",
     "ring_attention",
     "shard_batch",
+    "sp_attention",
     "split_seq",
-    "split_sizes",
     "sync_gradients",
     "ulysses_attention",
     "unparallelize",

@@ -86,11 +86,11 @@ def _peak_rss_mib(reset_ok: bool) -> float:
 
 def _build(case: BenchCase, mesh: Any, device: torch.device) -> tuple[Any, Any]:
     import seqpar
-    from seqpar.models import build_model
-    from seqpar.train.config import TrainConfig, model_overrides
+    from seqpar.integrations.models import build_model
+    from seqpar.train.config import DTYPES, TrainConfig, model_overrides
     from seqpar.train.tasks import CopyTask
 
-    dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[case.dtype]
+    dtype = DTYPES[case.dtype]
     torch.manual_seed(case.seed)
     overrides = model_overrides(TrainConfig(model=case.model, model_config=case.model_config))
     model, _ = build_model(case.model, dtype=dtype, vocab_size=CopyTask(case.seq_len).vocab_size,
@@ -150,22 +150,22 @@ def _mesh_for(case: BenchCase, device_type: str) -> Any:
 
     kw: dict[str, int] = {"sp": case.nproc, "dp": dist.get_world_size() // case.nproc}
     if case.strategy == "hybrid":
+        from seqpar.planner import hybrid_split
         from seqpar.train.config import TrainConfig, model_overrides
-        from seqpar.train.job import _hybrid_split
 
         heads = model_overrides(TrainConfig(model_config=case.model_config))["num_attention_heads"]
-        kw["ulysses"], kw["ring"] = _hybrid_split(case.nproc, heads)
+        kw["ulysses"], kw["ring"] = hybrid_split(case.nproc, heads)
     return seqpar.init_mesh(**kw, device_type=device_type)
 
 
 def bench_worker(rank: int, world: int, case: BenchCase) -> dict[str, float]:
-    """One configuration on ``world`` fresh local processes (:func:`seqpar.launch.run_distributed`)."""
+    """One configuration on ``world`` fresh local processes (:func:`seqpar.comm.launch.run_distributed`)."""
     return measure(case, _mesh_for(case, "cpu"), torch.device("cpu"))
 
 
 def run_case(case: BenchCase, timeout: float = 900.0) -> dict[str, Any]:
     """Measure one case in fresh processes; returns the row (max memory over the ranks)."""
-    from seqpar.launch import run_distributed
+    from seqpar.comm.launch import run_distributed
 
     per_rank = run_distributed(bench_worker, case.nproc, case, timeout=timeout, pg_timeout=timeout,
                                env={"OMP_NUM_THREADS": "1"})
@@ -259,7 +259,7 @@ def cases(model: str, model_config: str, seq_lens: list[int], nprocs: list[int],
 
 def check_cases(all_cases: list[BenchCase]) -> None:
     """Bad input before any process starts: ValueError naming the option."""
-    from seqpar.models import BUILTIN_MODELS
+    from seqpar.integrations.models import BUILTIN_MODELS
 
     for c in all_cases:
         if c.model not in BUILTIN_MODELS:

@@ -14,13 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="seqpar", description="Exact sequence parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"seqpar.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"seqpar.cli.{name}":
-                raise
-            continue  # not built yet
-        module.add_parser(sub)
+        importlib.import_module(f"seqpar.cli.{name}").add_parser(sub)
     return parser
 
 

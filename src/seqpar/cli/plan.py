@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from seqpar.integrations.models import BUILTIN_MODELS, builtin_config, decoder_config
+
 # With no flags: 32 heads of 128 (hidden 4096), 32 layers, on one node of 8 ranks, 128k tokens.
 DEFAULTS = dict(heads=32, kv_heads=None, head_dim=None, hidden_size=None, layers=32, intermediate_size=None,
                 world_size=8, devices_per_node=8, seq_len=131072)
@@ -61,7 +63,7 @@ def _size(text: str) -> int:
 
 def model_shape(name_or_path: str) -> dict[str, int]:
     """Planner arguments read from a transformers config: a local directory with config.json, a
-    config.json path, or a built-in name of ``seqpar.models`` (when that module exists)."""
+    config.json path, or a built-in name (``seqpar.integrations.models.BUILTIN_MODELS``)."""
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
@@ -72,7 +74,8 @@ def model_shape(name_or_path: str) -> dict[str, int]:
             raise ValueError(f"--model {name_or_path}: cannot read {path}: {e}") from e
     else:
         cfg = _builtin_config(name_or_path)
-    cfg = {**cfg, **(cfg.get("text_config") or {})}  # multimodal configs keep the LM's shape here
+    if "text_config" in cfg:  # a multimodal config: the decoder's shape is in text_config
+        cfg = decoder_config(cfg)[0]
     shape = {}
     for arg, keys in _CONFIG_KEYS.items():
         value = next((cfg[k] for k in keys if cfg.get(k) is not None), None)
@@ -85,19 +88,11 @@ def model_shape(name_or_path: str) -> dict[str, int]:
 
 
 def _builtin_config(name: str) -> dict[str, Any]:
-    """The config of a built-in name of ``seqpar.models`` (``BUILTIN_MODELS`` + ``builtin_config``)."""
-    try:
-        from seqpar import models
-    except ModuleNotFoundError as e:
-        if e.name != "seqpar.models":
-            raise
-        models = None
-    names = list(getattr(models, "BUILTIN_MODELS", None) or [])
-    if name in names and hasattr(models, "builtin_config"):
-        cfg = models.builtin_config(name)
-        return dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-    raise ValueError(f"--model {name}: not a local directory or config.json, nor a built-in name"
-                     f" ({', '.join(names) or 'none available'})")
+    """The config of a built-in model name as a dict."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"--model {name}: not a local directory or config.json, nor a built-in name"
+                         f" ({', '.join(BUILTIN_MODELS)})")
+    return builtin_config(name).to_dict()
 
 
 def _resolve(args: argparse.Namespace) -> dict[str, Any]:

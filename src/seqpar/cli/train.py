@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from seqpar.train.config import FIELDS, TrainConfig, load_config_file
+from seqpar.train.run import RunSummary
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,34 +58,34 @@ def _duration(s: float) -> str:
     return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
 
 
-def format_summary(s: dict[str, Any]) -> str:
+def format_summary(s: RunSummary) -> str:
     """The closing report of a run (rank 0's summary)."""
-    this_run = f" ({len(s['losses'])} in this run)" if s.get("resumed_from") else ""
-    lines = [f"seqpar train: {s['steps']} steps{this_run} in {_duration(s['train_time_s'])} "
-             f"(+{s['setup_s']:.0f}s setup, {s['eval_s']:.0f}s eval) -- sp={s['sp']} x dp={s['dp']} "
-             f"({s['strategy']}, {s['world']} ranks on {s['device'].split(':')[0]}{', FSDP2' if s['fsdp'] else ''}), "
-             f"{s['tokens_per_step']:,} tokens per step, {s['params']:,} parameters"]
-    lines.append(f"  data        {s['data']}")
-    if s["losses"]:
-        (s0, l0), (s1, l1) = s["losses"][0], s["losses"][-1]
+    this_run = f" ({len(s.losses)} in this run)" if s.resumed_from else ""
+    lines = [f"seqpar train: {s.steps} steps{this_run} in {_duration(s.train_time_s)} "
+             f"(+{s.setup_s:.0f}s setup, {s.eval_s:.0f}s eval) -- sp={s.sp} x dp={s.dp} "
+             f"({s.strategy}, {s.world} ranks on {s.device.split(':')[0]}{', FSDP2' if s.fsdp else ''}), "
+             f"{s.tokens_per_step:,} tokens per step, {s.params:,} parameters"]
+    lines.append(f"  data        {s.data}")
+    if s.losses:
+        (s0, l0), (s1, l1) = s.losses[0], s.losses[-1]
         lines.append(f"  loss        {l0:.4f} (step {s0}) -> {l1:.4f} (step {s1})")
-    ev, first = s.get("final_eval"), s.get("first_eval")
+    ev, first = s.final_eval, s.first_eval
     if ev:
-        acc = f"{100 * ev['accuracy']:.1f}%"
-        if s.get("chance"):
-            acc += f" vs chance {100 * s['chance']:.1f}% ({ev['accuracy'] / s['chance']:.0f}x)"
+        acc = f"{100 * ev.accuracy:.1f}%"
+        if s.chance:
+            acc += f" vs chance {100 * s.chance:.1f}% ({ev.accuracy / s.chance:.0f}x)"
         if first:
-            acc += f"; before training {100 * first['accuracy']:.1f}%"
-        lines.append(f"  held-out    accuracy {acc} over {ev['targets']:,} answers; loss {ev['loss']:.4f}")
-    if s["peak_mem_mib"]:
-        kind = "CUDA allocator peak" if s["device"].startswith("cuda") else "peak RSS"
-        mem = ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(s["peak_mem_mib"]))
+            acc += f"; before training {100 * first.accuracy:.1f}%"
+        lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} answers; loss {ev.loss:.4f}")
+    if s.peak_mem_mib:
+        kind = "CUDA allocator peak" if s.device.startswith("cuda") else "peak RSS"
+        mem = ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(s.peak_mem_mib))
         lines.append(f"  peak memory {mem} ({kind})")
-    lines.append(f"  metrics     {s['metrics']} (one JSON line per step)")
-    if s["checkpoint"]:
-        lines.append(f"  checkpoint  {s['checkpoint']} (torch.distributed.checkpoint; --resume continues)")
-    if s.get("resumed_from"):
-        lines.append(f"  resumed     from {s['resumed_from']}")
+    lines.append(f"  metrics     {s.metrics} (one JSON line per step)")
+    if s.checkpoint:
+        lines.append(f"  checkpoint  {s.checkpoint} (torch.distributed.checkpoint; --resume continues)")
+    if s.resumed_from:
+        lines.append(f"  resumed     from {s.resumed_from}")
     return "\n".join(lines)
 
 

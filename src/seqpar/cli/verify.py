@@ -4,7 +4,6 @@ reference, forward and backward, on local gloo processes; non-zero exit past tol
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,34 +20,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def attention_grid(strategy: str, quick: bool) -> list:
-    from seqpar.parity import AttnCase
-
-    lengths = (7, 129) if quick else (1, 7, 37, 129)
-    heads = ((8, 2), (6, 1)) if quick else ((8, 8), (8, 2), (8, 1), (6, 3), (6, 1), (12, 4))
-    cases = [AttnCase(seq=s, heads=h, kv_heads=hk, causal=c, mask=m, strategy=strategy)
-             for s in lengths for h, hk in heads for c in (False, True) for m in ("none", "pad", "packed")]
-    cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, window=5, softcap=3.0, scale=0.3, mask="pad",
-                       strategy=strategy)]
-    if strategy == "ulysses":
-        cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, kernel=k, mask=m, strategy=strategy)
-                  for k in ("flash_cpu", "sdpa") for m in ("pad", "packed")]
-    if strategy in ("ring", "hybrid"):  # the load-balanced layout, the fused CPU kernel, K/V gathered once
-        cases += [AttnCase(seq=c.seq, heads=c.heads, kv_heads=c.kv_heads, causal=True, mask=c.mask, strategy=strategy,
-                           options={"layout": "zigzag"}) for c in cases if c.causal and c.window is None]
-        cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, kernel="flash_cpu", mask=m, window=w,
-                           strategy=strategy, options={"layout": "zigzag", "comm": comm})
-                  for m in ("pad", "packed") for w in (None, 5) for comm in ("p2p", "allgather")]
-    return cases
-
-
 def run(args: argparse.Namespace) -> int:
     if args.model:
-        from seqpar.model_parity import verify_model_main
-
-        return verify_model_main(args)
-    from seqpar.launch import run_distributed
-    from seqpar.parity import run_cases
+        return verify_model(args)
+    from seqpar.comm.launch import run_distributed
+    from seqpar.testing.attention_parity import attention_grid, run_cases
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -70,5 +46,37 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-if __name__ == "__main__":
-    sys.exit(run(argparse.Namespace()))
+def verify_model(args: argparse.Namespace) -> int:
+    """``seqpar verify --model NAME --nproc P``: print per case the loss difference and the largest
+    gradient difference per parameter group; 1 if any is past tolerance (loss 1e-9, grads 1e-8)."""
+    from seqpar.comm.launch import run_distributed
+    from seqpar.integrations.models import check_model_name
+    from seqpar.testing.model_parity import F32_GRAD_RTOL, GRAD_TOL, LOSS_TOL, model_cases, row_ok, run_model_parity
+
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    check_model_name(args.model)
+    cases = model_cases(args.model, args.strategy)
+    rows = run_distributed(run_model_parity, args.nproc, cases, timeout=args.timeout)[0]
+    groups = sorted({g for r in rows for g in r["grad_diff"]})
+    f32 = any(r["f32_params"] for r in rows)
+    header = (f"{'P':>2} {'case':<58} {'loss':>9} " + " ".join(f"{g:>9}" for g in groups)
+              + (f" {'f32 rel':>9}" if f32 else "") + "  ok")
+    print("max |SP - non-SP| in float64: loss, then gradients per parameter group")
+    print(header)
+    print("-" * len(header))
+    failed = 0
+    for r in rows:
+        ok = row_ok(r)
+        failed += not ok
+        cells = " ".join(f"{r['grad_diff'].get(g, 0.0):9.2e}" for g in groups)
+        extra = f" {r['f32_rel']:9.2e}" if f32 else ""
+        print(f"{r['P']:>2} {r['label']:<58} {r['loss_diff']:9.2e} {cells}{extra}  {'ok' if ok else 'FAIL'}")
+    if f32:
+        print(f"(f32 rel: weights the model computes in float32 itself, relative error, tolerance {F32_GRAD_RTOL:g})")
+    worst_loss = max(r["loss_diff"] for r in rows)
+    worst = max(rows, key=lambda r: r["grad_max"])
+    print(f"\n{len(rows) - failed} passed, {failed} failed ({args.model}, P={args.nproc}, float64; tolerances loss "
+          f"{LOSS_TOL:g}, grads {GRAD_TOL:g}); worst loss diff {worst_loss:.2e}, worst grad diff "
+          f"{worst['grad_max']:.2e} ({worst['worst_param']})")
+    return 1 if failed else 0

@@ -13,11 +13,11 @@ from typing import Any
 from .config import TrainConfig
 from .job import Job, prepare_job
 from .loop import Trainer
-from .run import run_training
+from .run import RunSummary, run_training
 from .tasks import CopyTask
 
 
-def train(cfg: TrainConfig | None = None, **options: Any) -> dict[str, Any]:
+def train(cfg: TrainConfig | None = None, **options: Any) -> RunSummary:
     """Run a training job on local worker processes (gloo); returns rank 0's summary.
 
     ``options`` override fields of ``cfg`` (or of the defaults). Raises ValueError for bad options
@@ -28,4 +28,4 @@ def train(cfg: TrainConfig | None = None, **options: Any) -> dict[str, Any]:
     return run_local(prepare_job(cfg))
 
 
-__all__ = ["CopyTask", "Job", "TrainConfig", "Trainer", "prepare_job", "run_training", "train"]
+__all__ = ["CopyTask", "Job", "RunSummary", "TrainConfig", "Trainer", "prepare_job", "run_training", "train"]

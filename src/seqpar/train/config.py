@@ -14,14 +14,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
-DTYPES = ("float32", "bfloat16", "float64")
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+"""--dtype names and the torch dtypes they stand for (the one table; bench uses it too)."""
 
 # The model `seqpar train` builds when --model is a built-in name: the built-in family (tiny-llama by
 # default) at a size that learns the embedded task in a few CPU minutes. Vocabulary and maximum
 # position come from the data (task or tokenizer) and --seq-len. A RoPE base of 1000 (instead of
-# 10000): measured on the copy task at 4096 tokens, attention found the 2048-token offset within
-# 85-145 steps for 6 of 6 seeds, against 1 of 3 within 200-400 steps at 10000.
+# 10000) lets attention find the copy task's long offset early (README: "What seqpar train does").
 TRAIN_SIZE: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=4, head_dim=32,
                                   rope_theta=1000.0)
@@ -40,14 +42,15 @@ class TrainConfig:
                       "sized by --model-config) or a local transformers checkpoint directory (its tokenizer too)")
     model_config: str = _opt("", "JSON object of config fields for a built-in model, applied over the training "
                              f"size {json.dumps(TRAIN_SIZE)}", metavar="JSON", shown="{}")
-    data: list[str] = _opt(None, "text files (one document each) or JSONL files (one JSON object per line with a "
-                           "text field)", nargs="+", metavar="FILE", shown="none: the embedded long-range copy task")
+    data: list[str] | None = _opt(None, "text files (one document each) or JSONL files (one JSON object per line "
+                                  "with a text field)", nargs="+", metavar="FILE",
+                                  shown="none: the embedded long-range copy task")
     text_field: str = _opt("text", "the JSONL field that holds the text")
     seq_len: int = _opt(4096, "tokens per row (the sequence every SP group shares)")
     packing: bool = _opt(False, "pack several documents per row (position ids restart, no attention across "
                          "documents) instead of one padded document per row")
     sp: int = _opt(2, "sequence-parallel degree: ranks that share one sequence")
-    dp: int = _opt(None, "data-parallel degree", shown="world size / sp")
+    dp: int | None = _opt(None, "data-parallel degree", shown="world size / sp")
     strategy: str = _opt("ulysses", "sequence-parallel attention: ulysses, ring, hybrid (ring x ulysses) or auto "
                          "(seqpar.plan picks)", choices=STRATEGIES)
     steps: int = _opt(300, "optimizer steps")
@@ -60,20 +63,17 @@ class TrainConfig:
     grad_accum: int = _opt(1, "micro-batches per optimizer step")
     dtype: str = _opt("float32", "compute dtype: float32, bfloat16 (FSDP2 mixed precision, fp32 master weights) "
                       "or float64",
-                      choices=DTYPES)
+                      choices=tuple(DTYPES))
     save_dir: str = _opt(os.path.join("runs", "seqpar-train"), "where metrics.jsonl and checkpoints/ go; a "
                          "fresh run replaces an earlier one there")
     save_every: int = _opt(100, "checkpoint every N steps (and always at the end); 0: only at the end")
     keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --save-dir (same loss curve)")
-    # The copy task has a plateau until attention finds the 2048-token offset; measured with the
-    # defaults, seeds 0-3 end it at steps 85-145 and then reach 66-99.9% held-out accuracy. Seed 2
-    # (99.9% after 300 steps) makes the demo's result the clearest; every seed tried beat chance 40x+.
     seed: int = _opt(2, "seed of the model init and the data order")
     eval_rows: int = _opt(8, "held-out rows for the final evaluation (task accuracy / loss)")
     fsdp: str = _opt("auto", "FSDP2 over the dp x sp ranks: on, off, or auto (on with CUDA or bfloat16)",
                      choices=("auto", "on", "off"))
-    nproc: int = _opt(None, "local worker processes when not under torchrun", shown="sp x dp, or sp")
+    nproc: int | None = _opt(None, "local worker processes when not under torchrun", shown="sp x dp, or sp")
     timeout: float = _opt(300.0, "seconds a collective may wait before the job counts as hung")
     progress: bool = _opt(True, "progress bar on rank 0 (--no-progress to turn it off)")
 

@@ -8,9 +8,13 @@ option is one clear error instead of a traceback from every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from seqpar.integrations.models import BUILTIN_MODELS, builtin_config, decoder_config
+from seqpar.planner import hybrid_split, plan
 
 from .config import TrainConfig, check_config, model_overrides
 from .tasks import CopyTask
@@ -33,12 +37,11 @@ class Job:
     heads: int
     kv_heads: int
     reason: str = ""  # why "auto" chose what it chose
+    resume_from: str | None = None  # --resume: the checkpoint the run continues from (checked)
 
 
 def _model_config(cfg: TrainConfig) -> Any:
     """The transformers config the job will build (no weights are loaded)."""
-    from seqpar.models import BUILTIN_MODELS, builtin_config
-
     if cfg.model in BUILTIN_MODELS:
         return builtin_config(cfg.model, **model_overrides(cfg))
     if not os.path.isdir(cfg.model):
@@ -55,31 +58,14 @@ def _model_config(cfg: TrainConfig) -> Any:
                          f"{str(e).splitlines()[0]}") from None
 
 
-def _text_config(config: Any) -> Any:
-    return config if getattr(config, "num_attention_heads", None) else getattr(config, "text_config", config)
-
-
-def _hybrid_split(sp: int, heads: int) -> tuple[int, int]:
-    """``(ulysses, ring)`` for --strategy hybrid: the largest ulysses degree that leaves a ring of
-    at least 2 and does not exceed the head count."""
-    options = [u for u in range(2, sp) if sp % u == 0 and sp // u >= 2 and u <= heads]
-    if not options:
-        raise ValueError(f"--strategy hybrid cannot split --sp {sp} into ulysses x ring (each >= 2, ulysses <= "
-                         f"{heads} heads): use --strategy ulysses or ring")
-    u = max(options)
-    return u, sp // u
-
-
 def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool = True) -> Job:
     """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --dp) and
     resolve the strategy. Raises ValueError with the option to change."""
     world, sp, dp = check_config(cfg, world)
-    config = _text_config(_model_config(cfg))
+    config = decoder_config(_model_config(cfg))[0]
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     max_pos = getattr(config, "max_position_embeddings", None)
-    from seqpar.models import BUILTIN_MODELS
-
     if cfg.model not in BUILTIN_MODELS and max_pos is not None and cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}: "
                          f"use --seq-len <= {max_pos}")
@@ -87,8 +73,6 @@ def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool =
     strategy, reason = cfg.strategy, ""
     mesh_kwargs: dict[str, int] = {"sp": sp, "dp": dp}
     if strategy == "auto":
-        from seqpar.planner import plan
-
         hidden = int(config.hidden_size)
         head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
         p = plan(heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden, world_size=sp,
@@ -98,7 +82,11 @@ def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool =
         if strategy == "hybrid":
             mesh_kwargs.update(ulysses=p.ulysses, ring=p.ring)
     elif strategy == "hybrid":
-        u, r = _hybrid_split(sp, heads)
+        try:
+            u, r = hybrid_split(sp, heads)
+        except ValueError:
+            raise ValueError(f"--strategy hybrid cannot split --sp {sp} into ulysses x ring (each >= 2, ulysses <= "
+                             f"{heads} heads): use --strategy ulysses or ring") from None
         mesh_kwargs.update(ulysses=u, ring=r)
     layout = "contiguous" if strategy == "ulysses" or sp == 1 else "zigzag"
     if cfg.dtype == "bfloat16" and cfg.fsdp == "off":
@@ -125,6 +113,7 @@ def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool =
             raise ValueError(f"--resume: no complete checkpoint in {ckpt.checkpoint_root(cfg.save_dir)!r}; "
                              "run without --resume to start fresh")
         check_resumable(job, ckpt.read_trainer_state(path), path)
+        job = dataclasses.replace(job, resume_from=path)
     return job
 
 

@@ -1,6 +1,6 @@
 """Starting a ``seqpar train`` job: local gloo workers, or the ranks torchrun started.
 
-Local workers come from :func:`seqpar.launch.run_distributed` (forkserver, one thread each, file
+Local workers come from :func:`seqpar.comm.launch.run_distributed` (forkserver, one thread each, file
 rendezvous, a collective timeout). What this module adds is what a command line needs: turning
 the ranks' failures into one message -- a bad option (ValueError) as that one line, a dead or hung
 worker as which rank and why, with the last complete checkpoint named.
@@ -9,13 +9,14 @@ worker as which rank and why, with the last complete checkpoint named.
 from __future__ import annotations
 
 import os
-import re
 import signal
 from datetime import timedelta
-from typing import Any
 
+from seqpar.comm.launch import Failure, WorkerError, run_distributed
+
+from .config import TrainConfig
 from .job import Job, prepare_job
-from .run import local_worker, run_training
+from .run import RunSummary, local_worker, run_training
 
 _SIGNALS = {-s.value: s.name for s in signal.Signals}
 
@@ -30,44 +31,30 @@ class JobFailed(RuntimeError):
     """A worker died, hung or raised something other than a bad-input ValueError."""
 
 
-def _value_error(text: str) -> str | None:
-    """The message of the last ``ValueError`` in a traceback text, or None."""
-    m = list(re.finditer(r"^ValueError: (.*)", text, flags=re.M))
-    if not m:
-        return None
-    return text[m[-1].start(1):].strip()
-
-
-def _describe(rank: int, text: str) -> str:
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    m = re.search(r"exit code (-?\d+)", first)
-    if first.startswith("died") and m:
-        code = int(m.group(1))
+def _describe(rank: int, f: Failure) -> str:
+    if f.kind == "died":
+        code = f.exit_code
         return f"rank {rank} died (exit code {code}{', ' + _SIGNALS[code] if code in _SIGNALS else ''})"
-    if first.startswith("hung"):
+    if f.kind == "hung":
         return f"rank {rank} hung"
-    last = [line for line in text.strip().splitlines() if line.strip()]
-    msg = last[-1].strip() if last else "failed"
+    msg = f"{f.error_type}: {f.message}" if f.error_type else "failed"
     return f"rank {rank}: {msg if len(msg) <= 200 else msg[:200] + '...'}"
 
 
-def run_local(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
+def run_local(job: Job, *, stop_after: int | None = None) -> RunSummary:
     """Run ``job`` on ``job.world`` local gloo workers; rank 0's summary.
 
     Raises ValueError (one message) for bad input found by a worker, :class:`JobFailed` when a
     worker dies, hangs or crashes -- after every worker has been stopped.
     """
-    from seqpar.launch import WorkerError, run_distributed
-
     try:
         results = run_distributed(local_worker, job.world, job.cfg, stop_after, timeout=10.0**7,
                                   pg_timeout=job.cfg.timeout, env={"OMP_NUM_THREADS": "1"})
     except WorkerError as e:
         for rank in sorted(e.errors):
-            msg = _value_error(e.errors[rank])
-            if msg is not None:
-                raise ValueError(msg) from None
-        lost = [r for r in sorted(e.errors) if e.errors[r].startswith(("died", "hung"))]
+            if e.errors[rank].bad_input:  # the same message on every rank: say it once
+                raise ValueError(e.errors[rank].message) from None
+        lost = [r for r in sorted(e.errors) if e.errors[r].kind in ("died", "hung")]
         if lost:  # the others only failed because these ranks went away: do not list their errors
             others = [r for r in range(job.world) if r not in lost]
             lines = [_describe(r, e.errors[r]) for r in lost]
@@ -79,7 +66,7 @@ def run_local(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
     return results[0]
 
 
-def run_torchrun(cfg: Any) -> dict[str, Any] | None:
+def run_torchrun(cfg: TrainConfig) -> RunSummary | None:
     """Run as one rank of a torchrun job: NCCL and one GPU per rank when CUDA is there, else gloo.
     Options are checked before the process group starts (a ValueError is the same on every rank).
     Returns the summary on rank 0, None elsewhere."""

@@ -19,6 +19,7 @@ import math
 import os
 import resource
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,16 +27,24 @@ import torch.distributed as dist
 from torch import Tensor
 
 import seqpar
-from seqpar.mesh import axis_group
-from seqpar.models import BUILTIN_MODELS, build_model
+from seqpar.batch.loss import token_losses
+from seqpar.comm.mesh import axis_group
+from seqpar.integrations.models import BUILTIN_MODELS, build_model
 
-from .config import TrainConfig, model_overrides
+from .config import DTYPES, TrainConfig, model_overrides
 from .data import TaskData, TextData, make_rows, read_documents, row_index, stack
 from .job import Job
 from .tasks import EVAL, IGNORE, CopyTask, answer_accuracy
 from .tokenizer import make_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Held-out loss per target, greedy accuracy of the targets (the task's answers), and their count."""
+
+    loss: float
+    accuracy: float
+    targets: int
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -169,7 +178,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float] | None:
+    def evaluate(self) -> EvalResult | None:
         """Held-out loss and greedy accuracy over the targets of the held-out rows (all ranks)."""
         n = self.data.n_eval
         if n == 0:
@@ -187,12 +196,10 @@ class Trainer:
             logits = self.model(**local).logits
             if i >= len(mine):
                 continue  # padding round of a dp rank with fewer rows
-            from seqpar.loss import token_losses
-
             correct, count = answer_accuracy(logits, targets)
             totals += torch.tensor([float(token_losses(logits, targets, IGNORE).sum()), correct, count],
                                    dtype=torch.float64, device=self.device)
         self.model.train()
         dist.all_reduce(totals)
         loss_sum, correct, count = totals.tolist()
-        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "targets": int(count)}
+        return EvalResult(loss=loss_sum / max(count, 1), accuracy=correct / max(count, 1), targets=int(count))

@@ -9,19 +9,57 @@ import os
 import shutil
 import sys
 import time
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from seqpar.collectives import all_gather_flat
+from seqpar.comm import collectives
 
 from . import checkpoint as ckpt
 from .config import TrainConfig
-from .job import Job, check_resumable, prepare_job
-from .loop import Trainer, peak_memory_mib
+from .job import Job, prepare_job
+from .loop import EvalResult, Trainer, peak_memory_mib
 
 METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run did (the same on every rank); ``seqpar train`` prints it."""
+
+    steps: int  # optimizer steps done in total (resumed ones included)
+    losses: list[tuple[int, float]]  # (step, global loss) of the steps run now
+    peak_mem_mib: list[float]  # per rank, at the last step
+    train_time_s: float
+    first_eval: EvalResult | None  # before training (from the checkpoint when resumed)
+    final_eval: EvalResult | None  # after the last step (None if stopped early)
+    chance: float | None  # accuracy of guessing (the copy task), None for text data
+    data: str  # what the data is, in words
+    metrics: str  # path of metrics.jsonl
+    checkpoint: str | None  # path of the last complete checkpoint
+    world: int
+    sp: int
+    dp: int
+    strategy: str
+    layout: str
+    params: int
+    fsdp: bool
+    device: str
+    tokens_per_step: int
+    resumed_from: str | None
+    replaced_previous: bool  # a fresh run cleared an earlier run's save dir
+    reason: str  # why --strategy auto chose what it chose
+    setup_s: float
+    eval_s: float
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.losses[0][1] if self.losses else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1][1] if self.losses else None
 
 
 def _gather_stats(trainer: Trainer, loss_share: float) -> tuple[float, list[float]]:
@@ -30,7 +68,7 @@ def _gather_stats(trainer: Trainer, loss_share: float) -> tuple[float, list[floa
     row = torch.tensor([loss_share if trainer.sp_rank == 0 else 0.0, peak_memory_mib(trainer.device)],
                        dtype=torch.float64, device=trainer.device)
     table = torch.empty(trainer.world * 2, dtype=torch.float64, device=trainer.device)
-    all_gather_flat(table, row)
+    collectives.all_gather_flat(table, row)
     table = table.view(trainer.world, 2)
     return float(table[:, 0].sum()), table[:, 1].tolist()
 
@@ -41,12 +79,6 @@ def _prepare_save_dir(trainer: Trainer) -> tuple[str | None, bool]:
     cfg = trainer.cfg
     metrics = os.path.join(cfg.save_dir, METRICS_FILE)
     replaced = False
-    path = None
-    if cfg.resume:
-        path = ckpt.latest_checkpoint(cfg.save_dir)
-        if path is None:
-            raise ValueError(f"--resume: no complete checkpoint in {ckpt.checkpoint_root(cfg.save_dir)!r}; "
-                             "run without --resume to start fresh")
     if trainer.rank == 0:
         os.makedirs(cfg.save_dir, exist_ok=True)
         if not cfg.resume:
@@ -54,7 +86,7 @@ def _prepare_save_dir(trainer: Trainer) -> tuple[str | None, bool]:
             shutil.rmtree(ckpt.checkpoint_root(cfg.save_dir), ignore_errors=True)
             open(metrics, "w").close()
     dist.barrier()
-    return path, replaced
+    return trainer.job.resume_from, replaced
 
 
 def _truncate_metrics(path: str, step: int) -> None:
@@ -67,7 +99,7 @@ def _truncate_metrics(path: str, step: int) -> None:
         f.writelines(keep)
 
 
-def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
+def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
     """Train as configured (every rank calls this inside the process group); returns a summary
     (the same on every rank). ``stop_after``: leave after that many steps in total (as if
     interrupted right after the checkpoint of that step), for tests of --resume."""
@@ -77,8 +109,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
     resume_from, replaced = _prepare_save_dir(trainer)
     metrics_path = os.path.join(cfg.save_dir, METRICS_FILE)
     first_eval = None
-    if resume_from is not None:
-        check_resumable(job, ckpt.read_trainer_state(resume_from), resume_from)
+    if resume_from is not None:  # found and checked by prepare_job
         state = ckpt.load_checkpoint(resume_from, trainer.model, trainer.optimizer, trainer.scheduler)
         trainer.step = int(state["step"])
         first_eval = state.get("first_eval")
@@ -144,21 +175,18 @@ def run_training(job: Job, *, stop_after: int | None = None) -> dict[str, Any]:
     eval_s += time.perf_counter() - t_eval
     if saved is None:
         saved = ckpt.latest_checkpoint(cfg.save_dir)
-    return {
-        "steps": trainer.step, "losses": losses, "first_loss": losses[0][1] if losses else None,
-        "last_loss": losses[-1][1] if losses else None, "peak_mem_mib": mem, "train_time_s": train_time,
-        "first_eval": first_eval, "final_eval": final_eval, "chance": trainer.data.chance,
-        "data": trainer.data.describe(), "metrics": os.path.abspath(metrics_path),
-        "checkpoint": os.path.abspath(saved) if saved else None, "world": job.world, "sp": job.sp, "dp": job.dp,
-        "strategy": job.strategy, "layout": job.layout, "params": trainer.n_params, "fsdp": trainer.use_fsdp,
-        "device": str(trainer.device), "tokens_per_step": tokens_per_step,
-        "resumed_from": resume_from and os.path.abspath(resume_from), "replaced_previous": replaced,
-        "reason": job.reason, "setup_s": setup_s, "eval_s": eval_s,
-    }
+    return RunSummary(
+        steps=trainer.step, losses=losses, peak_mem_mib=mem, train_time_s=train_time, first_eval=first_eval,
+        final_eval=final_eval, chance=trainer.data.chance, data=trainer.data.describe(),
+        metrics=os.path.abspath(metrics_path), checkpoint=os.path.abspath(saved) if saved else None,
+        world=job.world, sp=job.sp, dp=job.dp, strategy=job.strategy, layout=job.layout, params=trainer.n_params,
+        fsdp=trainer.use_fsdp, device=str(trainer.device), tokens_per_step=tokens_per_step,
+        resumed_from=os.path.abspath(resume_from) if resume_from else None, replaced_previous=replaced,
+        reason=job.reason, setup_s=setup_s, eval_s=eval_s)
 
 
-def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> dict[str, Any]:
-    """Entry point of a local (gloo) worker started by :func:`seqpar.launch.run_distributed`. A
+def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> RunSummary:
+    """Entry point of a local (gloo) worker started by :func:`seqpar.comm.launch.run_distributed`. A
     ValueError propagates: the launcher turns it into one message."""
     _die_with_parent()
     from transformers.utils import logging as hf_logging

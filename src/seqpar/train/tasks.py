@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from seqpar.batch.targets import IGNORE_INDEX
+
 PAD, BOS, SEP = 0, 1, 2
 SPECIALS = 3
-IGNORE = -100
+IGNORE = IGNORE_INDEX  # labels without a target
 TRAIN, EVAL = 0, 1
 
 

@@ -1,0 +1,38 @@
+"""``make bench``: every benchmark of the repository, one after the other, each printing its ratios.
+
+    python benchmarks/run_all.py            # attention strategies, seqpar vs DeepSpeed-Ulysses, seqpar bench
+    python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
+
+The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes")
+    args = parser.parse_args()
+    seq = ["--seq", "2048"] if args.quick else []
+    bench_lens = ["--seq-lens", "2048,4096"] if args.quick else []
+    runs = [
+        [sys.executable, os.path.join(HERE, "bench_attention.py"), *seq],
+        [sys.executable, os.path.join(HERE, "bench_peers.py"), *seq],
+        [sys.executable, "-m", "seqpar.cli.main", "bench", *bench_lens],
+    ]
+    failed = 0
+    for cmd in runs:
+        print(f"\n$ {' '.join(os.path.relpath(c) if c.endswith('.py') else c for c in cmd[1:])}", flush=True)
+        failed += subprocess.call(cmd) != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Ring attention: each rank keeps its queries while K/V blocks travel around the ring.
+
+One loop serves every variant. At step ``t`` rank ``r`` holds the K/V block of rank ``(r - t) % P``,
+attends its queries to it with a kernel that returns ``(out, lse)``, and merges the partial result
+into a running ``(out, lse)`` with :func:`merge_partials`::
+
+    step:      0        1        2        3          (P = 4, rank 2)
+    K/V from:  r2  ->   r1  ->   r0  ->   r3          block of rank (2 - t) % 4
+    queries:   q2       q2       q2       q2          never move
+
+Layouts (contiguous, zigzag) are token permutations: a block's causal / window visibility comes
+from the global positions of its tokens (``SeqShard.positions``), so nothing in the loop knows the
+layout. The positions, padding mask and segment ids of every block are batch-level facts already in
+the :class:`SeqShard` on every rank, so only K and V travel. A block that causal/window hide entirely
+is skipped, and a partly hidden one is trimmed to the bounding box of its visible pairs (with zigzag
+this halves every off-diagonal block and removes its mask).
+
+How K/V travel is a small swappable object (:mod:`seqpar.ring_comm`): ``"p2p"`` (one hop per
+step, the next block's transfer overlapping this block's compute; backward sends dK/dV one step
+behind, so each returns to its owner; no rank ever holds more than two K/V blocks) or
+``"allgather"`` (gather K/V once; the backward reduce-scatters dK/dV). Unequal local lengths travel
+padded to the longest shard (at most a few tokens with tensor_split-style splits); the padding is
+never attended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .blocks import BlockPlan, RingStats, merge_partials, plan_block
+from .kernels import KernelArg, lse_kernel
+from .layout import layout_permutation, layout_seq_lens
+from .ring_comm import COMMS, RingComm
+from .shard import SeqShard, with_global_masks
+from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported
+from .validate import shard_lengths
+
+# --------------------------------------------------------------------------------------------
+# the ring
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Ring:
+    """Everything the ring loop needs besides q, k, v (built once per call)."""
+
+    comm: RingComm
+    kernel: LseKernel
+    spec: AttnSpec
+    shard: SeqShard
+    plans: list[BlockPlan | None]  # by owner rank
+    longest: int  # K/V travel padded to this length
+
+    def mask(self, owner: int, plan: BlockPlan, me: int, device: torch.device) -> MaskInfo:
+        """The block's MaskInfo, cut to the plan's rows and columns (global positions)."""
+        (r0, nr), (c0, nc) = plan.rows, plan.cols
+        qs, ks = self.shard.local_range(me)[0] + r0, self.shard.local_range(owner)[0] + c0
+        keep, seg = self.shard.key_keep, self.shard.segments
+        return MaskInfo(
+            q_pos=self.shard.positions_of(me, r0, nr).to(device),
+            k_pos=self.shard.positions_of(owner, c0, nc).to(device),
+            key_keep=keep[:, ks:ks + nc] if keep is not None else None,
+            q_seg=seg[:, qs:qs + nr] if seg is not None else None,
+            k_seg=seg[:, ks:ks + nc] if seg is not None else None)
+
+
+def _pad(x: Tensor, n: int) -> Tensor:
+    """``[B, H, S, D] -> [B, H, n, D]`` with zeros (the block shape every rank sends)."""
+    if x.shape[2] == n:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((*x.shape[:2], n - x.shape[2], x.shape[3]))], dim=2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: K/V blocks travel the ring, each merged into (out, lse). Backward: the blocks travel
+    again; each block's dQ/dK/dV come from the kernel's backward with the *merged* out and lse (the
+    softmax over all keys, so every block's share is exact), dQ stays, dK/dV go back to the block's
+    owner. Layouts: q [B, H, Sq, D], k, v [B, H_kv, Sk, D] (this rank's tokens)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, me: int, stats: RingStats | None):
+        acc = acc_dtype(q.dtype)
+        out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)  # [B, H, Sq, Dv]
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # [B, H, Sq]
+        for owner, kb, vb in ring.comm.blocks(_pad(k, ring.longest), _pad(v, ring.longest)):
+            plan = ring.plans[owner]
+            if plan is None:
+                if stats is not None:
+                    stats.skipped += 1
+                continue
+            (r0, nr), (c0, nc) = plan.rows, plan.cols
+            o_b, l_b = ring.kernel.forward(q[:, :, r0:r0 + nr], kb[:, :, c0:c0 + nc], vb[:, :, c0:c0 + nc],
+                                           ring.spec, ring.mask(owner, plan, me, q.device))
+            out[:, :, r0:r0 + nr], lse[:, :, r0:r0 + nr] = merge_partials(
+                out[:, :, r0:r0 + nr], lse[:, :, r0:r0 + nr], o_b, l_b)
+            if stats is not None:
+                stats.blocks += 1
+                stats.visible_pairs += plan.visible
+                stats.computed_pairs += nr * nc
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.me = ring, me
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, me = ctx.ring, ctx.me
+        acc = lse.dtype
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # dK/dV accumulate in float32 (float64) while they travel: P partial sums per block
+        sink = ring.comm.grad_sink()
+        for owner, kb, vb in ring.comm.blocks(_pad(k, ring.longest), _pad(v, ring.longest)):
+            dk_b = kb.new_zeros(kb.shape, dtype=acc)  # [B, H_kv, L, D]
+            dv_b = vb.new_zeros(vb.shape, dtype=acc)
+            plan = ring.plans[owner]
+            if plan is not None:
+                (r0, nr), (c0, nc) = plan.rows, plan.cols
+                rows = slice(r0, r0 + nr)
+                g = ring.kernel.backward(dout[:, :, rows], q[:, :, rows], kb[:, :, c0:c0 + nc],
+                                         vb[:, :, c0:c0 + nc], out[:, :, rows], lse[:, :, rows], ring.spec,
+                                         ring.mask(owner, plan, me, q.device))
+                dq[:, :, rows] += g[0]
+                dk_b[:, :, c0:c0 + nc] = g[1]
+                dv_b[:, :, c0:c0 + nc] = g[2]
+            sink.push(dk_b, dv_b)
+        dk, dv = sink.result()
+        n = k.shape[2]
+        return dq.to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype), None, None, None
+
+
+def run_ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: LseKernel,
+             shard: SeqShard, comm: str, stats: RingStats | None = None) -> Tensor:
+    """The ring on validated inputs: ``[B, S_local, H, D] -> [B, S_local, H, Dv]``."""
+    me = dist.get_rank(group)
+    q_pos = shard.positions_of(me)
+    plans = [plan_block(spec, q_pos, shard.positions_of(r)) for r in range(len(shard.seq_lens))]
+    ring = _Ring(COMMS[comm](group), kernel, spec, shard, plans, max(shard.seq_lens))
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ring, me, stats)
+    return out.transpose(1, 2)  # [B, S_local, H, Dv]
+
+
+def _default_kernel(q: Tensor, spec: AttnSpec) -> str:
+    """The fused CPU kernel where it honours the options, else the reference (softcap, GPU)."""
+    fast = lse_kernel("flash_cpu")
+    return "flash_cpu" if q.device.type == "cpu" and spec.options() <= (fast.supports or set()) else "reference"
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool = False,
+    scale: float | None = None, window: int | None = None, softcap: float | None = None,
+    dropout: float = 0.0, kernel: KernelArg | None = None, key_padding_mask: Tensor | None = None,
+    segment_ids: Tensor | None = None, shard: SeqShard | None = None, layout: str | None = None,
+    comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
+) -> Tensor:
+    """Exact attention over the whole sequence from sequence shards, K/V travelling around a ring.
+
+    Args:
+        q: ``[B, S_local, H, D]``; k, v: ``[B, S_local, H_kv, D]`` -- this rank's tokens, in the
+            layout's order (see :mod:`seqpar.attention.layout`). Local lengths may differ between ranks.
+        group: the ring's process group.
+        causal, scale, window, softcap: see :class:`seqpar.kernels.AttnSpec`. ``dropout`` must be 0.
+        kernel: a kernel returning ``(out, lse)`` with a backward: ``"flash_cpu"`` (default on CPU
+            unless softcap is set), ``"reference"`` (default otherwise; the only one with softcap) or
+            a Kernel object.
+        key_padding_mask, segment_ids: this rank's ``[B, S_local]`` padding mask (True = real token)
+            and packed-document ids (one small all-gather); or pass ``shard`` to reuse global ones.
+        shard: batch-level :class:`SeqShard`; its ``positions`` say which global token each rank holds.
+        layout: ``"contiguous"`` or ``"zigzag"``; without a shard it says which tokens each rank
+            holds (:func:`seqpar.layout.layout_indices`); with one it must agree with the shard.
+            None: the shard's layout, else contiguous.
+        comm: ``"p2p"`` (K/V pass from rank to rank, overlapped) or ``"allgather"`` (gathered once).
+        validate: check inputs across ranks first (one small all-gather); without it ``shard`` gives
+            the lengths (else all ranks are assumed to hold ``S_local`` tokens).
+        stats: a :class:`RingStats` to add this rank's forward work to.
+
+    Returns ``[B, S_local, H, D]``. Raises ValueError (on every rank) for inconsistent inputs.
+    """
+    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
+    kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,
+                        masks_given=key_padding_mask is not None or segment_ids is not None)
+    p = dist.get_world_size(group)
+    if shard is not None and len(shard.seq_lens) != p:
+        raise ValueError(f"the SeqShard has {len(shard.seq_lens)} shard lengths for a ring of {p} ranks: build it"
+                         " over this group")
+    seq_lens = shard_lengths(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
+                             segment_ids=segment_ids, shard=shard, validate=validate)
+    check_supported(kern, spec)  # after the cross-rank check: the spec is the same everywhere now
+    shard = resolve_shard(shard, tuple(seq_lens), layout, p)
+    shard = with_global_masks(shard, key_padding_mask, segment_ids, group)
+    return run_ring(q, k, v, group=group, spec=spec, kernel=kern, shard=shard, comm=comm, stats=stats)
+
+
+def ring_options(q: Tensor, spec: AttnSpec, *, kernel: KernelArg | None, dropout: float, comm: str,
+                 shard: SeqShard | None, masks_given: bool) -> LseKernel:
+    """Argument checks shared by ring and hybrid attention (no communication; the arguments are the
+    same on every rank); returns the kernel. Whether it supports ``spec`` is checked after the
+    cross-rank validation, where ``spec`` is known to agree."""
+    if dropout:
+        raise ValueError(f"ring attention has no dropout (got dropout={dropout}): set the attention dropout"
+                         " to 0 or use strategy='ulysses' with kernel='sdpa'")
+    if comm not in COMMS:
+        raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
+    if shard is not None and masks_given:
+        raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
+    return lse_kernel(kernel if kernel is not None else _default_kernel(q, spec))
+
+
+def resolve_shard(shard: SeqShard | None, seq_lens: tuple[int, ...], layout: str | None, p: int,
+                  ulysses: int = 1) -> SeqShard:
+    """The SeqShard to use: the given one (checked against ``layout``) or one built from ``layout``.
+
+    Pure (every rank computes the same from the same gathered lengths), so its ValueErrors are
+    raised on every rank alike.
+    """
+    total = sum(seq_lens)
+    if layout is None:
+        return shard if shard is not None else SeqShard(seq_lens)
+    expected = layout_seq_lens(total, p * ulysses, layout, ulysses)
+    if shard is None and layout != "contiguous" and seq_lens != expected:
+        raise ValueError(f"layout={layout!r} puts {list(expected)} tokens on the ranks but they hold {list(seq_lens)}:"
+                         " shard the batch with the same layout (seqpar.shard_batch(..., layout=...))")
+    perm = layout_permutation(total, p * ulysses, layout, ulysses)
+    if shard is None:
+        return SeqShard(seq_lens, None if layout == "contiguous" else perm)
+    have = shard.positions.cpu() if shard.positions is not None else torch.arange(total)
+    if have.shape != perm.shape or not torch.equal(have, perm):
+        raise ValueError(f"layout={layout!r} does not match the SeqShard's token positions: omit layout to use"
+                         " the shard's, or shard the batch with that layout")
+    return shard

@@ -1,0 +1,105 @@
+"""Batch-level facts about how the sequence is sharded, computed once per batch, used by every layer.
+
+A :class:`SeqShard` says how long each rank's shard is, which global token sits at each position
+of the layout (identity for a contiguous split, a permutation for zigzag), and which keys are
+padding or belong to which packed document -- all in the *global* sequence. Attention layers read
+it and issue no collective of their own for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.agree import check, share
+from ..comm.collectives import comm_device, split_offsets
+from ..comm.gather import gather_padded
+
+
+@dataclass(frozen=True)
+class SeqShard:
+    """How the sequence is laid out over the ranks of one sequence-parallel group.
+
+    seq_lens   local length on each rank; the global sequence (in layout order) is rank 0's
+               shard, then rank 1's, ...
+    positions  [S] long: the index in the original sequence of each layout position (None:
+               identity, i.e. a contiguous split). Causal masks and windows compare these.
+    key_keep   [B, S] bool in layout order, False marks padding (None: no padding).
+    segments   [B, S] long in layout order, packed-document id of each token (None: one document).
+    """
+
+    seq_lens: tuple[int, ...]
+    positions: Tensor | None = None
+    key_keep: Tensor | None = None
+    segments: Tensor | None = None
+
+    def local_range(self, rank: int) -> tuple[int, int]:
+        """``(start, length)`` of ``rank``'s shard in layout order."""
+        return split_offsets(self.seq_lens)[rank], self.seq_lens[rank]
+
+    def positions_of(self, rank: int, start: int = 0, n: int | None = None) -> Tensor:
+        """``[n]`` long: the original index of tokens ``start .. start + n`` of ``rank``'s shard
+        (the whole shard by default), on the CPU (block planning is host-side arithmetic)."""
+        offset, length = self.local_range(rank)
+        a = offset + start
+        b = offset + (length if n is None else start + n)
+        return self.positions[a:b].cpu() if self.positions is not None else torch.arange(a, b)
+
+
+def gather_seq_shard(group: dist.ProcessGroup, *, local_len: int, batch_size: int,
+                     key_padding_mask: Tensor | None = None, segment_ids: Tensor | None = None,
+                     positions: Tensor | None = None, device: torch.device | None = None) -> SeqShard:
+    """Build the :class:`SeqShard` of a batch from each rank's local pieces.
+
+    ``key_padding_mask`` / ``segment_ids``: this rank's ``[B, S_local]`` (True / id per token);
+    ``positions``: the whole ``[S]`` layout permutation (same on every rank) or None.
+    Costs one metadata all-gather (lengths and flags, validated on every rank) plus, when a mask
+    or segment ids are given, one all-gather of them together.
+    """
+    device = device or comm_device(group)
+    facts = {"len": float(local_len), "batch": float(batch_size),
+             "mask": 1.0 if key_padding_mask is not None else 0.0,
+             "seg": 1.0 if segment_ids is not None else 0.0}
+    problem = None
+    for t, what in ((key_padding_mask, "key padding mask"), (segment_ids, "segment ids")):
+        if t is not None and tuple(t.shape) != (batch_size, local_len):
+            problem = f"{what} must be [batch, local_seq_len] = [{batch_size}, {local_len}]"
+            break
+    table = share(facts, group, problem=problem, device=device)
+    names = {"batch": "batch size", "mask": "whether a key padding mask is given",
+             "seg": "whether segment ids (packed sequences) are given"}
+    check(table, same=list(names), describe=lambda n: names[n], what="sequence shard")
+    seq_lens = tuple(int(n) for n in table.column("len"))
+    return with_global_masks(SeqShard(seq_lens, positions), key_padding_mask, segment_ids, group, device)
+
+
+def gather_global_masks(key_padding_mask: Tensor | None, segment_ids: Tensor | None,
+                        stages: Sequence[tuple[dist.ProcessGroup, Sequence[int]]],
+                        device: torch.device | None = None) -> tuple[Tensor | None, Tensor | None]:
+    """The global ``[B, S]`` key mask and segment ids in layout order from each rank's
+    ``[B, S_local]`` pieces: both travel in one all-gather per stage. ``stages``: ``(group, shard
+    lengths along it)``, innermost first (hybrid: the ulysses group, then the ring)."""
+    if key_padding_mask is None and segment_ids is None:
+        return None, None
+    pieces = [t.to(device=device or t.device, dtype=torch.int64) for t in (key_padding_mask, segment_ids)
+              if t is not None]
+    full = torch.stack(pieces)  # [n, B, S_local]
+    for group, sizes in stages:
+        full = gather_padded(full, 2, sizes, group)  # [n, B, S_stage]
+    keep = full[0].bool() if key_padding_mask is not None else None
+    seg = full[-1] if segment_ids is not None else None
+    return keep, seg
+
+
+def with_global_masks(shard: SeqShard, key_padding_mask: Tensor | None, segment_ids: Tensor | None,
+                      group: dist.ProcessGroup, device: torch.device | None = None) -> SeqShard:
+    """``shard`` plus the global key mask and segment ids, from each rank's ``[B, S_local]`` pieces
+    (one all-gather of both together; none when neither is given)."""
+    if key_padding_mask is None and segment_ids is None:
+        return shard
+    keep, seg = gather_global_masks(key_padding_mask, segment_ids, [(group, shard.seq_lens)], device)
+    return SeqShard(shard.seq_lens, shard.positions, keep, seg)

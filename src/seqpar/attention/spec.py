@@ -1,0 +1,179 @@
+"""What attention computes, independent of how it is split, and the contract of a local kernel.
+
+Which keys a query may see is described by an :class:`AttnSpec` (causal, window, softcap, scale)
+and a :class:`MaskInfo` (global token positions, key padding, packed-document segment ids), so the
+same kernel serves a whole sequence (Ulysses) and one block of a ring whose tokens are permuted
+(zigzag). Kernels work in the torch layout ``q [B, H, Sq, D]``, ``k, v [B, H_kv, Sk, D]``
+(``H % H_kv == 0``, KV heads not repeated). There are two kinds:
+
+* :class:`LseKernel` -- ``forward(q, k, v, spec, mask) -> (out [B, H, Sq, Dv], lse [B, H, Sq])``
+  with lse in :func:`acc_dtype` (``-inf`` and ``out = 0`` on rows that see no key), and
+  ``backward(dout, q, k, v, out, lse, spec, mask) -> (dq, dk, dv)`` where ``out`` and ``lse`` may
+  be those of the *whole* attention (ring attention passes the merged ones), which is what makes a
+  blockwise backward exact. Ring and hybrid attention need one.
+* :class:`LocalKernel` -- ``kernel(q, k, v, *, spec, mask) -> out``, differentiable by itself: any
+  local attention (Ulysses wraps it).
+
+Both say in ``supports`` which options of :class:`AttnSpec` they honour (None: trusted to read the
+spec itself); asked for another, :func:`check_supported` raises instead of ignoring it.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """What attention computes, independent of how it is split.
+
+    ``window``: a key at position k is visible from a query at q only if ``q - k < window``
+    (with ``causal``), or ``|q - k| < window`` (without), as transformers' ``sliding_window``.
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` after scaling (Gemma 2).
+    """
+
+    causal: bool = False
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
+    dropout: float = 0.0
+
+    def scale_for(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def options(self) -> set[str]:
+        used = set()
+        if self.window is not None:
+            used.add("window")
+        if self.softcap is not None:
+            used.add("softcap")
+        if self.dropout:
+            used.add("dropout")
+        return used
+
+
+@dataclass(frozen=True)
+class MaskInfo:
+    """Which keys of a block each query may see, in global token coordinates.
+
+    q_pos [Sq], k_pos [Sk]  long: index of each token in the unsharded sequence (None: 0..S-1);
+                                  causal and window compare these, so permuted layouts stay exact.
+    key_keep [B, Sk]        bool: False marks a padding key.
+    q_seg [B, Sq], k_seg [B, Sk]  long: document id of each token in a packed row; a query sees
+                                  only keys of its own document.
+    """
+
+    q_pos: Tensor | None = None
+    k_pos: Tensor | None = None
+    key_keep: Tensor | None = None
+    q_seg: Tensor | None = None
+    k_seg: Tensor | None = None
+
+    def is_trivial(self) -> bool:
+        return self.key_keep is None and self.q_seg is None and self.k_seg is None
+
+    def positions(self, sq: int, sk: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        q_pos = self.q_pos if self.q_pos is not None else torch.arange(sq, device=device)
+        k_pos = self.k_pos if self.k_pos is not None else torch.arange(sk, device=device)
+        return q_pos, k_pos
+
+
+def position_mask(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+    """The causal / window part of the mask, ``[Sq, Sk]`` bool (True = visible), or None."""
+    if not spec.causal and spec.window is None:
+        return None
+    diff = q_pos[:, None] - k_pos[None, :]  # [Sq, Sk]
+    allowed = torch.ones_like(diff, dtype=torch.bool)
+    if spec.causal:
+        allowed &= diff >= 0
+    if spec.window is not None:
+        allowed &= (diff < spec.window) if spec.causal else (diff.abs() < spec.window)
+    return allowed
+
+
+def dense_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: torch.device) -> Tensor | None:
+    """Everything that hides keys, as one bool ``[B or 1, 1, Sq, Sk]`` (True = visible), or None."""
+    mask = mask or MaskInfo()
+    q_pos, k_pos = mask.positions(sq, sk, device)
+    out = position_mask(spec, q_pos, k_pos)
+    out = None if out is None else out[None, None]
+    if mask.key_keep is not None:
+        keep = mask.key_keep[:, None, None, :]  # [B, 1, 1, Sk]
+        out = keep if out is None else out & keep
+    if mask.q_seg is not None or mask.k_seg is not None:
+        if mask.q_seg is None or mask.k_seg is None:
+            raise ValueError("packed sequences need segment ids for both queries and keys")
+        same = mask.q_seg[:, None, :, None] == mask.k_seg[:, None, None, :]  # [B, 1, Sq, Sk]
+        out = same if out is None else out & same
+    return out
+
+
+def plan_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: torch.device
+              ) -> tuple[bool, Tensor | None]:
+    """How a fused kernel should mask a block: ``(is_causal, dense bool mask or None)``.
+
+    Uses the kernels' own causal flag when the block is a diagonal one (same positions for queries
+    and keys) and no mask at all when every key is visible, so fast paths stay fast.
+    """
+    mask = mask or MaskInfo()
+    if mask.is_trivial():
+        q_pos, k_pos = mask.positions(sq, sk, device)
+        if spec.window is None and spec.causal and sq == sk and (
+                mask.q_pos is mask.k_pos or torch.equal(q_pos, k_pos)) and bool(
+                (q_pos[1:] > q_pos[:-1]).all()):
+            return True, None
+        allowed = position_mask(spec, q_pos, k_pos)
+        if allowed is None or bool(allowed.all()):
+            return False, None
+        return False, allowed[None, None]
+    return False, dense_mask(spec, mask, sq, sk, device)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype lse and merged partial outputs are kept in: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class LseKernel(ABC):
+    """A local kernel that returns the log-sum-exp and has an explicit backward (see the module doc)."""
+
+    name: str
+    supports: frozenset[str] | None
+
+    @abstractmethod
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None
+                ) -> tuple[Tensor, Tensor]: ...
+
+    @abstractmethod
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 spec: AttnSpec, mask: MaskInfo | None) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+class LocalKernel(ABC):
+    """A differentiable local attention ``kernel(q, k, v, *, spec, mask) -> out [B, H, Sq, Dv]``."""
+
+    name: str
+    supports: frozenset[str] | None
+
+    @abstractmethod
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor: ...
+
+
+Kernel = LseKernel | LocalKernel
+
+
+def check_supported(kernel: Kernel, spec: AttnSpec) -> None:
+    """Raise ValueError if ``spec`` asks for an option ``kernel`` cannot honour."""
+    if kernel.supports is None:
+        return  # a plain function receives the spec and is trusted to read it
+    missing = spec.options() - set(kernel.supports)
+    if missing:
+        raise ValueError(
+            f"attention kernel {kernel.name!r} cannot honour {sorted(missing)}; use kernel='reference'"
+            f" (supports everything) or drop the option"
+        )

@@ -1,0 +1,166 @@
+"""The exact causal-LM loss under sequence parallelism, and the gradient contract that goes with it.
+
+Each SP rank holds the logits of its own tokens only. The loss of the whole sequence is
+
+    loss = sum over all targets of w_i * CE_i / N
+
+(N: the target count of this dp rank's batch, or ``num_items_in_batch``). Every rank computes its
+local sum; one all-reduce makes the *value* global on every rank, while the *gradient* stays local:
+rank r back-propagates only its own share ``d(local_sum_r) / N``. Cross-rank paths (attention) send
+their gradients back through the attention's own collectives, so after summing parameter
+gradients over the dp x sp ranks (:func:`sync_gradients`, FSDP2 / DDP via :mod:`seqpar.integrations.fsdp`)
+every parameter's gradient equals the non-parallel model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..attention.layout import inverse_permutation
+from ..attention.shard import SeqShard
+from ..comm.gather import gather_seq
+from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
+from .sharding import BATCH_KWARG, LocalBatch
+from .targets import IGNORE_INDEX
+
+
+class _GlobalTokenMean(torch.autograd.Function):
+    """Forward: all-reduce (sum) the ranks' local loss sums, divide by N: the same global loss on
+    every rank. Backward: no collective -- ``grad * grad_scale`` into the local sum only. Each rank
+    is responsible for its own targets; summing the parameter gradients over the ranks afterwards
+    (not here) is what makes the total exact, and all-reducing here too would count it P times."""
+
+    @staticmethod
+    def forward(ctx, local_sum: Tensor, group: dist.ProcessGroup | None, denominator: float,
+                grad_scale: float) -> Tensor:
+        total = local_sum.detach().clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+        ctx.grad_scale = grad_scale
+        return total / denominator
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.grad_scale, None, None, None
+
+
+def token_losses(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Per-token cross entropy ``[B, S]`` (0 where the target is ignored), computed in at least
+    float32 (float64 logits stay float64). ``logits [B, S, V]``, ``targets [B, S]`` already shifted."""
+    cdtype = torch.promote_types(logits.dtype, torch.float32)
+    flat = logits.reshape(-1, logits.shape[-1]).to(cdtype)
+    ce = F.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=ignore_index, reduction="none")
+    return ce.view(targets.shape)
+
+
+def sp_token_mean(local_sum: Tensor, batch: LocalBatch, group: dist.ProcessGroup | None,
+                  denominator: float | None = None) -> Tensor:
+    """The global token mean from this rank's summed token losses (see :class:`_GlobalTokenMean`)."""
+    if denominator is None:
+        denominator, grad_scale = batch.denominator, batch.grad_scale
+    else:
+        grad_scale = 1.0 / denominator
+    denominator = denominator if denominator > 0 else 1.0
+    return _GlobalTokenMean.apply(local_sum, group, float(denominator), grad_scale)
+
+
+def make_loss_function(mesh: DeviceMesh) -> Callable[..., Tensor]:
+    """A transformers ``loss_function`` (``model.loss_function = ...``) for batches from
+    :func:`seqpar.shard_batch`: the exact global token-weighted mean on every SP rank."""
+    group = axis_group(mesh, Axis.SP.value)
+
+    def seqpar_causal_lm_loss(logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
+                              num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
+                              shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+        batch = kwargs.get(BATCH_KWARG)
+        if not isinstance(batch, LocalBatch):
+            raise ValueError("a seqpar-parallelized model computes its loss from a sharded batch: call "
+                             "model(**seqpar.shard_batch(batch, mesh)), or seqpar.unparallelize(model) first")
+        if batch.attention_calls == 0:
+            raise ValueError("the model's attention never went through seqpar (it does not use "
+                             "transformers' AttentionInterface?): its loss would use local attention only")
+        targets = shift_labels if shift_labels is not None else labels
+        if targets is None or targets.shape != logits.shape[:2]:
+            raise ValueError(f"labels must be the [batch, local_seq_len] = {list(logits.shape[:2])} targets "
+                             "shard_batch returns")
+        per_token = token_losses(logits, targets, ignore_index)
+        if batch.loss_weights is not None:
+            per_token = per_token * batch.loss_weights.to(per_token)
+        denominator = None
+        if num_items_in_batch is not None and batch.num_items_in_batch is None:
+            denominator = float(num_items_in_batch.item() if isinstance(num_items_in_batch, Tensor)
+                                else num_items_in_batch)
+        return sp_token_mean(per_token.sum(), batch, group, denominator)
+
+    return seqpar_causal_lm_loss
+
+
+def gather_log_probs(logits: Tensor, labels: Tensor | dict[str, Any], mesh: DeviceMesh, *,
+                     shard: SeqShard | LocalBatch | None = None, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Per-token log-probabilities of the targets over the whole sequence, on every SP rank.
+
+    ``logits [B, S_local, V]``; ``labels``: the shifted local targets ``[B, S_local]`` (the
+    ``labels`` of :func:`shard_batch`), or the local batch dict itself. Returns ``[B, S]`` in the
+    original token order (0 where the target is ignored), differentiable: every SP rank may compute
+    the same sequence-level loss (DPO, RL) from it, and back-propagates into its own logits only
+    (an all-gather whose backward keeps this rank's slice), so summing parameter gradients over the
+    SP ranks gives the exact gradient. ``shard`` (or a local batch dict) gives uneven lengths and
+    the layout; without it the shards are taken as equal and contiguous.
+    """
+    if isinstance(labels, dict):
+        shard = labels[BATCH_KWARG]
+        labels = labels["labels"]
+    if isinstance(shard, LocalBatch):
+        shard = shard.shard
+    group = axis_group(as_mesh(mesh, "gather_log_probs"), Axis.SP.value)
+    cdtype = torch.promote_types(logits.dtype, torch.float32)
+    logp = torch.log_softmax(logits.to(cdtype), dim=-1)
+    valid = labels != ignore_index
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid  # [B, S_local]
+    sizes = shard.seq_lens if shard is not None else None
+    full = gather_seq(picked, dim=1, group=group, sizes=sizes, grad="slice")  # [B, S] in layout order
+    if shard is not None and shard.positions is not None:
+        full = full.index_select(1, inverse_permutation(shard.positions).to(full.device))
+    return full
+
+
+def _sum_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """One all-reduce (sum) per dtype of every gradient, flattened into one buffer."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for ps in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in ps])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p in ps:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+
+def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Sum every parameter's gradient over the sp and dp ranks of ``mesh`` (one all-reduce per
+    axis and dtype), completing the gradient contract of the seqpar loss. Parameters without a
+    gradient count as zeros (every rank must send the same buffers). Use this without FSDP / DDP;
+    with them see :mod:`seqpar.integrations.fsdp`. Raises ValueError for sharded (DTensor) gradients."""
+    as_mesh(mesh, "sync_gradients")
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if type(p).__name__ == "DTensor" or type(p.grad).__name__ == "DTensor":
+            raise ValueError("sync_gradients got FSDP-sharded (DTensor) parameters: FSDP reduces gradients "
+                             "itself -- use seqpar.apply_fsdp(model, mesh) so that it sums over dp x sp")
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not params:
+        return
+    for axis in (Axis.SP.value, Axis.DP.value):
+        if has_axis(mesh, axis) and axis_size(mesh, axis) > 1:
+            _sum_grads(params, axis_group(mesh, axis))

@@ -1,0 +1,259 @@
+"""Sharding a batch along the sequence: every SP rank gets the whole batch, keeps its slice.
+
+``shard_batch`` does all the batch-level work once, before the model runs: it shifts labels (so the
+target of a shard's last token, which lives on the next rank, is not lost), derives packed-document
+segments from position ids, builds the global key mask and the layout permutation into a
+:class:`~seqpar.attention.shard.SeqShard`, counts the targets the loss is normalized by, and validates the
+batch across the SP ranks with one small all-gather. Attention layers then read the SeqShard and
+add no collective of their own::
+
+    full batch (same on every SP rank)       input_ids [B, S], labels [B, S], attention_mask [B, S]
+      | shift labels, segments, key mask     targets [B, S]: target of position i is labels[i + 1]
+      | layout permutation + tensor_split    rank r keeps layout_indices(S, P, layout)[r]
+    local batch (rank r)                     input_ids [B, S_r], position_ids [B, S_r], labels [B, S_r]
+
+Lengths not divisible by P give uneven shards (``tensor_split``: the first ``S % P`` ranks hold one
+more token); nothing is padded.
+
+Targets, packed-document segments and padding follow the rules of :mod:`seqpar.batch.targets`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..attention.layout import LAYOUTS, layout_indices
+from ..attention.shard import SeqShard
+from ..comm.agree import MISSING, check, share
+from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, dp_size, has_axis
+from .targets import IGNORE_INDEX, prepare_batch, target_count
+
+BATCH_KWARG = "seqpar_batch"
+"""The key under which a sharded batch carries its :class:`LocalBatch` into ``model(**local)``."""
+
+BATCH_KEYS = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids", "loss_weights")
+
+
+class LocalBatch:
+    """What one SP rank knows about the whole batch, computed once by :func:`shard_batch`.
+
+    Travels to the attention function and the loss through ``model(**local)`` keyword arguments.
+    A plain class (not a dataclass) so that DDP / FSDP input movers pass it through untouched.
+
+    shard         the :class:`SeqShard` (lengths, layout permutation, global key mask, segments)
+    sp_rank       this rank's index in the SP group; sp_size its size; dp_size the data-parallel size
+    denominator   N of the loss: ``num_items_in_batch`` if given, else the (weighted) target count
+                  of this dp rank's whole batch
+    grad_scale    d(out.loss)/d(local sum of token losses): 1/N with ``num_items_in_batch``, else
+                  1/(N * dp_size) -- the dp average folded in, so a plain sum over dp x sp averages
+    loss_weights  [B, S_local] per-target weights (shifted with the labels) or None
+    """
+
+    __slots__ = ("shard", "sp_rank", "sp_size", "dp_size", "denominator", "grad_scale", "num_items_in_batch",
+                 "loss_weights", "attention_calls", "mask_cache")
+
+    def __init__(self, shard: SeqShard, *, sp_rank: int, sp_size: int, dp_size: int, denominator: float,
+                 num_items_in_batch: float | None, loss_weights: Tensor | None) -> None:
+        self.shard = shard
+        self.sp_rank, self.sp_size, self.dp_size = sp_rank, sp_size, dp_size
+        self.num_items_in_batch = num_items_in_batch
+        self.denominator = denominator
+        n = float(denominator) if denominator > 0 else 1.0  # no target at all: the loss is 0, not NaN
+        self.grad_scale = 1.0 / n if num_items_in_batch is not None else 1.0 / (n * dp_size)
+        self.loss_weights = loss_weights
+        self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)
+        self.mask_cache: dict[Any, Any] = {}  # dense masks shared by the layers of this batch
+
+    @property
+    def local_len(self) -> int:
+        return self.shard.seq_lens[self.sp_rank]
+
+    def __repr__(self) -> str:
+        return (f"LocalBatch(seq_lens={self.shard.seq_lens}, sp_rank={self.sp_rank}, denominator={self.denominator:g},"
+                f" layout={'contiguous' if self.shard.positions is None else 'permuted'})")
+
+
+# --------------------------------------------------------------------------------------------
+# validation: one all-gather of a row of numbers per batch
+# --------------------------------------------------------------------------------------------
+
+def _local_problem(batch: Mapping[str, Any]) -> tuple[str | None, int, int]:
+    """``(what is wrong with this rank's batch or None, batch size, seq len)``, without communication."""
+    if BATCH_KWARG in batch:
+        return ("this batch is already sharded (it carries a seqpar LocalBatch): pass the full batch every SP rank "
+                "loaded to shard_batch once"), -1, -1
+    ids, emb = batch.get("input_ids"), batch.get("inputs_embeds")
+    ref = ids if ids is not None else emb
+    if ref is None:
+        return "the batch has neither input_ids nor inputs_embeds", -1, -1
+    if (ids is not None and ids.dim() != 2) or (ids is None and emb.dim() != 3):
+        return "input_ids must be [batch, seq_len] (inputs_embeds [batch, seq_len, hidden])", -1, -1
+    b, s = int(ref.shape[0]), int(ref.shape[1])
+    if set(batch) - set(BATCH_KEYS) - {"use_cache"}:
+        return f"the batch has keys shard_batch does not know: use only {list(BATCH_KEYS)}", b, s
+    labels, mask, pos, w = (batch.get(k) for k in ("labels", "attention_mask", "position_ids", "loss_weights"))
+    if labels is not None and tuple(labels.shape) != (b, s):
+        return "labels must have the shape of input_ids [batch, seq_len]", b, s
+    if mask is not None and tuple(mask.shape) != (b, s):
+        return ("attention_mask must be a [batch, seq_len] padding mask (1 = token, 0 = padding); 4-D masks are "
+                "not supported -- seqpar builds the attention mask itself"), b, s
+    if pos is not None and (pos.dim() != 2 or pos.shape[1] != s or pos.shape[0] not in (1, b)):
+        return "position_ids must be [batch, seq_len] or [1, seq_len]", b, s
+    if w is not None and (labels is None or tuple(w.shape) != (b, s)):
+        return "loss_weights must have the shape of labels [batch, seq_len] and need labels", b, s
+    return None, b, s
+
+
+def _checksum(t: Tensor | None) -> float:
+    """A cheap fingerprint of an integer tensor, exact in float64, to tell whether SP ranks hold the
+    same batch (the classic bug: a data loader sharded over all ranks instead of over dp)."""
+    if t is None:
+        return MISSING
+    flat = t.reshape(-1).to(torch.int64)
+    w = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
+    return float(((flat % 65521) * w).sum() % 2147483647)
+
+
+_SAME = {
+    "batch": "batch size", "seq": "sequence length (dim 1 of input_ids)", "ids": "the batch content (input_ids)",
+    "labels": "the label content", "mask": "the attention_mask content",
+    "pos": "the position_ids content",
+    "weights": "whether loss_weights are given", "layout": "layout", "items": "num_items_in_batch",
+}
+
+
+def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, num_items: float | None,
+              device: torch.device) -> tuple[int, int]:
+    problem, b, s = _local_problem(batch)
+    ok = problem is None
+    facts = {
+        "batch": float(b), "seq": float(s),
+        "ids": _checksum(batch.get("input_ids")) if ok else MISSING,
+        "labels": _checksum(batch.get("labels")) if ok else MISSING,
+        "mask": _checksum(batch.get("attention_mask")) if ok else MISSING,
+        "pos": _checksum(batch.get("position_ids")) if ok else MISSING,
+        "weights": 1.0 if ok and batch.get("loss_weights") is not None else 0.0,
+        "layout": float(LAYOUTS.index(layout)) if layout in LAYOUTS else MISSING,
+        "items": MISSING if num_items is None else float(num_items),
+    }
+    table = share(facts, group, problem=problem, device=device)
+    # a malformed batch makes the comparisons meaningless: report only the problem then
+    check(table, what="batch for shard_batch", same=[] if any(table.problems) else list(_SAME),
+          describe=lambda n: _SAME[n], hint="every SP rank must get the same full batch: shard the data loader "
+                                            "over the dp ranks only (shard_batch splits the sequence)")
+    return b, s
+
+
+# --------------------------------------------------------------------------------------------
+# shard_batch
+# --------------------------------------------------------------------------------------------
+
+def _ulysses_degree(mesh: DeviceMesh) -> int:
+    return axis_size(mesh, Axis.ULYSSES.value) if has_axis(mesh, Axis.ULYSSES.value) else 1
+
+
+def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "contiguous",
+                num_items_in_batch: int | float | Tensor | None = None,
+                ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+    """This SP rank's slice of a full batch, ready for ``model(**local)``.
+
+    Args:
+        batch: the full batch, identical on every SP rank of a dp group: ``input_ids [B, S]`` (or
+            ``inputs_embeds [B, S, E]``), optional ``labels [B, S]`` (unshifted, ``ignore_index``
+            for no target), ``attention_mask [B, S]`` (padding), ``position_ids [B or 1, S]``
+            (packed rows restart), ``loss_weights [B, S]`` (per-label weight).
+        mesh: a DeviceMesh with an ``"sp"`` axis (and optionally ``"dp"``): :func:`seqpar.init_mesh`.
+        layout: ``"contiguous"`` or ``"zigzag"`` (see :mod:`seqpar.attention.layout`).
+        num_items_in_batch: the loss denominator N for the whole optimizer step (all dp ranks and
+            micro-batches: :func:`seqpar.count_target_tokens`). Default: this batch's targets.
+
+    Returns ``{"input_ids" (or "inputs_embeds"), "position_ids", "labels", "shift_labels",
+    "use_cache": False, "seqpar_batch": LocalBatch}`` with every tensor ``[B, S_local, ...]``;
+    ``labels`` are already shifted (``shift_labels`` is the same tensor, so that transformers'
+    own loss would not shift them again). Costs one small all-gather.
+
+    Raises ValueError on every SP rank if a rank's batch is malformed or already sharded, if the
+    ranks' batches differ, or if the mesh has no ``"sp"`` axis.
+    """
+    group = axis_group(as_mesh(mesh, "shard_batch"), Axis.SP.value)
+    if isinstance(num_items_in_batch, Tensor):
+        num_items_in_batch = float(num_items_in_batch.item())
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+    ref = batch.get("input_ids") if batch.get("input_ids") is not None else batch.get("inputs_embeds")
+    device = ref.device if isinstance(ref, Tensor) else torch.device("cpu")
+    _, s = _validate(batch, group, layout, num_items_in_batch, device)
+    # the arguments below are now known to agree across the SP ranks: raising is safe
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}: choose one of {list(LAYOUTS)}")
+    if num_items_in_batch is not None and num_items_in_batch <= 0:
+        raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch}")
+
+    prep = prepare_batch(batch, ignore_index)
+    pieces = layout_indices(s, p, layout, _ulysses_degree(mesh))
+    seq_lens = tuple(int(t.numel()) for t in pieces)
+    if min(seq_lens) == 0:  # transformers' attention reshapes cannot take an empty shard
+        raise ValueError(f"a sequence of {s} tokens leaves an SP rank without tokens with sp={p} and layout="
+                         f"{layout!r} (shard lengths {list(seq_lens)}): use sequences of at least "
+                         f"{p if layout == 'contiguous' else 2 * p // _ulysses_degree(mesh)} tokens or a smaller sp")
+    perm = torch.cat(pieces).to(device) if layout != "contiguous" else None
+    idx = pieces[me].to(device)
+
+    def in_layout(t: Tensor | None) -> Tensor | None:
+        return None if t is None or perm is None else t.index_select(1, perm)
+
+    shard = SeqShard(seq_lens, perm,
+                     prep.key_keep if perm is None else in_layout(prep.key_keep),
+                     prep.segments if perm is None else in_layout(prep.segments))
+
+    def local(t: Tensor) -> Tensor:
+        return t.index_select(1, idx)
+
+    denominator = target_count(prep, ignore_index) if num_items_in_batch is None else float(num_items_in_batch)
+    info = LocalBatch(shard, sp_rank=me, sp_size=p, dp_size=dp_size(mesh),
+                      denominator=denominator, num_items_in_batch=num_items_in_batch,
+                      loss_weights=None if prep.weights is None else local(prep.weights))
+    out: dict[str, Any] = {}
+    if batch.get("input_ids") is not None:
+        out["input_ids"] = local(batch["input_ids"])
+    else:
+        out["inputs_embeds"] = local(batch["inputs_embeds"])
+    out["position_ids"] = local(prep.position_ids)
+    if prep.targets is not None:
+        out["labels"] = local(prep.targets)
+        out["shift_labels"] = out["labels"]
+    out["use_cache"] = False
+    out[BATCH_KWARG] = info
+    return out
+
+
+def count_target_tokens(batches_or_labels: Mapping[str, Any] | Tensor | Sequence[Mapping[str, Any] | Tensor],
+                        mesh: DeviceMesh | None = None, *, ignore_index: int = IGNORE_INDEX) -> int | float:
+    """The loss denominator of an optimizer step: the number of targets (after shifting, with the
+    rules of :func:`shard_batch`) in these full batches, summed over the dp ranks of ``mesh``.
+
+    Pass every micro-batch this rank will run in the step; give the result to ``shard_batch(...,
+    num_items_in_batch=...)`` of each. A bare labels tensor counts ``labels[:, 1:] != ignore_index``.
+    With loss weights, returns their sum (a float). One all-reduce over dp when dp > 1.
+    """
+    items = [batches_or_labels] if isinstance(batches_or_labels, (Tensor, Mapping)) else list(batches_or_labels)
+    total, weighted, device = 0.0, False, torch.device("cpu")
+    for item in items:
+        if isinstance(item, Tensor):
+            total += float((item[:, 1:] != ignore_index).sum())
+            device = item.device
+            continue
+        prep = prepare_batch(item, ignore_index)
+        device = prep.position_ids.device
+        weighted |= prep.weights is not None
+        total += target_count(prep, ignore_index)
+    if mesh is not None and dp_size(as_mesh(mesh, "count_target_tokens")) > 1:
+        t = torch.tensor([total], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=axis_group(mesh, Axis.DP.value))
+        total = float(t.item())
+    return total if weighted else int(round(total))

@@ -1,0 +1,103 @@
+"""The device mesh seqpar runs on, with named axes, passed explicitly everywhere.
+
+Axes (outermost first)::
+
+    ("dp", "sp")                   strategy "ulysses" or "ring": sp ranks share one sequence
+    ("dp", "ring", "ulysses")      strategy "hybrid": Ulysses inside a ulysses group (keep it
+                                   inside a node), ring across; "sp" is their flattened product
+
+A rank's sequence shard is its index along "sp" (ring-major for hybrid): the ulysses group of a
+ring step holds consecutive shards, so its all-to-all yields one contiguous ring chunk.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+class Axis(str, Enum):
+    DP = "dp"
+    SP = "sp"
+    ULYSSES = "ulysses"
+    RING = "ring"
+
+
+def _default_device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower() else "cpu"
+
+
+def init_mesh(*, sp: int, dp: int | None = None, ulysses: int | None = None, ring: int | None = None,
+              device_type: str | None = None) -> DeviceMesh:
+    """A ``dp x sp`` mesh over all ranks (``dp`` defaults to ``world // sp``).
+
+    For a hybrid split give ``ulysses`` and ``ring`` with ``ulysses * ring == sp``: the mesh is
+    ``dp x ring x ulysses`` and also carries the flattened ``sp`` axis. Raises ValueError (on every
+    rank: the arguments are the same everywhere) if the sizes do not multiply to the world size.
+    """
+    if not dist.is_initialized():
+        raise ValueError("init_mesh needs torch.distributed to be initialized (torchrun, or seqpar.comm.launch)")
+    world = dist.get_world_size()
+    if sp < 1 or world % sp:
+        raise ValueError(f"sp={sp} must divide the world size {world}: choose sp in "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    dp = world // sp if dp is None else dp
+    if dp * sp != world:
+        raise ValueError(f"dp={dp} x sp={sp} = {dp * sp} != world size {world}: set dp={world // sp} or omit it")
+    device_type = device_type or _default_device_type()
+    if ulysses is None and ring is None:
+        return init_device_mesh(device_type, (dp, sp), mesh_dim_names=(Axis.DP.value, Axis.SP.value))
+    ulysses = ulysses if ulysses is not None else sp // (ring or 1)
+    ring = ring if ring is not None else sp // ulysses
+    if ulysses * ring != sp:
+        raise ValueError(f"ulysses={ulysses} x ring={ring} = {ulysses * ring} != sp={sp}")
+    mesh = init_device_mesh(device_type, (dp, ring, ulysses),
+                            mesh_dim_names=(Axis.DP.value, Axis.RING.value, Axis.ULYSSES.value))
+    mesh[(Axis.RING.value, Axis.ULYSSES.value)]._flatten(Axis.SP.value)
+    return mesh
+
+
+def as_mesh(mesh: object, what: str) -> DeviceMesh:
+    """``mesh`` itself if it is a DeviceMesh; else a ValueError naming ``what`` needed it. A bare
+    process group is refused: it cannot say which axis it is (sp, dp, ring...)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"{what} takes a DeviceMesh with named axes (seqpar.init_mesh(sp=...)), got "
+                         f"{type(mesh).__name__}; for a process group of your own use "
+                         "DeviceMesh.from_group(group, device_type, mesh_dim_names=('sp',))")
+    return mesh
+
+
+def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The axes of ``mesh``: its dimension names, plus ``"sp"`` where seqpar's hybrid mesh carries
+    it as the flattened ``ring x ulysses``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if Axis.SP.value not in names and {Axis.RING.value, Axis.ULYSSES.value} <= set(names):
+        names += (Axis.SP.value,)
+    return names
+
+
+def has_axis(mesh: DeviceMesh, axis: str) -> bool:
+    return axis in axis_names(mesh)
+
+
+def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
+    """The process group of one mesh axis. Raises ValueError for a mesh without it."""
+    mesh = as_mesh(mesh, f"the {axis!r} axis lookup")
+    if not has_axis(mesh, axis):
+        raise ValueError(f"the mesh has no {axis!r} axis (axes: {list(axis_names(mesh))}); build it with "
+                         f"seqpar.init_mesh(sp=...{', ulysses=..., ring=...' if axis in ('ulysses', 'ring') else ''})")
+    return mesh.get_group(axis)
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    """Size of an axis of ``mesh``. Raises ValueError for a mesh without it."""
+    return dist.get_world_size(axis_group(mesh, axis))
+
+
+def dp_size(mesh: DeviceMesh) -> int:
+    """The data-parallel degree: the ``"dp"`` axis, or 1 for a mesh without one (sp ranks only)."""
+    return axis_size(mesh, Axis.DP.value) if has_axis(mesh, Axis.DP.value) else 1

@@ -1,0 +1,44 @@
+"""Point-to-point transfers around a ring of ranks (ring attention's K/V and dK/dV hops)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .collectives import Group
+
+
+class RingShift:
+    """Send tensors to the next rank and receive the previous rank's, asynchronously.
+
+    ``start(tensors)`` posts the transfers and returns at once; ``wait()`` returns the received
+    tensors. Compute placed between the two overlaps the transfer. ``shift=-1`` reverses the ring.
+    """
+
+    def __init__(self, group: Group, shift: int = 1) -> None:
+        self.group = group
+        self.p, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.dst = dist.get_global_rank(group, (self.rank + shift) % self.p)
+        self.src = dist.get_global_rank(group, (self.rank - shift) % self.p)
+        self._reqs: list = []
+        self._bufs: list[Tensor] = []
+
+    def start(self, tensors: Sequence[Tensor]) -> None:
+        assert not self._reqs, "wait() for the previous transfer first"
+        self._bufs = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for t, buf in zip(tensors, self._bufs, strict=True):
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.dst, group=self.group))
+            ops.append(dist.P2POp(dist.irecv, buf, self.src, group=self.group))
+        self._reqs = dist.batch_isend_irecv(ops) if self.p > 1 else []
+        if self.p == 1:
+            self._bufs = [t for t in tensors]
+
+    def wait(self) -> list[Tensor]:
+        for req in self._reqs:
+            req.wait()
+        self._reqs = []
+        return self._bufs

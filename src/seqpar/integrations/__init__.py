@@ -1,0 +1,2 @@
+"""Layer 4, integrations: transformers models (parallelize through AttentionInterface, the model's own
+kernel, built-in tiny configs and checkpoints) and FSDP2 / DDP over the dp x sp ranks."""

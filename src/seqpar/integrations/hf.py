@@ -1,0 +1,192 @@
+"""Any transformers causal LM, sequence-parallel in one call, through public registration points only.
+
+``parallelize(model, mesh)`` registers a seqpar attention function with
+``transformers.AttentionInterface`` under a fresh name, bound to the mesh by closure, and switches the
+model's decoder (``config`` or ``config.text_config``) to it with ``model.set_attn_implementation``.
+The name is not registered with ``AttentionMaskInterface``, so transformers builds no mask at all
+(its masks would describe the local shard); seqpar's masks come from the batch's SeqShard, built
+once by :func:`seqpar.shard_batch` and carried to every layer in ``model(**local)`` keywords::
+
+    model(**local)                           local = shard_batch(batch, mesh)
+      decoder layer
+        q, k, v    # [B, H, S/P, D]          the model's projections, norms, RoPE: untouched
+        seqpar attention fn                  spec from the call: scaling, sliding_window, softcap,
+          sp_attention(strategy)               dropout, module.is_causal; mask from the SeqShard
+            local kernel                     the model's own sdpa / eager function (Ulysses)
+        out        # [B, S/P, H, D]
+      logits       # [B, S/P, V]
+      loss_function                          seqpar's: exact global token mean (seqpar.batch.loss)
+
+The local kernel is the model's own implementation where it can be wrapped: ``sdpa``, ``eager`` (the
+modeling file's function, which is what carries Gemma 2's softcap) and any function registered
+together with transformers' ``sdpa_mask`` or ``eager_mask`` (that says which mask format it takes).
+Anything else (flash_attention_*, flex_attention) runs on seqpar's kernels (``sdpa``, or
+``reference`` for softcap). Ring and hybrid need a kernel that returns the log-sum-exp, so they
+use seqpar's. ``unparallelize`` restores the implementation and the loss function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..attention.dispatch import check_strategy, resolve_strategy, sp_attention
+from ..attention.kernels import KernelArg
+from ..batch.loss import make_loss_function
+from ..batch.sharding import BATCH_KWARG, LocalBatch
+from ..comm.mesh import Axis, as_mesh, axis_group
+from .hf_kernel import ModelKernel, eager_function, original_function
+from .models import decoder_config
+
+_ATTR = "_seqpar_parallel"  # our own attribute on the model: how to undo parallelize
+_names = itertools.count()
+
+
+@dataclass
+class _Parallel:
+    name: str
+    original: str
+    sub_config: str | None  # None: the top-level config; else e.g. "text_config"
+    loss_function: Callable[..., Any]
+    strategy: str
+    num_heads: int
+    num_kv_heads: int
+
+
+def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str) -> Callable[..., Any]:
+    """The attention function registered with transformers, bound to ``mesh`` by closure."""
+    import torch.distributed as dist
+    from transformers import AttentionInterface
+
+    group = axis_group(mesh, Axis.SP.value)
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+
+    def seqpar_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                         attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs: Any) -> tuple[Tensor, None]:
+        # query [B, H, S/P, D] (a non-contiguous view), key / value [B, H_kv, S/P, D]
+        batch = kwargs.get(BATCH_KWARG)
+        if not isinstance(batch, LocalBatch):
+            raise ValueError("this model is sequence-parallel (seqpar.parallelize): feed it "
+                             "model(**seqpar.shard_batch(batch, mesh)), or call seqpar.unparallelize(model)")
+        if key.shape[2] != query.shape[2]:
+            # Not self-attention over the sharded sequence (cross-attention, a cache): per-query
+            # attention against keys every rank holds whole is already exact locally.
+            fn = eager_function(module) if original == "eager" else AttentionInterface().get(original)
+            if fn is None:
+                raise ValueError(f"seqpar cannot run a {original!r} attention whose keys are not the sharded "
+                                 "sequence; use attn_implementation='sdpa' or 'eager'")
+            return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if attention_mask is not None:
+            # transformers builds no mask for seqpar's name, so this one is the model's own
+            # (a prefix-LM or image mask...): it describes the local shard, seqpar cannot use it
+            raise ValueError(f"{type(module).__name__} passes its own attention mask, which seqpar cannot shard; "
+                             "seqpar masks padding and packed documents itself (from shard_batch)")
+        if batch.sp_size != p or query.shape[2] != batch.local_len:
+            raise ValueError(f"the batch was sharded for sp={batch.sp_size} with {batch.local_len} tokens on rank "
+                             f"{me}, but the model runs over sp={p} with {query.shape[2]}: shard the batch with "
+                             "the mesh the model was parallelized with")
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+        window = kwargs.get("sliding_window")
+        softcap = kwargs.get("softcap")
+        kern = kernel
+        if kern is None and strategy == "ulysses":
+            fn, kind = original_function(original, module)
+            kern = ModelKernel(fn, module, kind, batch) if fn is not None else (
+                "reference" if softcap is not None else "sdpa")
+        if not query.dtype == key.dtype == value.dtype:
+            # under torch.autocast RoPE leaves q, k in float32 while v is bfloat16; the fused
+            # all-to-all needs one dtype, and autocast would run attention in v's anyway
+            query, key = query.to(value.dtype), key.to(value.dtype)
+        out = sp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
+                           strategy=strategy, causal=causal, scale=scaling, window=window, softcap=softcap,
+                           dropout=dropout, kernel=kern, shard=batch.shard, validate=False)
+        batch.attention_calls += 1
+        return out, None  # [B, S/P, H, D]
+
+    return seqpar_attention
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses", kernel: KernelArg | None = None
+                ) -> nn.Module:
+    """Make a transformers model sequence-parallel over the ``"sp"`` axis of ``mesh`` (in place).
+
+    Feed it ``model(**seqpar.shard_batch(batch, mesh))``; ``out.loss`` is then the exact loss of the
+    whole batch on every SP rank (see :mod:`seqpar.batch.loss` for the gradient contract). ``strategy``:
+    any of ``seqpar.attention.dispatch.STRATEGIES`` ("ulysses", "ring", "hybrid") or ``"auto"`` (see
+    :func:`seqpar.attention.dispatch.resolve_strategy`).
+    ``kernel``: None (the model's own attention where it can be wrapped, else seqpar's) or any
+    kernel :func:`seqpar.sp_attention` accepts. Returns the model.
+
+    Raises ValueError if the model is not a transformers model whose attention goes through
+    ``AttentionInterface``, has no attention heads, is already parallelized, if the strategy is
+    unknown or the mesh has no ``"sp"`` axis -- the same on every rank, before any collective.
+    """
+    check_strategy(strategy)
+    axis_group(as_mesh(mesh, "parallelize"), Axis.SP.value)  # raises without an sp axis
+    if strategy == "hybrid":  # raise now, not at the first forward
+        axis_group(mesh, Axis.ULYSSES.value)
+        axis_group(mesh, Axis.RING.value)
+    from transformers import AttentionInterface, PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"seqpar.parallelize wraps transformers models ({type(model).__name__} is not a "
+                         "PreTrainedModel); in your own module call seqpar.sp_attention instead of attention")
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("this model is already parallelized: call seqpar.unparallelize(model) first")
+    config, sub = decoder_config(model.config)
+    strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
+    original = config._attn_implementation
+    if original is not None and original.startswith("seqpar_"):
+        raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
+    if original == "sdpa" and getattr(config, "attn_logit_softcapping", None) and kernel is None:
+        raise ValueError(f"{type(model).__name__} uses attn_logit_softcapping, which transformers' sdpa does not "
+                         "support: load it with attn_implementation='eager' (or pass kernel='reference')")
+    name = f"seqpar_{strategy}_{next(_names)}"  # no "flash" in it: transformers would fetch a Hub kernel
+    AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original))
+    model.set_attn_implementation(name if sub is None else {sub: name})
+    if config._attn_implementation != name:
+        AttentionInterface.register(name, _released)
+        raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
+                         "AttentionInterface, so seqpar cannot wrap it (its attention would stay local)")
+    state = _Parallel(name=name, original=original, sub_config=sub, loss_function=model.loss_function,
+                      strategy=strategy, num_heads=int(config.num_attention_heads),
+                      num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
+    model.loss_function = make_loss_function(mesh)
+    setattr(model, _ATTR, state)
+    return model
+
+
+def _released(*args: Any, **kwargs: Any) -> Any:
+    raise ValueError("this seqpar attention belongs to a model parallelize refused")
+
+
+def unparallelize(model: nn.Module) -> nn.Module:
+    """Undo :func:`parallelize`: the original attention implementation and loss function come
+    back. The registered seqpar function stays registered: a deep copy of the parallelized model
+    (an EMA or DPO reference model) still uses it."""
+    state: _Parallel | None = getattr(model, _ATTR, None)
+    if state is None:
+        raise ValueError("this model is not parallelized by seqpar")
+    model.set_attn_implementation(state.original if state.sub_config is None else {state.sub_config: state.original})
+    model.loss_function = state.loss_function
+    delattr(model, _ATTR)
+    return model
+
+
+@contextlib.contextmanager
+def parallelized(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses",
+                 kernel: KernelArg | None = None) -> Iterator[nn.Module]:
+    """``with seqpar.parallelized(model, mesh) as m:`` -- :func:`parallelize`, undone on exit."""
+    parallelize(model, mesh, strategy=strategy, kernel=kernel)
+    try:
+        yield model
+    finally:
+        unparallelize(model)

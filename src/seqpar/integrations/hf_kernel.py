@@ -1,0 +1,122 @@
+"""The model's own attention function as seqpar's local kernel under Ulysses (see :mod:`.hf`)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..attention.layout import inverse_permutation
+from ..attention.spec import AttnSpec, LocalKernel, MaskInfo, dense_mask, plan_mask
+from ..batch.sharding import LocalBatch
+
+
+class _LocalHeads:
+    """The attention module as the local kernel sees it after Ulysses: every attribute of the real
+    module, except that its query heads share each KV head ``n_rep``-fold -- the ratio of this
+    rank's head slice, which need not be the config's."""
+
+    def __init__(self, module: nn.Module, n_rep: int) -> None:
+        self._module = module
+        self.num_key_value_groups = n_rep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class ModelKernel(LocalKernel):
+    """The model's own attention function as seqpar's local kernel (a plain callable kernel:
+    ``fn(q, k, v, *, spec, mask) -> out``, layouts ``[B, H, S, D]``, differentiable by itself).
+
+    The mask it gets is seqpar's (global positions, window, padding, documents), built once per
+    batch and layer kind and shared by all layers: a bool mask for ``sdpa``, an additive one (0 /
+    dtype min, as transformers' eager mask) for ``eager``. Rows that see no key at all (padding
+    queries) are computed against every key and zeroed, so no NaN can reach the backward.
+    """
+
+    supports = None  # the model's function reads softcap, dropout and the window mask itself
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, Any]], module: nn.Module, kind: str, batch: LocalBatch
+                 ) -> None:
+        assert kind in ("bool", "additive")
+        self.fn, self.module, self.kind, self.batch = fn, module, kind, batch
+        self.name = f"the model's own ({getattr(fn, '__name__', 'attention')})"
+
+    def _mask(self, spec: AttnSpec, mask: MaskInfo, q: Tensor) -> tuple[bool, Tensor | None, Tensor | None]:
+        """(is_causal flag, mask in the function's format or None, rows that see a key or None)."""
+        key = (self.kind, spec.causal, spec.window, q.dtype, q.device, q.shape[2])
+        cache = self.batch.mask_cache
+        if key not in cache:
+            s = q.shape[2]
+            if self.kind == "bool":
+                causal, allowed = plan_mask(spec, mask, s, s, q.device)
+            else:  # eager applies nothing by itself: always give it the whole mask
+                causal, allowed = False, dense_mask(spec, mask, s, s, q.device)
+            seen = None
+            if allowed is not None:
+                seen = allowed.any(dim=-1, keepdim=True)  # [B or 1, 1, S, 1]
+                allowed = allowed | ~seen
+                if bool(seen.all()):
+                    seen = None
+                if self.kind == "additive":
+                    allowed = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
+                        ~allowed, torch.finfo(q.dtype).min)
+            cache[key] = (causal, allowed, seen)
+        return cache[key]
+
+    def _in_order(self, mask: MaskInfo) -> tuple[MaskInfo, Tensor | None, Tensor | None]:
+        """A permuted layout (zigzag) put back in token order: ``(mask, perm, inverse)``. The
+        model's function then sees the sequence exactly as without SP (same key order in its
+        reductions, and sdpa keeps its is_causal fast path)."""
+        if mask.q_pos is None or mask.k_pos is None or not (mask.q_pos is mask.k_pos or
+                                                           torch.equal(mask.q_pos, mask.k_pos)):
+            return mask, None, None
+        key = ("order", mask.q_pos.data_ptr())
+        cache = self.batch.mask_cache
+        if key not in cache:
+            perm = mask.q_pos
+            inv = inverse_permutation(perm)
+
+            def order(t: Tensor | None) -> Tensor | None:
+                return None if t is None else t.index_select(1, inv.to(t.device))
+
+            seg = order(mask.q_seg)
+            cache[key] = (MaskInfo(key_keep=order(mask.key_keep), q_seg=seg, k_seg=seg), perm, inv)
+        return cache[key]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
+        # q [B, H, S, D], k / v [B, H_kv, S, D], the whole sequence in layout order
+        mask, perm, inv = self._in_order(mask or MaskInfo())
+        if inv is not None:
+            q, k, v = (t.index_select(2, inv.to(t.device)) for t in (q, k, v))
+        causal, attn_mask, seen = self._mask(spec, mask, q)
+        extra = {} if spec.softcap is None else {"softcap": spec.softcap}
+        out, _ = self.fn(_LocalHeads(self.module, q.shape[1] // k.shape[1]), q, k, v, attn_mask,
+                         dropout=spec.dropout, scaling=spec.scale, is_causal=causal, **extra)
+        out = out.transpose(1, 2)  # [B, S, H, D] -> [B, H, S, D]
+        out = out if seen is None else out * seen
+        return out if perm is None else out.index_select(2, perm.to(out.device))
+
+
+def eager_function(module: nn.Module) -> Callable[..., Any] | None:
+    """The ``eager_attention_forward`` of the module's modeling file (public, module level), if any."""
+    return getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+
+
+def original_function(original: str, module: nn.Module) -> tuple[Callable[..., Any] | None, str]:
+    """The model's own attention function and the mask format it takes, or ``(None, "")``.
+
+    The format is read from the mask function registered for the same name: transformers'
+    ``sdpa_mask`` (bool) or ``eager_mask`` (additive). "eager" itself is the module's modeling-file
+    function. Anything else (flash / flex masks, unknown) is not wrapped.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    mask_fn = AttentionMaskInterface().get(original)
+    kind = "bool" if mask_fn is sdpa_mask else "additive" if mask_fn is eager_mask else ""
+    fn = eager_function(module) if original == "eager" else AttentionInterface().get(original)
+    return (fn, kind) if fn is not None and kind else (None, "")

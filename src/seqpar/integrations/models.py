@@ -1,0 +1,98 @@
+"""Models to run seqpar on: tiny built-in configs (no download) or a local transformers checkpoint.
+
+The built-in configs are small enough for CPU tests (hidden 32, 2 layers) and each exercises one
+attention feature: ``tiny-llama`` (GQA), ``tiny-qwen3`` (q/k norm), ``tiny-mistral`` (sliding
+window shorter than the test sequences), ``tiny-gemma2`` (attention-logit softcap, alternating
+sliding / full layers, final-logit softcap; eager attention, as transformers needs for softcap).
+
+:func:`decoder_config` is the one place that finds the decoder's config inside a model's config
+(``config`` itself, or ``config.text_config`` for a multimodal model).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+BUILTIN_MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"]
+
+_COMMON: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def builtin_config(name: str, **overrides: Any) -> Any:
+    """The transformers config of a built-in tiny model, with ``overrides`` applied."""
+    import transformers as tf
+
+    if name == "tiny-llama":
+        return tf.LlamaConfig(**{**_COMMON, **overrides})
+    if name == "tiny-qwen3":
+        return tf.Qwen3Config(**{**_COMMON, **overrides})
+    if name == "tiny-mistral":
+        return tf.MistralConfig(**{**_COMMON, "sliding_window": 5, **overrides})
+    if name == "tiny-gemma2":
+        return tf.Gemma2Config(**{**_COMMON, "sliding_window": 5, "attn_logit_softcapping": 2.0,
+                                  "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 8, **overrides})
+    raise ValueError(f"unknown built-in model {name!r}: choose one of {BUILTIN_MODELS} or a local checkpoint path")
+
+
+def _default_attention(name: str) -> str:
+    return "eager" if name == "tiny-gemma2" else "sdpa"  # transformers' sdpa refuses softcap
+
+
+def check_model_name(name_or_path: str) -> None:
+    """Raise ValueError unless ``name_or_path`` is a built-in name or an existing directory."""
+    if name_or_path not in BUILTIN_MODELS and not os.path.isdir(name_or_path):
+        raise ValueError(f"model {name_or_path!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}) nor a "
+                         "local checkpoint directory")
+
+
+def build_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
+                **config_overrides: Any) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer or None)`` from a built-in name (:data:`BUILTIN_MODELS`) or a local
+    checkpoint directory (``from_pretrained``, with its tokenizer if it has one).
+
+    ``attn_implementation``: transformers' name; default ``"sdpa"`` (``"eager"`` for tiny-gemma2).
+    ``config_overrides``: config fields, e.g. ``num_attention_heads=6``. Weights of built-in
+    models are randomly initialized (seed torch first for reproducible ones). Raises ValueError
+    for an unknown name or a missing path.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if name_or_path in BUILTIN_MODELS:
+        impl = attn_implementation or _default_attention(name_or_path)
+        config = builtin_config(name_or_path, **config_overrides)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+        return model.to(dtype), None
+    check_model_name(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
+                                                 attn_implementation=attn_implementation or "sdpa",
+                                                 **config_overrides)
+    tokenizer = None
+    if any(os.path.exists(os.path.join(name_or_path, f))
+           for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return model, tokenizer
+
+
+def decoder_config(config: Any) -> tuple[Any, str | None]:
+    """``(the config that holds the decoder's attention heads, its attribute name or None)``:
+    ``config`` itself, or ``config.text_config`` of a multimodal model. ``config`` is a transformers
+    config or its ``config.json`` as a dict. Raises ValueError when neither has ``num_attention_heads``."""
+    def get(c: Any, key: str) -> Any:
+        return c.get(key) if isinstance(c, Mapping) else getattr(c, key, None)
+
+    if get(config, "num_attention_heads"):
+        return config, None
+    text = get(config, "text_config")
+    if text is not None and get(text, "num_attention_heads"):
+        return text, "text_config"
+    raise ValueError(f"{type(config).__name__} has no num_attention_heads (nor text_config.num_attention_heads):"
+                     " seqpar needs a transformers model with self-attention")

@@ -1,0 +1,243 @@
+"""Whole-model parity: the same batches with and without seqpar, loss and every gradient compared.
+
+The engine behind ``seqpar verify --model`` and the tests. Every rank builds the same model (seeded,
+float64, weights re-drawn large enough that masks and windows change the result) and the same full
+batch; the reference is the unmodified transformers model on the whole batch (its own masks:
+padding mask, or packed rows via position_ids); the parallel run is ``parallelize`` +
+``shard_batch`` + ``sync_gradients``. Labels carry the ignore index at padding and at document
+starts, so the reference's plain shift and seqpar's target rules agree. Printing is the CLI's
+(``seqpar verify --model``); this module only computes.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..batch.loss import sync_gradients
+from ..batch.sharding import shard_batch
+from ..batch.targets import IGNORE_INDEX
+from ..comm.mesh import init_mesh
+from ..integrations.hf import parallelize, unparallelize
+from ..integrations.models import BUILTIN_MODELS, build_model, builtin_config, decoder_config
+from ..planner import hybrid_split
+from .eager64 import EAGER_FLOAT64, register_eager_float64
+
+LOSS_TOL = 1e-9
+GRAD_TOL = 1e-8
+F32_GRAD_RTOL = 1e-5  # for weights a model itself computes in float32 (see float32_params)
+def float32_params(model: nn.Module) -> set[str]:
+    """Parameters the model itself computes with in float32 even in a float64 model: Gemma's
+    RMSNorm scales by ``1 + weight.float()``, so its weight gradient is a float32 sum over the
+    tokens, and any split of that sum (over SP or DP ranks) moves it by float32 rounding."""
+    out = set()
+    for mname, module in model.named_modules():
+        if type(module).__name__.startswith("Gemma") and type(module).__name__.endswith("RMSNorm"):
+            out.update(f"{mname}.{n}" if mname else n for n, _ in module.named_parameters(recurse=False))
+    return out
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One parity case. ``batch``: "padded" (2 rows, the second shorter and right-padded),
+    "packed" (documents restarting position_ids, no padding) or "plain" (no padding, one document)."""
+
+    model: str = "tiny-llama"
+    batch: str = "padded"
+    seq: int = 16
+    heads: int | None = None  # config overrides (None: the model's own)
+    kv_heads: int | None = None
+    strategy: str = "ulysses"
+    layout: str = "contiguous"
+    attn: str | None = None  # attn_implementation (None: the built-in default)
+    seed: int = 0
+
+    def label(self) -> str:
+        heads = "" if self.heads is None else f" H={self.heads}/{self.kv_heads}"
+        attn = "" if self.attn is None else f" attn={self.attn}"
+        return f"{self.model} {self.batch} S={self.seq}{heads} {self.strategy}/{self.layout}{attn}"
+
+
+def case_batch(case: ModelCase, vocab: int) -> dict[str, Tensor]:
+    """The full batch of a case, identical on every rank."""
+    g = torch.Generator().manual_seed(1000 + case.seed)
+    s = case.seq
+    ids = torch.randint(0, vocab, (2, s), generator=g)
+    labels = ids.clone()
+    if case.batch == "padded":
+        short = s - max(1, s // 3)
+        mask = torch.ones(2, s, dtype=torch.long)
+        mask[1, short:] = 0
+        labels[mask == 0] = IGNORE_INDEX
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if case.batch == "packed":
+        docs = [[s // 3, s // 2], [s // 2]]  # document lengths per row; the rest is the last document
+        pos = torch.empty(2, s, dtype=torch.long)
+        for row, lens in enumerate(docs):
+            lens = [n for n in lens if n > 0]
+            lens.append(s - sum(lens))
+            pos[row] = torch.cat([torch.arange(n) for n in lens])
+        labels[pos == 0] = IGNORE_INDEX  # a document's first token is not predicted from the previous document
+        return {"input_ids": ids, "labels": labels, "position_ids": pos}
+    if case.batch == "plain":
+        return {"input_ids": ids, "labels": labels}
+    raise ValueError(f"unknown batch kind {case.batch!r}: choose padded, packed or plain")
+
+
+def make_model(case: ModelCase) -> nn.Module:
+    """The case's model in float64, with weights drawn large enough that attention is peaked."""
+    overrides: dict[str, Any] = {}
+    if case.heads is not None:
+        overrides["num_attention_heads"] = case.heads
+        overrides["hidden_size"] = 8 * case.heads  # transformers wants hidden % heads == 0
+    if case.kv_heads is not None:
+        overrides["num_key_value_heads"] = case.kv_heads
+    if case.attn == EAGER_FLOAT64:
+        register_eager_float64()
+    torch.manual_seed(case.seed)
+    model, _ = build_model(case.model, dtype=torch.float64, attn_implementation=case.attn, **overrides)
+    if case.model not in BUILTIN_MODELS:
+        model.train()
+        return model  # a user's checkpoint keeps its own weights
+    g = torch.Generator().manual_seed(case.seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * (1.5 / p.shape[-1] ** 0.5))
+    model.train()  # dropout is 0 in the built-in configs; train mode is what training runs in
+    return model
+
+
+def reference_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
+    """The non-parallel model on the whole batch with transformers' own masks: ``(sum of the
+    float64 token losses, number of targets)``."""
+    kw: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
+    for key in ("attention_mask", "position_ids"):
+        if key in batch:
+            kw[key] = batch[key]
+    logits = model(**kw).logits  # [B, S, V]
+    targets = batch["labels"][:, 1:]
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                         reduction="sum")
+    return ce, int((targets != IGNORE_INDEX).sum())
+
+
+def reference_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """The non-parallel token-mean loss of the whole batch (see :func:`reference_token_loss`)."""
+    total, n = reference_token_loss(model, batch)
+    return total / n
+
+
+def param_group(name: str) -> str:
+    for key, group in (("embed", "embed"), ("lm_head", "lm_head"), ("attn", "attention"), ("mlp", "mlp")):
+        if key in name:
+            return group
+    return "norm"
+
+
+def compare(case: ModelCase, mesh: DeviceMesh, p: int) -> dict[str, Any]:
+    """One case on this rank: ``{label, P, loss_ref, loss_diff, grad_diff: {group: max}, worst_param}``."""
+    model = make_model(case)
+    batch = case_batch(case, model.config.vocab_size)
+    sp_model = copy.deepcopy(model)
+
+    ref = reference_loss(model, batch)
+    ref.backward()
+    ref_grads = {n: q.grad for n, q in model.named_parameters()}
+
+    parallelize(sp_model, mesh, strategy=case.strategy)
+    try:
+        local = shard_batch(batch, mesh, layout=case.layout)
+        loss = sp_model(**local).loss
+        loss.backward()
+        sync_gradients(sp_model, mesh)
+    finally:
+        unparallelize(sp_model)
+    groups: dict[str, float] = {}
+    worst, worst_name, f32_worst = -1.0, "", 0.0
+    f32 = float32_params(sp_model)
+    for n, q in sp_model.named_parameters():
+        d = float((q.grad - ref_grads[n]).abs().max())
+        if n in f32:  # compared relative to float32 precision, reported apart
+            f32_worst = max(f32_worst, d / max(float(ref_grads[n].abs().max()), 1e-30))
+            continue
+        grp = param_group(n)
+        groups[grp] = max(groups.get(grp, 0.0), d)
+        if d > worst:
+            worst, worst_name = d, n
+    return {"label": case.label(), "case": asdict(case), "P": p, "loss_ref": float(ref.detach()),
+            "loss_diff": abs(float(loss.detach()) - float(ref.detach())), "grad_diff": groups, "grad_max": worst,
+            "worst_param": worst_name, "f32_params": len(f32), "f32_rel": f32_worst}
+
+
+def sp_meshes(world: int, sizes: tuple[int, ...], strategy: str = "ulysses") -> dict[int, DeviceMesh | None]:
+    """For each SP size: a ``dp x sp`` mesh when it divides the world (the dp replicas run the
+    same batch; ``dp x ring x ulysses`` for the hybrid strategy, split by
+    :func:`seqpar.planner.hybrid_split`), else a 1-D ``sp`` mesh over the first ``P`` ranks (None on
+    the others, which sit that size out). Every rank must call this together."""
+    out: dict[int, DeviceMesh | None] = {}
+    for p in sizes:
+        if world % p == 0:
+            split = dict(zip(("ulysses", "ring"), hybrid_split(p), strict=True)) if strategy == "hybrid" else {}
+            out[p] = init_mesh(sp=p, device_type="cpu", **split)
+        elif strategy == "hybrid":
+            raise ValueError(f"the hybrid strategy needs a mesh: sp={p} must divide the world size {world}")
+        else:
+            mesh = DeviceMesh("cpu", torch.arange(p), mesh_dim_names=("sp",))
+            out[p] = mesh if dist.get_rank() < p else None
+    return out
+
+
+def run_model_parity(rank: int, world: int, cases: list[ModelCase], sizes: tuple[int, ...] | None = None
+                     ) -> list[dict[str, Any]]:
+    """Run every case at every SP size (default: the world); returns this rank's rows. Cases are
+    grouped by strategy, each on meshes of its kind (see :func:`sp_meshes`)."""
+    torch.set_num_threads(1)
+    rows = []
+    for strategy in dict.fromkeys(c.strategy for c in cases):
+        for p, mesh in sp_meshes(world, sizes or (world,), strategy).items():
+            if mesh is None:
+                continue
+            for case in cases:
+                if case.strategy == strategy:
+                    rows.append(compare(case, mesh, p))
+    return rows
+
+
+def parity_attention(model: str) -> str | None:
+    """The attention implementation parity runs use: the model's own, except that models with
+    an attention softcap (transformers' sdpa refuses it, its eager is float32-exact only) run on
+    :func:`eager_float64_attention` -- on both sides, so the comparison stays like for like."""
+    if model in BUILTIN_MODELS:
+        config = builtin_config(model)
+    else:
+        from transformers import AutoConfig
+
+        config = decoder_config(AutoConfig.from_pretrained(model))[0]
+    return EAGER_FLOAT64 if getattr(config, "attn_logit_softcapping", None) else None
+
+
+def model_cases(model: str, strategy: str = "ulysses") -> list[ModelCase]:
+    """The cases ``seqpar verify --model`` runs: padded, packed and plain rows at odd and even
+    lengths; GQA with fewer KV heads than ranks and head counts no P divides come with the
+    built-in configs (4 query / 2 KV heads) and an override (6 / 2) for built-in models."""
+    attn = parity_attention(model)
+    cases = [ModelCase(model=model, batch=b, seq=s, strategy=strategy, attn=attn)
+             for b, s in (("padded", 16), ("packed", 17), ("plain", 13))]
+    if model in BUILTIN_MODELS:
+        cases.append(ModelCase(model=model, batch="padded", seq=15, heads=6, kv_heads=2, strategy=strategy,
+                               attn=attn))
+    return cases
+
+
+def row_ok(row: dict[str, Any]) -> bool:
+    return row["loss_diff"] <= LOSS_TOL and row["grad_max"] <= GRAD_TOL and row["f32_rel"] <= F32_GRAD_RTOL

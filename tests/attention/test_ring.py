@@ -1,0 +1,279 @@
+"""Ring attention against the float64 reference, forward and backward, over real gloo processes; its
+load balance, collective counts and misuse errors; and the pure parts (block plans, lse merge)."""
+
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar.attention.blocks import RingStats, merge_partials, plan_block
+from seqpar.attention.layout import layout_indices, layout_permutation, layout_seq_lens
+from seqpar.attention.reference import reference_attention
+from seqpar.attention.ring import ring_attention
+from seqpar.attention.shard import SeqShard
+from seqpar.attention.spec import AttnSpec, position_mask
+from seqpar.comm.counting import count_collectives
+from seqpar.comm.launch import run_distributed
+from seqpar.testing.attention_parity import AttnCase, run_cases
+
+TOL = 1e-10
+LAYOUTS = ("contiguous", "zigzag")
+MASKS = ("none", "pad", "packed")
+
+
+def _case(seq, heads, kv, causal, mask, layout, kernel="reference", comm="p2p", **kw):
+    return AttnCase(seq=seq, heads=heads, kv_heads=kv, causal=causal, mask=mask, kernel=kernel, strategy="ring",
+                    options={"layout": layout, "comm": comm}, **kw)
+
+
+CASES = (
+    # the core grid: odd lengths (incl. fewer tokens than ranks), GQA with H_kv < P, every mask and layout
+    [_case(s, h, hk, c, m, lay) for s in (1, 7, 37, 129) for h, hk in ((8, 2), (6, 1)) for c in (False, True)
+     for m in MASKS for lay in LAYOUTS if s < 100 or hk == 1]
+    + [_case(37, 4, 4, c, m, lay) for c in (False, True) for m in MASKS for lay in LAYOUTS]
+    # the fast CPU kernel
+    + [_case(s, 8, 2, c, m, lay, kernel="flash_cpu") for s in (7, 129) for c in (False, True) for m in MASKS
+       for lay in LAYOUTS]
+    # K/V gathered once instead of passed around
+    + [_case(s, 6, 1, c, m, lay, kernel=k, comm="allgather") for s, k in ((7, "reference"), (129, "flash_cpu"))
+       for c in (False, True) for m in MASKS for lay in LAYOUTS]
+    # sliding window (causal and two-sided), every kernel with both comms
+    + [_case(s, 8, 2, c, "pad" if k == "reference" else "none", lay, kernel=k, comm=comm, window=w)
+       for s, w in ((37, 5), (129, 16)) for c in (False, True) for lay in LAYOUTS
+       for k in ("reference", "flash_cpu") for comm in ("p2p", "allgather")]
+    # softcap and scale (reference kernel: the only one with softcap)
+    + [_case(37, 8, 2, c, m, lay, softcap=2.0, scale=0.3, window=w) for c in (False, True) for m in ("pad", "packed")
+       for lay in LAYOUTS for w in (None, 7)]
+)
+
+
+def _balance(rank, world):
+    """Causal ring at S=512 with both layouts: this rank's work counters (one forward + backward)."""
+    out = {}
+    for layout in LAYOUTS:
+        g = torch.Generator().manual_seed(0)
+        idx = layout_indices(512, world, layout)[rank]
+        q, k, v = (torch.randn(1, 512, 2, 8, generator=g)[:, idx].requires_grad_(True) for _ in range(3))
+        stats = RingStats()
+        ring_attention(q, k, v, group=dist.group.WORLD, causal=True, layout=layout, stats=stats).sum().backward()
+        out[layout] = stats
+    return out
+
+
+def _counts(rank, world):
+    """Collectives per call: (forward, backward) counters for each comm, trusted and validated."""
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(2, 5, hh, 4, generator=g, requires_grad=True) for hh in (4, 2, 2))
+    shard = SeqShard((5,) * world, layout_permutation(5 * world, world, "zigzag"))
+    out = {}
+    for name, kw in (("p2p", {"shard": shard, "validate": False}),
+                     ("allgather", {"shard": shard, "validate": False, "comm": "allgather"}),
+                     ("p2p validated", {"layout": "zigzag"})):
+        with count_collectives() as fwd:
+            o = ring_attention(q, k, v, group=dist.group.WORLD, causal=True, **kw)
+        with count_collectives() as bwd:
+            o.sum().backward()
+        out[name] = (dict(fwd), dict(bwd))
+    return out
+
+
+def _misuse_case(name, rank, world):
+    g = torch.Generator().manual_seed(rank)
+    s = 5
+
+    def inputs(h=4, hk=2, n=s):
+        return tuple(torch.randn(2, n, hh, 8, generator=g, dtype=torch.float64) for hh in (h, hk, hk))
+
+    q, k, v = inputs()
+    kw = {}
+    if name == "kernel without lse":
+        kw["kernel"] = "sdpa"
+    elif name == "softcap with flash_cpu":
+        kw.update(kernel="flash_cpu", softcap=3.0)
+    elif name == "heads differ on one rank" and rank == world - 1:
+        q, k, v = inputs(h=8)
+    elif name == "seq mismatch q vs k on one rank" and rank == 0:
+        k = k[:, :3]
+    elif name == "zigzag lengths":  # ranks hold other lengths than the zigzag split gives them
+        lens = list(layout_seq_lens(4 * world + 1, world, "zigzag"))
+        lens[0], lens[-1] = lens[0] + 1, lens[-1] - 1
+        q, k, v = inputs(n=lens[rank])
+        kw["layout"] = "zigzag"
+    elif name == "unknown layout":
+        kw["layout"] = "spiral"
+    elif name == "unknown comm":
+        kw["comm"] = "carrier-pigeon"
+    elif name == "dropout":
+        kw["dropout"] = 0.1
+    elif name == "shard of another group":
+        kw["shard"] = SeqShard((s,) * (world + 1))
+    elif name == "shard vs layout":
+        kw.update(shard=SeqShard((s,) * world), layout="zigzag")
+    return kw, q, k, v
+
+
+MISUSE = {
+    "kernel without lse": "ring attention needs a kernel that returns the log-sum-exp",
+    "softcap with flash_cpu": "'flash_cpu' cannot honour ['softcap']",
+    "heads differ on one rank": "number of query heads differs across ranks",
+    "seq mismatch q vs k on one rank": "rank 0: q, k, v must share batch and local_seq_len",
+    "zigzag lengths": "layout='zigzag' puts",
+    "unknown layout": "unknown layout 'spiral'",
+    "unknown comm": "unknown ring comm 'carrier-pigeon'",
+    "dropout": "ring attention has no dropout",
+    "shard of another group": "shard lengths for a ring of",
+    "shard vs layout": "does not match the SeqShard's token positions",
+}
+
+
+def _misuse(rank, world):
+    seen = {}
+    for name in MISUSE:
+        kw, q, k, v = _misuse_case(name, rank, world)
+        try:
+            ring_attention(q, k, v, group=dist.group.WORLD, **{"kernel": "reference", **kw})
+            seen[name] = "no error"
+        except ValueError as e:
+            seen[name] = str(e)
+        q, k, v = _misuse_case("good", rank, world)[1:]  # the group still works afterwards
+        assert ring_attention(q, k, v, group=dist.group.WORLD, causal=True).shape == q.shape
+    return seen
+
+
+def _worker(rank, world, cases):
+    return {"rows": run_cases(rank, world, cases), "balance": _balance(rank, world) if world == 4 else None,
+            "counts": _counts(rank, world), "misuse": _misuse(rank, world) if world > 1 else None}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every world size once (one process spawn each); the tests read what they need."""
+    return {p: run_distributed(_worker, p, CASES, timeout=600) for p in (1, 2, 3, 4)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", [1, 2, 3, 4], ids=lambda p: f"P{p}")
+def test_grid_within_tolerance(runs, p):
+    per_rank = runs[p]
+    rows = per_rank[0]["rows"]
+    assert len(rows) == len(CASES)
+    bad = [(r["label"], {n: r[n] for n in ("out", "dq", "dk", "dv")}) for r in rows
+           if not max(r["out"], r["dq"], r["dk"], r["dv"]) <= TOL]
+    assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
+
+
+def test_grid_covers_the_required_cases():
+    labels = {c.label() for c in CASES}
+    for s in (1, 7, 37, 129):
+        for causal in (0, 1):
+            for mask in MASKS:
+                for lay in LAYOUTS:
+                    assert f"ring/reference S={s} H=6/1 causal={causal} mask={mask} layout={lay} comm=p2p" in labels
+    for kernel in ("reference", "flash_cpu"):
+        for comm in ("p2p", "allgather"):
+            assert any(c.kernel == kernel and c.options["comm"] == comm and c.window for c in CASES)
+    assert any(c.softcap for c in CASES)
+
+
+@pytest.mark.distributed
+def test_zigzag_balances_causal_work(runs):
+    p = 4
+    per_rank = runs[p]
+    ratio = {}
+    for layout in LAYOUTS:
+        work = [r["balance"][layout].visible_pairs for r in per_rank]
+        ratio[layout] = max(work) / (sum(work) / p)
+        assert sum(work) == 512 * 513 // 2  # every causal pair computed exactly once
+        # the run counted what the pure block plans predict
+        for rank, r in enumerate(per_rank):
+            pos = layout_indices(512, p, layout)
+            plans = [plan_block(AttnSpec(causal=True), pos[rank], pos[o]) for o in range(p)]
+            assert r["balance"][layout].visible_pairs == sum(pl.visible for pl in plans if pl)
+            assert r["balance"][layout].skipped == sum(pl is None for pl in plans)
+    assert ratio["zigzag"] <= 1.05, ratio
+    assert 1.7 <= ratio["contiguous"] <= 1.8, ratio
+    # zigzag also needs no mask off the diagonal: every rank gives the kernel the same rectangles
+    computed = [r["balance"]["zigzag"].computed_pairs for r in per_rank]
+    assert max(computed) == min(computed)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", [1, 2, 3, 4], ids=lambda p: f"P{p}")
+def test_collective_counts(runs, p):
+    for r in runs[p]:
+        c = r["counts"]
+        if p == 1:
+            assert c["p2p"] == ({}, {}) and c["allgather"] == ({}, {})
+            continue
+        # p2p: P-1 K/V hops forward; P-1 K/V hops + P dK/dV hops backward; never a gather
+        assert c["p2p"][0].get("batch_isend_irecv") == p - 1 and "all_gather_flat" not in c["p2p"][0]
+        assert c["p2p"][1].get("batch_isend_irecv") == 2 * p - 1 and "all_gather_flat" not in c["p2p"][1]
+        assert c["allgather"] == ({"all_gather_flat": 1}, {"all_gather_flat": 1, "reduce_scatter_flat": 1})
+        fwd, _ = c["p2p validated"]
+        assert fwd.get("all_gather_flat") == 1 and fwd.get("batch_isend_irecv") == p - 1
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", [2, 3, 4], ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("name", list(MISUSE))
+def test_misuse_same_error_on_every_rank(runs, p, name):
+    msgs = [r["misuse"][name] for r in runs[p]]
+    assert MISUSE[name] in msgs[0], msgs[0]
+    assert all(m == msgs[0] for m in msgs), msgs
+
+
+# ------------------------------------------------------------------------------------------------
+# pure parts
+# ------------------------------------------------------------------------------------------------
+
+def test_plan_block_matches_the_dense_mask():
+    g = torch.Generator().manual_seed(0)
+    specs = [AttnSpec(causal=True), AttnSpec(causal=True, window=5), AttnSpec(window=4), AttnSpec()]
+    for _ in range(200):
+        perm = torch.randperm(40, generator=g)
+        nq, nk = (int(x) for x in torch.randint(0, 20, (2,), generator=g))
+        q_pos, k_pos = perm[:nq], perm[20:20 + nk]
+        for spec in specs:
+            plan = plan_block(spec, q_pos, k_pos)
+            allowed = position_mask(spec, q_pos, k_pos)
+            if allowed is None:
+                allowed = torch.ones(nq, nk, dtype=torch.bool)
+            if not bool(allowed.any()):
+                assert plan is None
+                continue
+            assert plan.visible == int(allowed.sum())
+            rows, cols = allowed.any(1).nonzero().flatten(), allowed.any(0).nonzero().flatten()
+            assert plan.rows == (int(rows[0]), int(rows[-1] - rows[0] + 1))
+            assert plan.cols == (int(cols[0]), int(cols[-1] - cols[0] + 1))
+
+
+def test_plan_block_halves_zigzag_off_diagonal_blocks():
+    pos = layout_indices(64, 4, "zigzag")  # 8 chunks of 8
+    spec = AttnSpec(causal=True)
+    assert plan_block(spec, pos[2], pos[2]).rows == (0, 16)
+    assert plan_block(spec, pos[2], pos[0]).cols == (0, 8)  # earlier rank: only its early chunk is seen
+    assert plan_block(spec, pos[2], pos[0]).rows == (0, 16)
+    assert plan_block(spec, pos[0], pos[2]).rows == (8, 8)  # later rank: only our late chunk sees it
+    assert plan_block(spec, pos[0], pos[2]).visible == 8 * 16
+    assert plan_block(spec, layout_indices(64, 4)[0], layout_indices(64, 4)[1]) is None
+
+
+def test_merge_partials_equals_one_softmax():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 9, 3, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    keep = torch.rand(2, 9, generator=g) > 0.5
+    keep[0] = False  # a row that sees nothing at all
+    full, full_lse = reference_attention(q, k, v, key_padding_mask=keep)
+    out = torch.zeros(2, 3, 9, 4, dtype=torch.float64)
+    lse = torch.full((2, 3, 9), float("-inf"), dtype=torch.float64)
+    for lo, hi in ((0, 4), (4, 5), (5, 9)):
+        o_b, l_b = reference_attention(q, k[:, lo:hi], v[:, lo:hi], key_padding_mask=keep[:, lo:hi])
+        out, lse = merge_partials(out, lse, o_b.transpose(1, 2), l_b)
+    assert torch.allclose(out.transpose(1, 2), full, atol=1e-14, rtol=0)
+    assert torch.equal(torch.isinf(lse), torch.isinf(full_lse))
+    assert torch.allclose(lse[~torch.isinf(lse)], full_lse[~torch.isinf(full_lse)], atol=1e-14, rtol=0)
+    assert not torch.isnan(out).any()
+
+
+def test_layout_seq_lens_feed_the_ring_shard():
+    assert layout_seq_lens(37, 4, "zigzag") == (9, 9, 9, 10)

@@ -1,0 +1,38 @@
+"""Ulysses attention against the float64 reference, forward and backward, over real gloo processes."""
+
+import pytest
+
+from seqpar.comm.launch import run_distributed
+from seqpar.testing.attention_parity import AttnCase, attention_grid, run_cases
+
+TOL = 1e-10
+CASES = attention_grid("ulysses", quick=False) + [
+    # scale and softcap with the reference kernel, window with every kernel that supports it
+    AttnCase(seq=37, heads=6, kv_heads=1, causal=False, window=6, softcap=2.0, mask="packed"),
+    AttnCase(seq=37, heads=8, kv_heads=2, causal=True, kernel="flash_cpu", window=7, mask="none"),
+    AttnCase(seq=129, heads=28, kv_heads=4, causal=True, kernel="flash_cpu", mask="pad"),
+    AttnCase(seq=7, heads=3, kv_heads=1, causal=True, mask="pad"),  # fewer query heads than P=4
+]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"P{p}")
+def grid(request):
+    return request.param, run_distributed(run_cases, request.param, CASES, timeout=600)[0]
+
+
+@pytest.mark.distributed
+def test_grid_within_tolerance(grid):
+    p, rows = grid
+    assert len(rows) == len(CASES)
+    bad = [(r["label"], {n: r[n] for n in ("out", "dq", "dk", "dv")}) for r in rows
+           if max(r["out"], r["dq"], r["dk"], r["dv"]) > TOL]
+    assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
+
+
+def test_grid_covers_the_required_cases():
+    labels = {c.label() for c in CASES}
+    for s in (1, 7, 37, 129):
+        for h, hk in ((8, 8), (8, 2), (8, 1), (6, 3), (6, 1), (12, 4)):
+            for causal in (0, 1):
+                for mask in ("none", "pad", "packed"):
+                    assert f"ulysses/reference S={s} H={h}/{hk} causal={causal} mask={mask}" in labels

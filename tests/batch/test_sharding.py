@@ -1,0 +1,207 @@
+"""shard_batch and its pure helpers: target shifting rules, packed-document segments, the problems a
+batch can have, and (4 gloo processes) what each rank receives: slices that put back together give
+the full shifted batch, uneven and zigzag layouts, and target counts summed over dp."""
+
+import pytest
+import torch
+
+import seqpar
+from seqpar.attention.layout import layout_indices
+from seqpar.attention.shard import SeqShard
+from seqpar.batch.sharding import BATCH_KWARG, LocalBatch, _checksum, _local_problem
+from seqpar.batch.targets import (
+    IGNORE_INDEX,
+    prepare_batch,
+    segments_from_positions,
+    shift_targets,
+    target_count,
+)
+from seqpar.comm.launch import run_distributed
+
+X = IGNORE_INDEX
+
+
+def test_segments_restart_where_positions_do_not_grow_by_one():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]])
+    assert segments_from_positions(pos).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8]
+    # an offset start (a continued document) is one document
+    assert segments_from_positions(torch.tensor([[5, 6, 7]])).tolist() == [[0, 0, 0]]
+
+
+def test_shift_targets_plain_last_position_has_no_target():
+    labels = torch.tensor([[10, 11, 12, 13]])
+    t, w = shift_targets(labels)
+    assert t.tolist() == [[11, 12, 13, X]] and w is None
+
+
+def test_shift_targets_ignores_padding_on_either_side():
+    labels = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    keep = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)  # right / left padding
+    t, _ = shift_targets(labels, key_keep=keep)
+    assert t.tolist() == [[11, 12, X, X, X], [X, X, 23, 24, X]]
+
+
+def test_shift_targets_never_crosses_documents():
+    labels = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    seg = segments_from_positions(torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    t, _ = shift_targets(labels, segments=seg)
+    assert t.tolist() == [[11, 12, X, 14, 15, X]]
+
+
+def test_shift_targets_keeps_ignore_index_and_shifts_weights():
+    labels = torch.tensor([[10, X, 12, 13]])
+    w = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64)
+    t, sw = shift_targets(labels, weights=w)
+    assert t.tolist() == [[X, 12, 13, X]]
+    assert sw.tolist() == [[0.0, 3.0, 4.0, 0.0]]  # weights follow their label; 0 where no target
+
+
+def test_prepare_batch_defaults_and_counts():
+    ids = torch.arange(12).view(2, 6)
+    prep = prepare_batch({"input_ids": ids, "labels": ids})
+    assert prep.position_ids.tolist() == [list(range(6))] * 2  # arange, as transformers does
+    assert prep.key_keep is None and prep.segments is None  # nothing to mask
+    assert target_count(prep) == 10
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    prep = prepare_batch({"input_ids": ids, "labels": ids, "attention_mask": mask,
+                          "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])})  # [1, S] broadcasts
+    assert prep.key_keep[1].tolist() == [True] * 4 + [False] * 2
+    assert prep.segments.tolist() == [[0, 0, 0, 1, 1, 1]] * 2
+    assert target_count(prep) == 4 + 2  # row 0: 2 + 2 (a boundary at 3); row 1: 2 (3 -> 4 is padding)
+    w = torch.full((2, 6), 0.5, dtype=torch.float64)
+    assert target_count(prepare_batch({"input_ids": ids, "labels": ids, "loss_weights": w})) == 5.0
+
+
+Z = torch.zeros(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize("batch, problem", [
+    ({"input_ids": Z, BATCH_KWARG: None}, "already sharded"),
+    ({"labels": Z}, "neither input_ids"),
+    ({"input_ids": torch.zeros(8, dtype=torch.long)}, "input_ids must be"),
+    ({"input_ids": Z, "pixel_values": torch.zeros(1)}, "does not know"),
+    ({"input_ids": Z, "labels": torch.zeros(2, 5, dtype=torch.long)}, "labels must have"),
+    ({"input_ids": Z, "attention_mask": torch.ones(2, 1, 4, 4)}, "attention_mask must be"),
+    ({"input_ids": Z, "position_ids": torch.zeros(3, 4, dtype=torch.long)}, "position_ids must be"),
+    ({"input_ids": Z, "loss_weights": torch.ones(2, 4)}, "loss_weights must"),
+    ({"input_ids": Z, "labels": Z,
+      "attention_mask": torch.ones(2, 4), "position_ids": torch.zeros(1, 4, dtype=torch.long),
+      "loss_weights": torch.ones(2, 4), "use_cache": False}, None),
+])
+def test_local_problems(batch, problem):
+    found = _local_problem(batch)[0]
+    assert found == problem if problem is None else problem in found
+
+
+def test_checksum_tells_batches_apart():
+    a = torch.arange(20).view(2, 10)
+    assert _checksum(a) == _checksum(a.clone())
+    assert _checksum(a) != _checksum(a.flip(1))  # same tokens, other order
+    assert _checksum(None) == -1.0
+
+
+def test_local_batch_grad_scale_folds_the_dp_average():
+    shard = SeqShard((3, 3))
+    mean = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=4, denominator=10, num_items_in_batch=None,
+                      loss_weights=None)
+    assert mean.grad_scale == 1 / 40  # per-dp-rank mean, averaged over 4 dp ranks by the sum
+    glob = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=4, denominator=50, num_items_in_batch=50,
+                      loss_weights=None)
+    assert glob.grad_scale == 1 / 50
+    empty = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=1, denominator=0, num_items_in_batch=None,
+                       loss_weights=None)
+    assert empty.grad_scale == 1.0  # no target: loss 0, not NaN
+
+
+# --------------------------------------------------------------------------------------------
+# 4 processes: what each rank gets
+# --------------------------------------------------------------------------------------------
+
+def _full_batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (2, 11), generator=g)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, 8:] = 0
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6], list(range(11))])
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask, "position_ids": pos,
+            "loss_weights": torch.rand(2, 11, generator=g, dtype=torch.float64)}
+
+
+def _worker(rank, world):
+    torch.set_num_threads(1)
+    out = {}
+    batch = _full_batch()
+    for layout in ("contiguous", "zigzag"):
+        mesh = seqpar.init_mesh(sp=4, device_type="cpu")
+        local = seqpar.shard_batch(batch, mesh, layout=layout)
+        info = local[BATCH_KWARG]
+        out[layout] = {k: v for k, v in local.items() if k != BATCH_KWARG}
+        out[layout]["shard"] = info.shard
+        out[layout]["denominator"] = info.denominator
+        out[layout]["weights"] = info.loss_weights
+    mesh = seqpar.init_mesh(sp=2, dp=2, device_type="cpu")
+    dp = mesh.get_local_rank("dp")
+    mine = [_full_batch()] if dp == 0 else [_full_batch(), {"input_ids": batch["input_ids"][:, :5],
+                                                           "labels": batch["labels"][:, :5]}]
+    for b in mine:
+        b.pop("loss_weights", None)
+    out["count"] = seqpar.count_target_tokens(mine, mesh)
+    out["count_labels"] = seqpar.count_target_tokens([b["labels"] for b in mine], mesh)
+    local = seqpar.shard_batch(mine[0], mesh, num_items_in_batch=out["count"])
+    out["dp_denominator"] = local[BATCH_KWARG].denominator
+    out["dp_scale"] = local[BATCH_KWARG].grad_scale
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_worker, 4, timeout=120)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_slices_put_back_together_give_the_full_shifted_batch(ranks, layout):
+    batch = _full_batch()
+    prep = prepare_batch(batch)
+    pieces = layout_indices(11, 4, layout)
+    assert [len(p) for p in pieces] == [r[layout]["input_ids"].shape[1] for r in ranks]
+    perm = torch.cat(pieces)
+    for key, full in (("input_ids", batch["input_ids"]), ("position_ids", prep.position_ids),
+                      ("labels", prep.targets), ("weights", prep.weights)):
+        got = torch.cat([r[layout][key] for r in ranks], dim=1)
+        assert torch.equal(got, full[:, perm]), key
+    assert all(r[layout]["shift_labels"] is not None for r in ranks)
+    assert all(r[layout]["use_cache"] is False for r in ranks)
+    # the target of the last token of rank 0's shard is rank 1's first token: kept across the cut
+    if layout == "contiguous":
+        assert ranks[0][layout]["labels"][0, -1] == batch["labels"][0, 3]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shard_metadata_is_global_and_in_layout_order(ranks, layout):
+    prep = prepare_batch(_full_batch())
+    perm = torch.cat(layout_indices(11, 4, layout))
+    for r in ranks:
+        shard = r[layout]["shard"]
+        assert shard.seq_lens == (3, 3, 3, 2) if layout == "contiguous" else sum(shard.seq_lens) == 11
+        if layout == "contiguous":
+            assert shard.positions is None
+        else:
+            assert torch.equal(shard.positions, perm)
+        assert torch.equal(shard.key_keep, prep.key_keep[:, perm])
+        assert torch.equal(shard.segments, prep.segments[:, perm])
+        assert r[layout]["denominator"] == pytest.approx(float(prep.weights.sum()), abs=1e-12)
+
+
+@pytest.mark.distributed
+def test_count_target_tokens_sums_over_dp(ranks):
+    prep = prepare_batch({k: v for k, v in _full_batch().items() if k != "loss_weights"})
+    # dp rank 0: one batch; dp rank 1: the same batch and a 5-token slice without mask (2 x 4 targets)
+    expected = 2 * target_count(prep) + 8
+    assert all(r["count"] == expected for r in ranks)
+    assert all(isinstance(r["count"], int) for r in ranks)
+    # bare labels know nothing of padding or documents: every shifted label counts
+    assert all(r["count_labels"] == 2 * (2 * 10) + 8 for r in ranks)
+    assert all(r["dp_denominator"] == expected and r["dp_scale"] == 1 / expected for r in ranks)

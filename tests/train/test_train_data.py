@@ -1,0 +1,106 @@
+"""Pure parts of seqpar train: the copy task's rows, documents into rows (packing, padding), the data
+order, the learning-rate schedule, and one run with a checkpoint's own tokenizer (2 workers)."""
+
+import json
+
+import pytest
+import torch
+
+from seqpar.train import TrainConfig
+from seqpar.train.data import TextData, make_rows, read_documents, row_index
+from seqpar.train.loop import lr_lambda
+from seqpar.train.tasks import BOS, EVAL, IGNORE, SEP, CopyTask, answer_accuracy
+from seqpar.train.tokenizer import ByteTokenizer
+
+
+def test_copy_rows_copy_and_answers_sit_span_plus_one_back():
+    task = CopyTask(4096, seed=3)
+    r = task.row(5)
+    ids, labels = r["input_ids"], r["labels"]
+    n = task.span
+    assert ids.shape == (4096,) and ids[0] == BOS and ids[n + 1] == SEP
+    assert torch.equal(ids[1:n + 1], ids[n + 2:2 * n + 2])
+    where = (labels != IGNORE).nonzero().squeeze(1)
+    assert len(where) == n and torch.equal(labels[where], ids[where - (n + 1)])
+    assert torch.equal(task.row(5)["input_ids"], ids)  # a pure function of (seed, split, index)
+    assert not torch.equal(task.row(5, EVAL)["input_ids"], ids) and not torch.equal(task.row(6)["input_ids"], ids)
+    with pytest.raises(ValueError, match="--seq-len 3"):
+        CopyTask(3)
+
+
+def test_answer_accuracy_counts_only_targets():
+    logits = torch.zeros(1, 4, 5)
+    logits[0, torch.arange(4), torch.tensor([1, 2, 3, 4])] = 1.0
+    assert answer_accuracy(logits, torch.tensor([[1, IGNORE, 0, 4]])) == (2, 3)
+
+
+def test_rows_one_document_each_padded():
+    rows = make_rows([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]], 4, packing=False, pad_id=0)
+    assert [r["input_ids"].tolist() for r in rows] == [[1, 2, 3, 0], [4, 5, 6, 7], [8, 9, 10, 0]]
+    assert rows[0]["attention_mask"].tolist() == [1, 1, 1, 0] and rows[0]["labels"].tolist() == [1, 2, 3, IGNORE]
+
+
+def test_rows_packed_positions_restart_per_document():
+    rows = make_rows([[1, 2, 3], [4, 5, 6, 7], [8, 9]], 5, packing=True, pad_id=0)
+    assert [r["input_ids"].tolist() for r in rows] == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
+    assert [r["position_ids"].tolist()[:4] for r in rows] == [[0, 1, 2, 0], [0, 1, 0, 1]]
+    assert rows[1]["attention_mask"].tolist() == [1, 1, 1, 1, 0]
+
+
+def test_text_data_order_is_an_epoch_shuffle_of_the_training_rows():
+    rows = make_rows([[i, i + 1] for i in range(0, 40, 2)], 2, packing=False, pad_id=0)
+    data = TextData(rows, seed=1, eval_rows=4, vocab_size=50, describe="")
+    assert data.n_eval == 2 and len(data.train) == 18  # at most a tenth held out
+    epoch0 = [tuple(data.row(k)["input_ids"].tolist()) for k in range(18)]
+    epoch1 = [tuple(data.row(k)["input_ids"].tolist()) for k in range(18, 36)]
+    assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1 and len(set(epoch0)) == 18
+    held = {tuple(r["input_ids"].tolist()) for r in data.eval}
+    assert not held & set(epoch0)
+
+
+def test_row_index_covers_every_row_once():
+    seen = [row_index(s, m, d, b, grad_accum=2, dp=3, micro_batch=2)
+            for s in range(2) for m in range(2) for d in range(3) for b in range(2)]
+    assert sorted(seen) == list(range(24))
+
+
+def test_lr_warmup_then_cosine():
+    f = lr_lambda(TrainConfig(steps=100, warmup=10, min_lr_ratio=0.1))
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0) and f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.55) and f(100) == pytest.approx(0.1)
+
+
+def test_read_documents_text_and_jsonl(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text document")
+    (tmp_path / "b.jsonl").write_text('{"body": "one"}\n\n{"body": "two", "x": 1}\n')
+    assert read_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], "body") == [
+        "plain text document", "one", "two"]
+    assert ByteTokenizer().encode("hi") == [1, 3 + ord("h"), 3 + ord("i"), 2]
+
+
+@pytest.mark.distributed
+def test_train_with_the_checkpoints_tokenizer(tmp_path):
+    """A local checkpoint with its own tokenizer, packed JSONL data: the tokenizer's ids are used."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    from seqpar.integrations.models import build_model
+    from seqpar.train.job import prepare_job
+    from seqpar.train.launcher import run_local
+
+    words = "the quick brown fox jumps over lazy dog".split()
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
+                                   unk_token="[UNK]")
+    model, _ = build_model("tiny-llama", vocab_size=len(vocab), max_position_embeddings=64)
+    model.save_pretrained(tmp_path / "ckpt")
+    fast.save_pretrained(tmp_path / "ckpt")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": " ".join(words[i % 8:i % 8 + 3 + i % 4])}) for i in range(40)))
+    cfg = TrainConfig(model=str(tmp_path / "ckpt"), data=[str(data)], packing=True, seq_len=32, steps=3,
+                      progress=False, save_dir=str(tmp_path / "run"))
+    s = run_local(prepare_job(cfg))
+    assert s.steps == 3 and "(bytes)" not in s.data, s.data  # the checkpoint's tokenizer, not bytes
+    assert all(loss > 0 for _, loss in s.losses)
