@@ -72,7 +72,7 @@ class _NoHeadsConfig:
 def _misuse(rank, world):
     """Every misuse on every rank: the ValueError message (None when nothing was raised)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AttentionInterface, BloomConfig, BloomForCausalLM
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, BloomConfig, BloomForCausalLM
 
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     model = make_model(ModelCase(model="tiny-llama"))
@@ -106,6 +106,9 @@ def _misuse(rank, world):
     bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
     attempt("attention not through AttentionInterface", lambda: seqpar.parallelize(bloom, mesh))
     attempt("not a transformers model", lambda: seqpar.parallelize(nn.Linear(4, 4), mesh))
+    with torch.device("meta"):  # only its structure matters: it is refused before anything runs
+        hybrid = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", num_hidden_layers=4))
+    attempt("a linear-attention hybrid", lambda: seqpar.parallelize(hybrid, mesh))
     attempt("parallelized twice", lambda: seqpar.parallelize(model, mesh))
     attempt("unsharded batch into a parallel model", lambda: model(**batch))
     attempt("unknown strategy", lambda: seqpar.parallelize(make_model(ModelCase()), mesh, strategy="nope"))
@@ -205,6 +208,7 @@ MISUSE = {
     "no sp axis: parallelize": "no 'sp' axis",
     "attention not through AttentionInterface": "does not route its attention through",
     "not a transformers model": "is not a PreTrainedModel",
+    "a linear-attention hybrid": "Qwen3NextGatedDeltaNet convolves over the sequence",
     "parallelized twice": "already parallelized",
     "unsharded batch into a parallel model": "shard_batch",
     "unknown strategy": "unknown strategy 'nope'",

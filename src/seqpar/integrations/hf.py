@@ -42,6 +42,7 @@ from ..batch.loss import make_loss_function
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.mesh import Axis, as_mesh, axis_group
 from .hf_kernel import ModelKernel, eager_function, original_function
+from .mixers import check_token_mixers
 from .models import decoder_config
 
 _ATTR = "_seqpar_parallel"  # our own attribute on the model: how to undo parallelize
@@ -126,8 +127,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     kernel :func:`seqpar.sp_attention` accepts. Returns the model.
 
     Raises ValueError if the model is not a transformers model whose attention goes through
-    ``AttentionInterface``, has no attention heads, is already parallelized, if the strategy is
-    unknown or the mesh has no ``"sp"`` axis -- the same on every rank, before any collective.
+    ``AttentionInterface``, has no attention heads, mixes tokens by other means too (convolutions,
+    linear attention, recurrences, chunked or indexed attention: :mod:`.mixers`), is already
+    parallelized, if the strategy is unknown or the mesh has no ``"sp"`` axis -- the same on every
+    rank, before any collective.
     """
     check_strategy(strategy)
     axis_group(as_mesh(mesh, "parallelize"), Axis.SP.value)  # raises without an sp axis
@@ -142,6 +145,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("this model is already parallelized: call seqpar.unparallelize(model) first")
     config, sub = decoder_config(model.config)
+    check_token_mixers(model)  # a model seqpar cannot make exact is refused, never run on shards
     strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
     original = config._attn_implementation
     if original is not None and original.startswith("seqpar_"):

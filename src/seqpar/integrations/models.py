@@ -87,7 +87,13 @@ def decoder_config(config: Any) -> tuple[Any, str | None]:
     ``config`` itself, or ``config.text_config`` of a multimodal model. ``config`` is a transformers
     config or its ``config.json`` as a dict. Raises ValueError when neither has ``num_attention_heads``."""
     def get(c: Any, key: str) -> Any:
-        return c.get(key) if isinstance(c, Mapping) else getattr(c, key, None)
+        if isinstance(c, Mapping):
+            return c.get(key)
+        try:
+            return getattr(c, key, None)
+        except Exception as e:  # e.g. a per-layer head count transformers refuses to read as one number
+            raise ValueError(f"{type(c).__name__}.{key} is not one number ({type(e).__name__}): seqpar needs the "
+                             "same attention head count in every layer") from None
 
     if get(config, "num_attention_heads"):
         return config, None
