@@ -25,7 +25,7 @@ never attended.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -136,8 +136,10 @@ def run_ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec:
              shard: SeqShard, comm: str, stats: RingStats | None = None) -> Tensor:
     """The ring on validated inputs: ``[B, S_local, H, D] -> [B, S_local, H, Dv]``."""
     me = dist.get_rank(group)
-    q_pos = shard.positions_of(me)
-    plans = [plan_block(spec, q_pos, shard.positions_of(r)) for r in range(len(shard.seq_lens))]
+    # block planning is host-side arithmetic: one copy of the positions to the CPU per call
+    host = shard if shard.positions is None else replace(shard, positions=shard.positions.cpu())
+    q_pos = host.positions_of(me)
+    plans = [plan_block(spec, q_pos, host.positions_of(r)) for r in range(len(shard.seq_lens))]
     ring = _Ring(COMMS[comm](group), kernel, spec, shard, plans, max(shard.seq_lens))
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ring, me, stats)
     return out.transpose(1, 2)  # [B, S_local, H, Dv]

@@ -42,12 +42,12 @@ class SeqShard:
         return split_offsets(self.seq_lens)[rank], self.seq_lens[rank]
 
     def positions_of(self, rank: int, start: int = 0, n: int | None = None) -> Tensor:
-        """``[n]`` long: the original index of tokens ``start .. start + n`` of ``rank``'s shard
-        (the whole shard by default), on the CPU (block planning is host-side arithmetic)."""
+        """``[n]`` long: the original index of tokens ``start .. start + n`` of ``rank``'s shard (the
+        whole shard by default), on the device of ``positions`` (the CPU for a contiguous split)."""
         offset, length = self.local_range(rank)
         a = offset + start
         b = offset + (length if n is None else start + n)
-        return self.positions[a:b].cpu() if self.positions is not None else torch.arange(a, b)
+        return self.positions[a:b] if self.positions is not None else torch.arange(a, b)
 
 
 def gather_seq_shard(group: dist.ProcessGroup, *, local_len: int, batch_size: int,
