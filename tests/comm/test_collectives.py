@@ -1,10 +1,12 @@
 """Collectives with autograd on real gloo processes: values and gradients against what the same
-operation on the whole (unsharded) tensor gives, with uneven sizes."""
+operation on the whole (unsharded) tensor gives, with uneven sizes; and the fence that makes a
+failure on one rank an error on every rank."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from seqpar.comm.agree import fence
 from seqpar.comm.collectives import all_to_all, all_to_all_multi, even_ranges, split_sizes
 from seqpar.comm.gather import gather_seq, split_seq
 from seqpar.comm.launch import run_distributed
@@ -87,7 +89,40 @@ def _worker(rank, world):
         (t,) = shift.wait()
         seen.append(int(t[0]))
     errs["ring order"] = 0.0 if seen == [(rank - i - 1) % world for i in range(world)] else 1.0
-    return errs
+    return {"errs": errs, "fence": _fences(rank, world)}
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class _Picky(Exception):
+    def __init__(self, code, text):  # cannot be rebuilt from a message alone
+        super().__init__(f"{code}: {text}")
+
+
+def _fences(rank, world):
+    """What ``fence`` raised on this rank for: nothing failed; the last rank failed (its own type);
+    rank 0 failed with a ValueError; ranks 0 and 2 failed; a type that cannot be rebuilt; a 2 x 2 grid
+    fenced in stages (ulysses groups, then rings) with the last rank failing."""
+    g = dist.group.WORLD
+    last = world - 1
+    cases = {"none": (g, None), "last": (g, _Boom("out of memory") if rank == last else None),
+             "value": (g, ValueError("bad shape") if rank == 0 else None),
+             "two": (g, RuntimeError(f"failed {rank}") if rank in (0, 2) else None),
+             "picky": (g, _Picky(7, "odd") if rank == last else None)}
+    if world == 4:
+        rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        cases["grid"] = ([rows[rank // 2], cols[rank % 2]], _Boom("grid") if rank == last else None)
+    seen = {}
+    for name, (groups, error) in cases.items():
+        try:
+            fence(groups, error, what="test call")
+            seen[name] = None
+        except Exception as e:
+            seen[name] = (type(e).__name__, str(e), e.__cause__ is error and error is not None)
+    return seen
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"P{p}")
@@ -96,8 +131,28 @@ def results(request):
 
 
 @pytest.mark.distributed
+def test_fence_raises_on_every_rank(results):
+    p, per_rank = results
+    seen = [r["fence"] for r in per_rank]
+    last = p - 1
+    for rank, s in enumerate(seen):
+        assert s["none"] is None
+        mine = rank == last
+        assert s["last"] == ("_Boom" if mine else "RuntimeError", seen[0]["last"][1], mine)
+        assert f"rank {last}: _Boom: out of memory" in s["last"][1] and "test call" in s["last"][1]
+        assert s["value"] == ("ValueError", seen[0]["value"][1], rank == 0)  # bad input stays a ValueError
+        if p >= 3:
+            assert "rank 0: RuntimeError: failed 0" in s["two"][1] and "rank 2: RuntimeError: failed 2" in s["two"][1]
+        assert s["picky"] == ("RuntimeError", seen[0]["picky"][1], mine)  # chained, even if not rebuilt
+        assert f"rank {last}: _Picky: 7: odd" in s["picky"][1]
+        if p == 4:  # staged: the failure in one ulysses group reaches every rank of the grid
+            assert s["grid"] == ("_Boom" if mine else "RuntimeError", seen[0]["grid"][1], mine)
+            assert "rank 3: _Boom: grid" in s["grid"][1]
+
+
+@pytest.mark.distributed
 def test_collectives_exact(results):
     p, per_rank = results
-    for rank, errs in enumerate(per_rank):
+    for rank, errs in enumerate(r["errs"] for r in per_rank):
         bad = {k: v for k, v in errs.items() if v > 1e-12}
         assert not bad, f"P={p} rank {rank}: {bad}"

@@ -10,6 +10,10 @@ rank is left waiting in a collective its peers never join::
     rank 1: facts {"len": 5, ...}, problem "q must be 4-D" -- all-gather --> Table on every rank
                                                                           --> check(table, same=[...])
                                                                               raises on every rank
+
+:func:`fence` is the same path for a failure in the *middle* of a collective call (a kernel that
+raised on one rank): the failing rank keeps the call's communication going with placeholders, then
+every rank shares its verdict and raises together.
 """
 
 from __future__ import annotations
@@ -108,6 +112,37 @@ def check(table: Table, *, what: str, same: Sequence[str] = (), describe: Callab
     if problems or differ:
         tail = f"\n  {hint}" if differ and hint else ""
         raise ValueError(f"seqpar: invalid {what}:\n  " + "\n  ".join(problems + differ) + tail)
+
+
+def fence(groups: dist.ProcessGroup | Sequence[dist.ProcessGroup], error: BaseException | None, *,
+          what: str) -> None:
+    """Raise on every rank if ``error`` is set on any rank of ``groups``; return quietly otherwise.
+
+    ``groups`` in stages (hybrid: the ulysses group, then the ring): each stage shares every
+    failure seen so far, so after the last one every rank of the grid knows all of them. Cost:
+    one tiny all-gather per stage (a second one only when some rank failed). The message is the
+    same on every rank and names each failing rank (its global rank) and its error. The failing
+    rank raises its own exception type (falling back to RuntimeError when that type cannot be
+    built from a message), chained to the original; the others raise RuntimeError, or ValueError
+    when a failing rank's error was one (bad input stays bad input).
+    """
+    stages = [groups] if isinstance(groups, dist.ProcessGroup) else list(groups)
+    problem = None if error is None else f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
+    value_error = float(isinstance(error, ValueError))
+    for group in stages:
+        table = share({"value_error": value_error}, group, problem=problem)
+        problem = "\n".join(m for m in table.problems if m) or None
+        value_error = max(table.column("value_error"))
+    if problem is None:
+        return
+    text = f"seqpar: {what} failed, so every rank stops here:\n  " + problem.replace("\n", "\n  ")
+    if error is None:
+        raise (ValueError if value_error else RuntimeError)(text)
+    try:
+        mine = type(error)(text)
+    except Exception:
+        mine = RuntimeError(text)
+    raise mine from error
 
 
 def _fmt(v: float) -> str:
