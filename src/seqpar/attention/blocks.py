@@ -36,23 +36,34 @@ def _span(mask: Tensor) -> tuple[int, int]:
     return int(idx[0]), int(idx[-1]) - int(idx[0]) + 1
 
 
+def _visible_range(spec: AttnSpec, pos: Tensor, as_key: bool) -> tuple[Tensor, Tensor]:
+    """``[lo, hi]`` per token: the key positions a query at ``pos`` sees, or (``as_key``) the query
+    positions that see a key at ``pos``. Causal, window and chunk each allow an interval, so their
+    intersection is one interval too."""
+    w = spec.window if spec.window is not None else _FAR
+    if spec.causal:  # q - w < k <= q
+        lo, hi = (pos, pos + w - 1) if as_key else (pos - w + 1, pos)
+    else:  # |q - k| < w
+        lo, hi = pos - w + 1, pos + w - 1
+    if spec.chunk is not None:  # same chunk: [c * chunk, c * chunk + chunk - 1]
+        start = pos.div(spec.chunk, rounding_mode="floor") * spec.chunk
+        lo, hi = torch.maximum(lo, start), torch.minimum(hi, start + spec.chunk - 1)
+    return lo, hi
+
+
 def plan_block(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> BlockPlan | None:
     """What to compute of one block, from the global positions ``q_pos [Sq]``, ``k_pos [Sk]``; None
-    when causal/window hide every pair (skip it). O((Sq + Sk) log) -- no [Sq, Sk] mask is built."""
+    when causal/window/chunk hide every pair (skip it). O((Sq + Sk) log) -- no [Sq, Sk] mask is built."""
     nq, nk = q_pos.numel(), k_pos.numel()
     if nq == 0 or nk == 0:
         return None
-    if not spec.causal and spec.window is None:
+    if not spec.causal and spec.window is None and spec.chunk is None:
         return BlockPlan((0, nq), (0, nk), nq * nk)
-    w = spec.window if spec.window is not None else _FAR
-    # a query at q sees keys in [q - w + 1, q] (causal) or [q - w + 1, q + w - 1] (window only);
-    # mirrored, a key at k is seen by queries in [k, k + w - 1] or [k - w + 1, k + w - 1]
-    ahead = 0 if spec.causal else w - 1
-    q_cnt = _count_in(k_pos.sort().values, q_pos - w + 1, q_pos + ahead)
+    q_cnt = _count_in(k_pos.sort().values, *_visible_range(spec, q_pos, as_key=False))
     total = int(q_cnt.sum())
     if total == 0:
         return None
-    k_cnt = _count_in(q_pos.sort().values, k_pos - ahead, k_pos + w - 1)
+    k_cnt = _count_in(q_pos.sort().values, *_visible_range(spec, k_pos, as_key=True))
     return BlockPlan(_span(q_cnt > 0), _span(k_cnt > 0), total)
 
 
@@ -66,6 +77,25 @@ def merge_partials(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tu
     safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
     w, w_b = torch.exp(lse - safe), torch.exp(lse_b - safe)  # [B, H, Sq]
     return out * w[..., None] + out_b.to(out.dtype) * w_b[..., None], new
+
+
+def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention sinks as one more partial result: ``out = 0`` with ``lse = sinks[h]`` on every row,
+    merged by :func:`merge_partials`. ``out [B, H, Sq, Dv]``, ``lse [B, H, Sq]`` (accumulation
+    dtype), ``sinks [H]``. The result is the attention over keys and sink together; rows that saw
+    no key get ``out = 0``, ``lse = sinks[h]``."""
+    sink_lse = sinks.to(lse.dtype)[None, :, None].expand(lse.shape)  # [B, H, Sq]
+    return merge_partials(out, lse, out.new_zeros(()).expand(out.shape), sink_lse)
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """``d sinks [H]`` from this rank's rows: ``-sum_rows exp(sink_h - lse) * rowsum(dout * out)``,
+    with ``out``/``lse`` those :func:`fold_sinks` returned (the sink's softmax weight times the
+    usual ``dS = P (dP - D)`` with ``dP = 0``: its value vector is zero)."""
+    acc = lse.dtype
+    weight = torch.exp(sinks.to(acc)[None, :, None] - lse)  # [B, H, Sq]
+    d = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # [B, H, Sq]
+    return -(weight * d).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 @dataclass

@@ -40,19 +40,26 @@ def _scores(q: Tensor, k: Tensor, spec: AttnSpec, mask: MaskInfo | None) -> tupl
 
 def math_attention(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None
                    ) -> tuple[Tensor, Tensor]:
-    """Differentiable attention in plain PyTorch ops: ``(out [B,H,Sq,D], lse [B,H,Sq])``.
+    """Differentiable attention in plain PyTorch ops: ``(out [B,H,Sq,Dv], lse [B,H,Sq])``.
 
-    Rows that see no key give ``out = 0`` and ``lse = -inf`` without NaN in either direction.
+    ``spec.sinks [H]`` (differentiable) joins every row's softmax as one more logit with a zero
+    value vector; lse includes it. Rows that see no key (and have no sink) give ``out = 0`` and
+    ``lse = -inf`` without NaN in either direction.
     """
     if spec.dropout:
         raise ValueError("the reference attention is deterministic: set dropout to 0")
     cdtype = torch.promote_types(q.dtype, torch.float32)
     qc, kc, vc = q.to(cdtype), k.to(cdtype), v.to(cdtype)
     s, _, _ = _scores(qc, kc, spec, mask)
-    m = s.amax(dim=-1, keepdim=True)
+    m = s.amax(dim=-1, keepdim=True)  # [B, H, Sq, 1]
+    sink = None if spec.sinks is None else spec.sinks.to(cdtype)[None, :, None, None]  # [1, H, 1, 1]
+    if sink is not None:
+        m = torch.maximum(m, sink)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()
     p = torch.exp(s - m)  # masked entries: exp(-inf) = 0
     denom = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)
     seen = denom > 0
     out = torch.matmul(p, _repeat_kv(vc, q.shape[1] // k.shape[1])) / torch.where(seen, denom, 1.0)
     lse = torch.where(seen, m + torch.log(torch.where(seen, denom, 1.0)), float("-inf")).squeeze(-1)
@@ -63,7 +70,7 @@ class ReferenceKernel(LseKernel):
     """Plain PyTorch math, every option, any dtype and device: the oracle, and a ring kernel."""
 
     name = "reference"
-    supports = frozenset({"window", "softcap"})
+    supports = frozenset({"window", "softcap", "chunk"})
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None
                 ) -> tuple[Tensor, Tensor]:
@@ -74,7 +81,8 @@ class ReferenceKernel(LseKernel):
                  mask: MaskInfo | None) -> tuple[Tensor, Tensor, Tensor]:
         # The flash-attention backward: with P = exp(S - lse) (lse of the whole row, possibly
         # merged over blocks), dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K,
-        # dK = dS^T Q. Using the global out/lse makes each block's share exact.
+        # dK = dS^T Q. Using the global out/lse makes each block's share exact (sinks included:
+        # they are in lse, and their zero value vectors add nothing to O).
         cdtype = torch.promote_types(q.dtype, torch.float32)
         qc, kc, vc = q.to(cdtype), k.to(cdtype), v.to(cdtype)
         do, o = dout.to(cdtype), out.to(cdtype)
@@ -96,18 +104,20 @@ class ReferenceKernel(LseKernel):
 
 def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
-    window: int | None = None, softcap: float | None = None, key_padding_mask: Tensor | None = None,
+    window: int | None = None, softcap: float | None = None, chunk: int | None = None,
+    sinks: Tensor | None = None, key_padding_mask: Tensor | None = None,
     segment_ids: Tensor | None = None, positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of the whole sequence, differentiable, any dtype (use float64 as the oracle).
 
-    Layouts: ``q [B, S, H, D]``, ``k, v [B, S, H_kv, D]`` (GQA: ``H % H_kv == 0``);
-    ``key_padding_mask [B, S]`` (True = real token), ``segment_ids [B, S]`` (packed documents: a
-    query sees only keys of its own segment), ``positions [S]`` (original index of each token, for
-    causal/window on permuted layouts). Returns ``out [B, S, H, D]`` and ``lse [B, H, S]``
-    (``-inf`` and ``out = 0`` where a query sees no key).
+    Layouts: ``q [B, S, H, D]``, ``k [B, S, H_kv, D]``, ``v [B, S, H_kv, Dv]`` (GQA:
+    ``H % H_kv == 0``); ``key_padding_mask [B, S]`` (True = real token), ``segment_ids [B, S]``
+    (packed documents: a query sees only keys of its own segment), ``positions [S]`` (original
+    index of each token, for causal/window/chunk on permuted layouts), ``sinks [H]`` (attention
+    sinks, differentiable). Other options as :class:`AttnSpec`. Returns ``out [B, S, H, Dv]`` and
+    ``lse [B, H, S]`` (``-inf`` and ``out = 0`` where a query sees no key and there is no sink).
     """
-    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
+    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, chunk=chunk, sinks=sinks)
     info = MaskInfo(q_pos=positions, k_pos=positions, key_keep=key_padding_mask, q_seg=segment_ids,
                     k_seg=segment_ids)
     out, lse = math_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec, info)

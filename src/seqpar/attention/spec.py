@@ -1,10 +1,10 @@
 """What attention computes, independent of how it is split, and the contract of a local kernel.
 
-Which keys a query may see is described by an :class:`AttnSpec` (causal, window, softcap, scale)
-and a :class:`MaskInfo` (global token positions, key padding, packed-document segment ids), so the
-same kernel serves a whole sequence (Ulysses) and one block of a ring whose tokens are permuted
-(zigzag). Kernels work in the torch layout ``q [B, H, Sq, D]``, ``k, v [B, H_kv, Sk, D]``
-(``H % H_kv == 0``, KV heads not repeated). There are two kinds:
+Which keys a query may see is described by an :class:`AttnSpec` (causal, window, chunk, softcap,
+scale, sinks) and a :class:`MaskInfo` (global token positions, key padding, packed-document segment
+ids), so the same kernel serves a whole sequence (Ulysses) and one block of a ring whose tokens are permuted
+(zigzag). Kernels work in the torch layout ``q, k [B, H(_kv), S, D]``, ``v [B, H_kv, Sk, Dv]``
+(``H % H_kv == 0``, KV heads not repeated; ``Dv`` may differ from ``D``, as in MLA). There are two kinds:
 
 * :class:`LseKernel` -- ``forward(q, k, v, spec, mask) -> (out [B, H, Sq, Dv], lse [B, H, Sq])``
   with lse in :func:`acc_dtype` (``-inf`` and ``out = 0`` on rows that see no key), and
@@ -15,14 +15,17 @@ same kernel serves a whole sequence (Ulysses) and one block of a ring whose toke
   local attention (Ulysses wraps it).
 
 Both say in ``supports`` which options of :class:`AttnSpec` they honour (None: trusted to read the
-spec itself); asked for another, :func:`check_supported` raises instead of ignoring it.
+spec itself); asked for another, :func:`check_supported` raises instead of ignoring it. Attention
+sinks need no support from an lse kernel: the code around it folds them into ``(out, lse)``
+(:func:`seqpar.attention.blocks.fold_sinks`), so every lse kernel honours them and a plain local
+kernel with a ``supports`` set (sdpa) cannot.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -34,7 +37,12 @@ class AttnSpec:
 
     ``window``: a key at position k is visible from a query at q only if ``q - k < window``
     (with ``causal``), or ``|q - k| < window`` (without), as transformers' ``sliding_window``.
+    ``chunk``: a query at q sees a key at k only if ``q // chunk == k // chunk`` (Llama 4's
+    ``attention_chunk_size``); combines with causal, window and the masks.
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` after scaling (Gemma 2).
+    ``sinks``: ``[H]`` one learnable logit per query head whose value vector is zero (GPT-OSS):
+    ``out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sinks[h]))``. Under Ulysses the spec a
+    local kernel sees carries this rank's heads only. Not compared: a spec is an option set.
     """
 
     causal: bool = False
@@ -42,6 +50,8 @@ class AttnSpec:
     window: int | None = None
     softcap: float | None = None
     dropout: float = 0.0
+    chunk: int | None = None
+    sinks: Tensor | None = field(default=None, compare=False, hash=False)
 
     def scale_for(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
@@ -54,6 +64,10 @@ class AttnSpec:
             used.add("softcap")
         if self.dropout:
             used.add("dropout")
+        if self.chunk is not None:
+            used.add("chunk")
+        if self.sinks is not None:
+            used.add("sinks")
         return used
 
 
@@ -84,8 +98,8 @@ class MaskInfo:
 
 
 def position_mask(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-    """The causal / window part of the mask, ``[Sq, Sk]`` bool (True = visible), or None."""
-    if not spec.causal and spec.window is None:
+    """The causal / window / chunk part of the mask, ``[Sq, Sk]`` bool (True = visible), or None."""
+    if not spec.causal and spec.window is None and spec.chunk is None:
         return None
     diff = q_pos[:, None] - k_pos[None, :]  # [Sq, Sk]
     allowed = torch.ones_like(diff, dtype=torch.bool)
@@ -93,6 +107,8 @@ def position_mask(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> Tensor | None
         allowed &= diff >= 0
     if spec.window is not None:
         allowed &= (diff < spec.window) if spec.causal else (diff.abs() < spec.window)
+    if spec.chunk is not None:
+        allowed &= (q_pos // spec.chunk)[:, None] == (k_pos // spec.chunk)[None, :]
     return allowed
 
 
@@ -123,7 +139,7 @@ def plan_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: t
     mask = mask or MaskInfo()
     if mask.is_trivial():
         q_pos, k_pos = mask.positions(sq, sk, device)
-        if spec.window is None and spec.causal and sq == sk and (
+        if spec.window is None and spec.chunk is None and spec.causal and sq == sk and (
                 mask.q_pos is mask.k_pos or torch.equal(q_pos, k_pos)) and bool(
                 (q_pos[1:] > q_pos[:-1]).all()):
             return True, None
@@ -172,8 +188,11 @@ def check_supported(kernel: Kernel, spec: AttnSpec) -> None:
     if kernel.supports is None:
         return  # a plain function receives the spec and is trusted to read it
     missing = spec.options() - set(kernel.supports)
+    if isinstance(kernel, LseKernel):
+        missing.discard("sinks")  # folded into (out, lse) around the kernel
     if missing:
         raise ValueError(
             f"attention kernel {kernel.name!r} cannot honour {sorted(missing)}; use kernel='reference'"
-            f" (supports everything) or drop the option"
+            f" (supports everything{', or flash_cpu on CPU for sinks' if 'sinks' in missing else ''})"
+            f" or drop the option"
         )
