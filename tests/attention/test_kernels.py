@@ -1,21 +1,24 @@
-"""Local kernels against the oracle, and the oracle against a naive per-query loop."""
+"""Local kernels against the oracle, and the oracle against a naive per-query loop: every option,
+attention sinks (with their gradient), chunked attention, and a v head dim other than q's and k's."""
 
 import math
+import re
 
 import pytest
 import torch
 
 from seqpar.attention.blocks import plan_block
-from seqpar.attention.kernels import KERNELS, attend
+from seqpar.attention.kernels import KERNELS, attend, default_lse_kernel
 from seqpar.attention.reference import math_attention, reference_attention
-from seqpar.attention.spec import AttnSpec, MaskInfo
+from seqpar.attention.spec import AttnSpec, MaskInfo, position_mask
 
 
-def naive(q, k, v, *, causal, scale, window, softcap, keep, seg, pos):
-    """One query at a time, straight from the definition. q [B,S,H,D], k/v [B,S,Hk,D]."""
+def naive(q, k, v, *, causal, scale, window, softcap, keep, seg, pos, chunk=None, sinks=None):
+    """One query at a time, straight from the definition. q, k [B,S,H(k),D], v [B,S,Hk,Dv]; the
+    sink of head h is one more logit whose value vector is zero."""
     b, s, h, d = q.shape
     rep = h // k.shape[2]
-    out = torch.zeros_like(q)
+    out = torch.zeros(b, s, h, v.shape[3], dtype=q.dtype)
     for bi in range(b):
         for hi in range(h):
             for i in range(s):
@@ -30,22 +33,25 @@ def naive(q, k, v, *, causal, scale, window, softcap, keep, seg, pos):
                         continue
                     if window is not None and (diff >= window if causal else abs(diff) >= window):
                         continue
+                    if chunk is not None and int(pos[i]) // chunk != int(pos[j]) // chunk:
+                        continue
                     x = float(q[bi, i, hi] @ k[bi, j, hi // rep]) * scale
                     if softcap is not None:
                         x = softcap * math.tanh(x / softcap)
                     logits.append(x)
                     vals.append(v[bi, j, hi // rep])
+                extra = [] if sinks is None else [float(sinks[hi])]
                 if logits:
-                    w = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+                    w = torch.softmax(torch.tensor(logits + extra, dtype=torch.float64), 0)[:len(logits)]
                     out[bi, i, hi] = sum(wj * vj for wj, vj in zip(w, vals, strict=True))
     return out
 
 
-def _inputs(seed=0, b=2, s=9, h=4, hk=2, d=5):
+def _inputs(seed=0, b=2, s=9, h=4, hk=2, d=5, dv=5):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, s, hk, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, s, hk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s, hk, dv, generator=g, dtype=torch.float64)
     keep = torch.ones(b, s, dtype=torch.bool)
     keep[0, 6:] = False
     keep[1, :3] = False  # left padding: with causal, rows 0-2 of batch 1 see nothing
@@ -54,13 +60,27 @@ def _inputs(seed=0, b=2, s=9, h=4, hk=2, d=5):
     return q, k, v, keep, seg, pos
 
 
+def _opts(causal, window=None, softcap=None, scale=None, chunk=None, sinks=False):
+    return dict(causal=causal, window=window, softcap=softcap, scale=scale, chunk=chunk, sinks=sinks)
+
+
 OPTIONS = [
-    dict(causal=False, window=None, softcap=None, scale=None),
-    dict(causal=True, window=None, softcap=None, scale=0.7),
-    dict(causal=True, window=3, softcap=None, scale=None),
-    dict(causal=False, window=2, softcap=1.5, scale=None),
-    dict(causal=True, window=None, softcap=2.0, scale=0.4),
+    _opts(False),
+    _opts(True, scale=0.7),
+    _opts(True, window=3),
+    _opts(False, window=2, softcap=1.5),
+    _opts(True, softcap=2.0, scale=0.4),
+    _opts(True, chunk=4),
+    _opts(False, window=3, chunk=5, sinks=True),
+    _opts(True, scale=0.6, sinks=True),
+    _opts(True, softcap=2.0, chunk=3, sinks=True),
 ]
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)  # one per query head of _inputs
+
+
+def _spec(opts, sinks=None):
+    return AttnSpec(causal=opts["causal"], scale=opts["scale"], window=opts["window"], softcap=opts["softcap"],
+                    chunk=opts["chunk"], sinks=sinks if opts["sinks"] else None)
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
@@ -70,10 +90,14 @@ def test_reference_matches_naive_loop(opts, masks):
     keep = keep if "keep" in masks else None
     seg = seg if "seg" in masks else None
     positions = pos if "pos" in masks else None
-    out, lse = reference_attention(q, k, v, key_padding_mask=keep, segment_ids=seg, positions=positions, **opts)
+    sinks = SINKS if opts["sinks"] else None
+    kw = {n: opts[n] for n in ("causal", "scale", "window", "softcap", "chunk")}
+    out, lse = reference_attention(q, k, v, key_padding_mask=keep, segment_ids=seg, positions=positions, sinks=sinks,
+                                   **kw)
     scale = opts["scale"] or q.shape[-1] ** -0.5
     want = naive(q, k, v, causal=opts["causal"], scale=scale, window=opts["window"], softcap=opts["softcap"],
-                 keep=keep, seg=seg, pos=positions if positions is not None else torch.arange(q.shape[1]))
+                 keep=keep, seg=seg, pos=positions if positions is not None else torch.arange(q.shape[1]),
+                 chunk=opts["chunk"], sinks=sinks)
     assert (out - want).abs().max() < 1e-12
     assert not torch.isnan(lse).any()
 
@@ -85,23 +109,30 @@ def _as_bhsd(*ts):
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
 @pytest.mark.parametrize("kernel", ["reference", "flash_cpu", "sdpa"])
 def test_kernel_forward_backward_vs_autograd_reference(opts, kernel):
-    q, k, v, keep, seg, pos = _inputs(seed=1)
-    spec = AttnSpec(causal=opts["causal"], scale=opts["scale"], window=opts["window"], softcap=opts["softcap"])
     kern = KERNELS[kernel]
-    if spec.options() - set(kern.supports):
-        with pytest.raises(ValueError, match="cannot honour"):
-            attend(*_as_bhsd(q, k, v), spec, None, kern)
+    missing = _spec(opts, SINKS).options() - set(kern.supports) - ({"sinks"} if kernel != "sdpa" else set())
+    if missing:
+        q, k, v = _inputs(seed=1)[:3]
+        with pytest.raises(ValueError, match=re.escape(f"cannot honour {sorted(missing)}")):
+            attend(*_as_bhsd(q, k, v), _spec(opts, SINKS), None, kern)
         return
-    for info in (None, MaskInfo(q_pos=pos, k_pos=pos, key_keep=keep, q_seg=seg, k_seg=seg)):
-        qb, kb, vb = (t.requires_grad_(True) for t in _as_bhsd(q, k, v))
-        out = attend(qb, kb, vb, spec, info, kern)
-        grad = torch.randn_like(out)
-        dq, dk, dv = torch.autograd.grad(out, (qb, kb, vb), grad)
-        rq, rk, rv = (t.detach().clone().requires_grad_(True) for t in (qb, kb, vb))
-        ref, _ = math_attention(rq, rk, rv, spec, info)
-        rdq, rdk, rdv = torch.autograd.grad(ref, (rq, rk, rv), grad)
-        for a, b in ((out, ref), (dq, rdq), (dk, rdk), (dv, rdv)):
-            assert (a - b).abs().max() < 1e-10
+    for dv_dim in (5, 3, 8):  # v's head dim: as q's and k's, smaller, larger (MLA)
+        q, k, v, keep, seg, pos = _inputs(seed=1, dv=dv_dim)
+        for info in (None, MaskInfo(q_pos=pos, k_pos=pos, key_keep=keep, q_seg=seg, k_seg=seg)):
+            qb, kb, vb = (t.requires_grad_(True) for t in _as_bhsd(q, k, v))
+            sinks = SINKS.clone().requires_grad_(True)
+            spec = _spec(opts, sinks)
+            inputs = (qb, kb, vb, sinks) if opts["sinks"] else (qb, kb, vb)
+            out = attend(qb, kb, vb, spec, info, kern)
+            grad = torch.randn_like(out)
+            grads = torch.autograd.grad(out, inputs, grad)
+            ref_in = [t.detach().clone().requires_grad_(True) for t in inputs]
+            ref_spec = _spec(opts, ref_in[3] if opts["sinks"] else None)
+            ref, _ = math_attention(*ref_in[:3], ref_spec, info)
+            ref_grads = torch.autograd.grad(ref, ref_in, grad)
+            assert out.shape == (2, 4, 9, dv_dim)
+            for a, b in ((out, ref), *zip(grads, ref_grads, strict=True)):
+                assert (a - b).abs().max() < 1e-10
 
 
 @pytest.mark.parametrize("kernel", ["reference", "flash_cpu"])
@@ -116,6 +147,24 @@ def test_lse_kernels_report_minus_inf_on_empty_rows(kernel):
     assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-12
 
 
+def test_sinks_need_an_lse_kernel_and_pick_one_by_default():
+    q = torch.zeros(1, 2, 3, 4)
+    spec = AttnSpec(causal=True, sinks=torch.zeros(2))
+    assert "sinks" in spec.options() and spec == AttnSpec(causal=True)  # an option set, not compared by value
+    assert default_lse_kernel(q, spec) == "flash_cpu"
+    assert default_lse_kernel(q, AttnSpec(softcap=2.0, sinks=torch.zeros(2))) == "reference"
+    with pytest.raises(ValueError, match=r"'sdpa' cannot honour \['sinks'\]"):
+        attend(q, q, q, spec, None, KERNELS["sdpa"])
+
+
+def test_chunk_mask_is_same_chunk_and_combines():
+    pos = torch.arange(10)
+    allowed = position_mask(AttnSpec(chunk=4), pos, pos)
+    assert torch.equal(allowed, (pos[:, None] // 4) == (pos[None, :] // 4))
+    both = position_mask(AttnSpec(causal=True, window=2, chunk=4), pos, pos)
+    assert both[5].nonzero().flatten().tolist() == [4, 5] and both[4].nonzero().flatten().tolist() == [4]
+
+
 def test_block_is_empty():
     def block_is_empty(spec, q_pos, k_pos):  # the ring skips a block when its plan is None
         return plan_block(spec, q_pos, k_pos) is None
@@ -126,3 +175,4 @@ def test_block_is_empty():
     assert block_is_empty(AttnSpec(causal=True, window=2), torch.arange(10, 12), a)
     assert not block_is_empty(AttnSpec(causal=False), a, b)
     assert block_is_empty(AttnSpec(window=1), a, b)
+    assert block_is_empty(AttnSpec(chunk=4), a, b) and not block_is_empty(AttnSpec(chunk=8), a, b)

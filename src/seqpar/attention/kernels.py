@@ -2,26 +2,40 @@
 
 The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. Here: the fused CPU
 kernel with lse (``flash_cpu``), torch's SDPA (``sdpa``: any backend torch picks, no lse), the
-registry by name, and :func:`attend`, which makes any kernel differentiable.
+registry by name, and :func:`attend`, which makes any kernel differentiable, folds attention sinks
+into an lse kernel's result and runs the kernel under a :class:`~seqpar.comm.guard.Guard`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..comm.guard import Guard, guarded
+from .blocks import fold_sinks, sinks_grad
 from .reference import ReferenceKernel
 from .spec import AttnSpec, Kernel, LocalKernel, LseKernel, MaskInfo, acc_dtype, check_supported, plan_mask
 
 
+def _pad_dim(x: Tensor, n: int) -> Tensor:
+    """``[..., d] -> [..., n]`` with zero columns (``n >= d``)."""
+    return x if x.shape[-1] == n else F.pad(x, (0, n - x.shape[-1]))
+
+
 class CpuFlashKernel(LseKernel):
-    """``aten._scaled_dot_product_flash_attention_for_cpu``: fused, returns lse, has a backward."""
+    """``aten._scaled_dot_product_flash_attention_for_cpu``: fused, returns lse, has a backward.
+
+    The op wants one head dim for q, k and v; when v's differs (MLA) the smaller side gets zero
+    columns: zero columns of v give zero output columns (cut off again), zero columns of q and k
+    leave the scores unchanged (the scale stays that of the real ``D``).
+    """
 
     name = "flash_cpu"
-    supports = frozenset({"window"})
+    supports = frozenset({"window", "chunk"})
 
     @staticmethod
     def _bias(spec: AttnSpec, mask: MaskInfo | None, q: Tensor, k: Tensor
@@ -38,8 +52,11 @@ class CpuFlashKernel(LseKernel):
                 ) -> tuple[Tensor, Tensor]:
         check_supported(self, spec)
         bias, causal, seen = self._bias(spec, mask, q, k)
+        dim = max(q.shape[-1], v.shape[-1])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=spec.scale_for(q.shape[-1]))
+            _pad_dim(q, dim), _pad_dim(k, dim), _pad_dim(v, dim), 0.0, causal, attn_mask=bias,
+            scale=spec.scale_for(q.shape[-1]))
+        out = out[..., :v.shape[-1]]  # [B, H, Sq, Dv]
         lse = lse.to(acc_dtype(q.dtype))
         if seen is not None:  # the op reports lse = 0 on rows that see no key
             lse = lse.masked_fill(~seen, float("-inf"))
@@ -49,10 +66,12 @@ class CpuFlashKernel(LseKernel):
                  mask: MaskInfo | None) -> tuple[Tensor, Tensor, Tensor]:
         bias, causal, _ = self._bias(spec, mask, q, k)
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc_dtype(q.dtype))
+        d, dv_dim = q.shape[-1], v.shape[-1]
+        dim = max(d, dv_dim)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal,
-            attn_mask=bias, scale=spec.scale_for(q.shape[-1]))
-        return dq, dk, dv
+            _pad_dim(dout, dim).contiguous(), _pad_dim(q, dim), _pad_dim(k, dim), _pad_dim(v, dim),
+            _pad_dim(out, dim).contiguous(), lse.contiguous(), 0.0, causal, attn_mask=bias, scale=spec.scale_for(d))
+        return dq[..., :d], dk[..., :d], dv[..., :dv_dim]
 
 
 class SdpaKernel(LocalKernel):
@@ -60,7 +79,7 @@ class SdpaKernel(LocalKernel):
     memory-efficient, cuDNN on GPU). Returns no lse, so it serves Ulysses but not a ring."""
 
     name = "sdpa"
-    supports = frozenset({"window", "dropout"})
+    supports = frozenset({"window", "chunk", "dropout"})
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
         check_supported(self, spec)
@@ -88,30 +107,87 @@ class FunctionKernel(LocalKernel):
         return self.fn(q, k, v, spec=spec, mask=mask)
 
 
+def _placeholder(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """What a rank whose kernel failed sends on: ``out = 0 [B, H, Sq, Dv]``, ``lse = -inf [B, H, Sq]``."""
+    return (q.new_zeros(q.shape[:3] + (v.shape[3],)),
+            q.new_full(q.shape[:3], float("-inf"), dtype=acc_dtype(q.dtype)))
+
+
 class _Attend(torch.autograd.Function):
-    """Forward: ``kernel.forward``. Backward: ``kernel.backward`` with the saved out and lse."""
+    """Forward: ``kernel.forward``, sinks folded into (out, lse). Backward: ``kernel.backward`` with
+    the saved (folded) out and lse -- exact, as for a ring block -- and d sinks from the same.
+    Under a guard a failing kernel gives placeholders (zeros) and the guard keeps the error."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, mask, kernel):
-        out, lse = kernel.forward(q, k, v, spec, mask)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.mask, ctx.kernel = spec, mask, kernel
+    def forward(ctx, q, k, v, sinks, spec, mask, kernel, guard):
+        plain = replace(spec, sinks=None)  # the kernel computes without sinks; they are folded here
+        res = guarded(guard, kernel.forward, q, k, v, plain, mask)
+        out, lse = res if res is not None else _placeholder(q, v)
+        if sinks is not None:
+            out, lse = fold_sinks(out.to(lse.dtype), lse, sinks)
+            out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.spec, ctx.mask, ctx.kernel, ctx.guard = plain, mask, kernel, guard
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.spec, ctx.mask)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        grads = guarded(ctx.guard, ctx.kernel.backward, dout, q, k, v, out, lse, ctx.spec, ctx.mask)
+        dq, dk, dv = grads if grads is not None else (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None, kernel: Kernel) -> Tensor:
-    """Differentiable attention of one block with any kernel; returns ``out [B, H, Sq, Dv]``."""
+class _GuardedLocal(torch.autograd.Function):
+    """Forward: a local kernel under the guard, its own autograd graph kept aside. Backward: that
+    graph's backward under the guard (zeros on failure), so a failing rank still joins the rest of
+    the call's backward communication. Parameters the kernel reads itself get their gradients
+    as usual (the inner backward reaches them, as in reentrant checkpointing)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, spec, mask, kernel, guard):
+        leaves = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in (q, k, v, sinks)]
+        with torch.enable_grad():
+            out = guard.call(kernel, *leaves[:3], spec=replace(spec, sinks=leaves[3]), mask=mask)
+        ctx.leaves, ctx.inner, ctx.guard = leaves, out, guard
+        return (out if out is not None else _placeholder(q, v)[0]).detach()
+
+    @staticmethod
+    def backward(ctx, dout):
+        leaves, inner = ctx.leaves, ctx.inner
+
+        def inner_backward() -> list[Tensor | None]:
+            for x in leaves:
+                if x is not None:
+                    x.grad = None
+            if inner.requires_grad:
+                torch.autograd.backward(inner, dout)
+            return [None if x is None else x.grad for x in leaves]
+
+        grads = (ctx.guard.call(inner_backward) if inner is not None else None) or [None] * 4
+        return (*(torch.zeros_like(x) if g is None and need else g
+                  for g, x, need in zip(grads, leaves, ctx.needs_input_grad[:4], strict=True)), None, None, None, None)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None, kernel: Kernel,
+           guard: Guard | None = None) -> Tensor:
+    """Differentiable attention of one block with any kernel; returns ``out [B, H, Sq, Dv]``.
+
+    ``spec.sinks [H]`` (this block's query heads) are folded into an lse kernel's result; a local
+    kernel must honour them itself (see :func:`check_supported`). With ``guard`` the kernel's
+    forward and backward run under it: a failure gives zeros here and is raised by the guard's fence.
+    """
     check_supported(kernel, spec)
     if isinstance(kernel, LseKernel):
-        return _Attend.apply(q, k, v, spec, mask, kernel)[0]
-    return kernel(q, k, v, spec=spec, mask=mask)
+        return _Attend.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)[0]
+    if guard is None:
+        return kernel(q, k, v, spec=spec, mask=mask)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, spec.sinks)):
+        return _GuardedLocal.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)
+    out = guard.call(kernel, q, k, v, spec=spec, mask=mask)
+    return out if out is not None else _placeholder(q, v)[0]
 
 
 KERNELS: dict[str, Kernel] = {
@@ -138,6 +214,13 @@ def get_kernel(kernel: KernelArg) -> Kernel:
     if callable(kernel):
         return FunctionKernel(kernel)
     raise ValueError(f"kernel must be a name, a Kernel object or a callable, got {type(kernel).__name__}")
+
+
+def default_lse_kernel(q: Tensor, spec: AttnSpec) -> str:
+    """The fused CPU kernel where it honours the options (sinks are folded around any lse kernel),
+    else the reference (softcap, GPU)."""
+    fast = KERNELS["flash_cpu"].supports or frozenset()
+    return "flash_cpu" if q.device.type == "cpu" and spec.options() - {"sinks"} <= fast else "reference"
 
 
 def lse_kernel(kernel: KernelArg) -> LseKernel:
