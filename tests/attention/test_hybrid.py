@@ -1,6 +1,9 @@
 """Hybrid Ulysses x ring attention against the float64 reference, forward and backward, on ring x ulysses
-grids of 1 to 4 gloo processes; the mesh strategies; collective counts; misuse errors on every rank."""
+grids of 1 to 4 gloo processes (sinks, chunked attention and MLA head dims included); the mesh
+strategies; collective counts; misuse errors and kernel failures raised on every rank."""
 
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +17,8 @@ from seqpar.attention.shard import SeqShard
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.mesh import init_mesh
-from seqpar.testing.attention_parity import AttnCase, run_cases
+from seqpar.testing.attention_faults import crash_problems, crash_scenarios, run_crashes
+from seqpar.testing.attention_parity import AttnCase, bad_rows, feature_cases, run_cases
 
 TOL = 1e-10
 LAYOUTS = ("contiguous", "zigzag")
@@ -50,8 +54,14 @@ def _small_grid(u):
             for m in MASKS for lay in LAYOUTS if (s == 37) == (h == 6)]
 
 
-GRIDS = {1: _small_grid(1), 2: _full_grid(2) + _full_grid(1), 3: _small_grid(3) + _small_grid(1),
-         4: _full_grid(2) + _small_grid(4) + _small_grid(1)}
+def _features(u, quick=False):
+    """Sinks, chunked attention and MLA head dims (feature_cases) on a ulysses=u grid."""
+    return [replace(c, options={**c.options, "ulysses": u}) for c in feature_cases("hybrid", quick)]
+
+
+GRIDS = {1: _small_grid(1), 2: _full_grid(2) + _full_grid(1) + _features(2),
+         3: _small_grid(3) + _small_grid(1) + _features(3, quick=True) + _features(1, quick=True),
+         4: _full_grid(2) + _small_grid(4) + _small_grid(1) + _features(2)}
 
 
 def _inputs(rank, b=2, s=5, h=4, hk=2, d=8):
@@ -137,14 +147,15 @@ def _worker(rank, world, grids):
     if world == 4:
         ug, rg = hybrid_groups(dist.group.WORLD, 2)
         out.update(counts=_counts(rank, world, ug, rg), misuse=_misuse(rank, world, ug, rg),
-                   mesh=_mesh_strategies(rank, world))
+                   mesh=_mesh_strategies(rank, world), crash=run_crashes(rank, world))
     return out
 
 
 @pytest.fixture(scope="module")
 def runs():
     """Every world size once (one process spawn each); the tests read what they need."""
-    return {p: run_distributed(_worker, p, GRIDS, timeout=600) for p in (1, 2, 3, 4)}
+    # a short process-group timeout: a rank left waiting in a collective fails fast, not in 60 s
+    return {p: run_distributed(_worker, p, GRIDS, timeout=600, pg_timeout=20) for p in (1, 2, 3, 4)}
 
 
 @pytest.mark.distributed
@@ -153,8 +164,7 @@ def test_grid_within_tolerance(runs, p):
     per_rank = runs[p]
     rows = per_rank[0]["rows"]
     assert len(rows) == len(GRIDS[p])
-    bad = [(r["label"], {n: r[n] for n in ("out", "dq", "dk", "dv")}) for r in rows
-           if not max(r["out"], r["dq"], r["dk"], r["dv"]) <= TOL]
+    bad = bad_rows(rows, TOL)
     assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
 
 
@@ -171,6 +181,22 @@ def test_grids_cover_the_required_shapes():
                             " comm=p2p") in labels
 
 
+def test_grids_cover_the_features():
+    for p, kernels in ((2, ("reference", "flash_cpu")), (3, ("reference",)), (4, ("reference", "flash_cpu"))):
+        for kernel in kernels:
+            of = [c for c in GRIDS[p] if c.kernel == kernel]
+            assert any(c.sinks for c in of) and any(c.chunk and c.window for c in of)
+            assert {5, 12} <= {c.v_head_dim for c in of}
+
+
+@pytest.mark.distributed
+def test_kernel_failure_raises_on_every_rank_of_the_grid(runs):
+    per_rank = runs[4]  # grids 4x1, 2x2 and 1x4 (2 and 3 ranks: tests/attention/test_misuse.py)
+    for crash in crash_scenarios(4):
+        problems = crash_problems(crash, [r["crash"][crash.label()] for r in per_rank])
+        assert not problems, (crash.label(), problems)
+
+
 @pytest.mark.distributed
 def test_mesh_strategies(runs):
     for r in runs[4]:  # a 2 x 2 mesh
@@ -180,11 +206,12 @@ def test_mesh_strategies(runs):
 @pytest.mark.distributed
 def test_collective_counts(runs):
     for r in runs[4]:  # a 2 x 2 grid
-        # all-to-all in and out; one K/V hop (ring of 2) forward, one K/V + two dK/dV hops backward
-        assert r["counts"]["trusted"] == ({"all_to_all_single": 2, "batch_isend_irecv": 1},
-                                          {"all_to_all_single": 2, "batch_isend_irecv": 3})
-        # validation: ulysses group, verdicts over the ring, agreement over the ring
-        assert r["counts"]["validated"][0] == {"all_to_all_single": 2, "batch_isend_irecv": 1, "all_gather_flat": 3}
+        # all-to-all in and out; one K/V hop (ring of 2) forward, one K/V + two dK/dV hops backward;
+        # the fence in each direction: one tiny all-gather over the ulysses group, one over the ring
+        assert r["counts"]["trusted"] == ({"all_to_all_single": 2, "batch_isend_irecv": 1, "all_gather_flat": 2},
+                                          {"all_to_all_single": 2, "batch_isend_irecv": 3, "all_gather_flat": 2})
+        # validation: ulysses group, verdicts over the ring, agreement over the ring; then the fence
+        assert r["counts"]["validated"][0] == {"all_to_all_single": 2, "batch_isend_irecv": 1, "all_gather_flat": 5}
 
 
 @pytest.mark.distributed

@@ -1,5 +1,5 @@
 """Bad input raises the same clear ValueError on every rank -- never a hang -- and the group stays
-usable afterwards."""
+usable afterwards; so does a kernel that raises on one rank only, in the forward or the backward."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch.distributed as dist
 from seqpar.attention.shard import SeqShard
 from seqpar.attention.ulysses import ulysses_attention
 from seqpar.comm.launch import WorkerError, run_distributed
+from seqpar.testing.attention_faults import crash_problems, crash_scenarios, run_crashes
 
 pytestmark = pytest.mark.distributed  # every test here starts gloo worker processes
 
@@ -77,19 +78,27 @@ def _worker(rank, world):
         q, k, v = _inputs(rank)
         out = ulysses_attention(q, k, v, group=dist.group.WORLD, kernel="reference")
         assert out.shape == q.shape
-    return seen
+    return {"misuse": seen, "crash": run_crashes(rank, world)}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"P{p}")
 def seen(request):
-    return request.param, run_distributed(_worker, request.param, timeout=120)
+    # a short process-group timeout: a rank left waiting in a collective fails fast, not in 60 s
+    return request.param, run_distributed(_worker, request.param, timeout=120, pg_timeout=15)
 
 
 @pytest.mark.parametrize("name", list(EXPECT))
 def test_every_rank_gets_the_message(seen, name):
     p, per_rank = seen
     for rank in range(p):
-        assert EXPECT[name] in per_rank[rank][name], f"rank {rank}: {per_rank[rank][name]}"
+        msg = per_rank[rank]["misuse"][name]
+        assert EXPECT[name] in msg, f"rank {rank}: {msg}"
+
+
+def test_kernel_failure_on_one_rank_raises_on_every_rank(seen):
+    p, per_rank = seen  # ulysses (lse and plain local kernels), ring, hybrid; forward and backward
+    problems = {c.label(): crash_problems(c, [r["crash"][c.label()] for r in per_rank]) for c in crash_scenarios(p)}
+    assert not any(problems.values()), {k: v for k, v in problems.items() if v}
 
 
 def _hangs(rank, world):

@@ -1,12 +1,13 @@
-"""Ring attention against the float64 reference, forward and backward, over real gloo processes; its
-load balance, collective counts and misuse errors; and the pure parts (block plans, lse merge)."""
+"""Ring attention against the float64 reference, forward and backward, over real gloo processes
+(sinks, chunked attention and MLA head dims included); its load balance, collective counts and misuse
+errors; and the pure parts (block plans, lse merge, sinks fold)."""
 
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from seqpar.attention.blocks import RingStats, merge_partials, plan_block
+from seqpar.attention.blocks import RingStats, fold_sinks, merge_partials, plan_block, sinks_grad
 from seqpar.attention.layout import layout_indices, layout_permutation, layout_seq_lens
 from seqpar.attention.reference import reference_attention
 from seqpar.attention.ring import ring_attention
@@ -14,7 +15,7 @@ from seqpar.attention.shard import SeqShard
 from seqpar.attention.spec import AttnSpec, position_mask
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
-from seqpar.testing.attention_parity import AttnCase, run_cases
+from seqpar.testing.attention_parity import AttnCase, bad_rows, feature_cases, run_cases
 
 TOL = 1e-10
 LAYOUTS = ("contiguous", "zigzag")
@@ -44,6 +45,8 @@ CASES = (
     # softcap and scale (reference kernel: the only one with softcap)
     + [_case(37, 8, 2, c, m, lay, softcap=2.0, scale=0.3, window=w) for c in (False, True) for m in ("pad", "packed")
        for lay in LAYOUTS for w in (None, 7)]
+    # attention sinks, chunked attention, v head dim != q/k head dim (MLA)
+    + feature_cases("ring")
 )
 
 
@@ -157,8 +160,7 @@ def test_grid_within_tolerance(runs, p):
     per_rank = runs[p]
     rows = per_rank[0]["rows"]
     assert len(rows) == len(CASES)
-    bad = [(r["label"], {n: r[n] for n in ("out", "dq", "dk", "dv")}) for r in rows
-           if not max(r["out"], r["dq"], r["dk"], r["dv"]) <= TOL]
+    bad = bad_rows(rows, TOL)
     assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
 
 
@@ -173,6 +175,11 @@ def test_grid_covers_the_required_cases():
         for comm in ("p2p", "allgather"):
             assert any(c.kernel == kernel and c.options["comm"] == comm and c.window for c in CASES)
     assert any(c.softcap for c in CASES)
+    for kernel in ("reference", "flash_cpu"):
+        for comm in ("p2p", "allgather"):
+            of = [c for c in CASES if c.kernel == kernel and c.options.get("comm", "p2p") == comm]
+            assert any(c.sinks for c in of) and any(c.chunk and c.window for c in of)
+            assert {5, 12} <= {c.v_head_dim for c in of}
 
 
 @pytest.mark.distributed
@@ -205,12 +212,13 @@ def test_collective_counts(runs, p):
         if p == 1:
             assert c["p2p"] == ({}, {}) and c["allgather"] == ({}, {})
             continue
-        # p2p: P-1 K/V hops forward; P-1 K/V hops + P dK/dV hops backward; never a gather
-        assert c["p2p"][0].get("batch_isend_irecv") == p - 1 and "all_gather_flat" not in c["p2p"][0]
-        assert c["p2p"][1].get("batch_isend_irecv") == 2 * p - 1 and "all_gather_flat" not in c["p2p"][1]
-        assert c["allgather"] == ({"all_gather_flat": 1}, {"all_gather_flat": 1, "reduce_scatter_flat": 1})
+        # p2p: P-1 K/V hops forward; P-1 K/V hops + P dK/dV hops backward; each direction ends
+        # in one tiny fence all-gather (a kernel failure on one rank raises on every rank)
+        assert c["p2p"] == ({"batch_isend_irecv": p - 1, "all_gather_flat": 1},
+                            {"batch_isend_irecv": 2 * p - 1, "all_gather_flat": 1})
+        assert c["allgather"] == ({"all_gather_flat": 2}, {"all_gather_flat": 2, "reduce_scatter_flat": 1})
         fwd, _ = c["p2p validated"]
-        assert fwd.get("all_gather_flat") == 1 and fwd.get("batch_isend_irecv") == p - 1
+        assert fwd == {"all_gather_flat": 2, "batch_isend_irecv": p - 1}
 
 
 @pytest.mark.distributed
@@ -228,7 +236,9 @@ def test_misuse_same_error_on_every_rank(runs, p, name):
 
 def test_plan_block_matches_the_dense_mask():
     g = torch.Generator().manual_seed(0)
-    specs = [AttnSpec(causal=True), AttnSpec(causal=True, window=5), AttnSpec(window=4), AttnSpec()]
+    specs = [AttnSpec(causal=True), AttnSpec(causal=True, window=5), AttnSpec(window=4), AttnSpec(),
+             AttnSpec(chunk=7), AttnSpec(causal=True, chunk=5), AttnSpec(causal=True, window=4, chunk=6),
+             AttnSpec(window=3, chunk=8), AttnSpec(chunk=1)]
     for _ in range(200):
         perm = torch.randperm(40, generator=g)
         nq, nk = (int(x) for x in torch.randint(0, 20, (2,), generator=g))
@@ -273,6 +283,36 @@ def test_merge_partials_equals_one_softmax():
     assert torch.equal(torch.isinf(lse), torch.isinf(full_lse))
     assert torch.allclose(lse[~torch.isinf(lse)], full_lse[~torch.isinf(full_lse)], atol=1e-14, rtol=0)
     assert not torch.isnan(out).any()
+
+
+def test_plan_block_chunk_skips_blocks_of_other_chunks():
+    spec = AttnSpec(chunk=8)  # not causal: the whole chunk, both ways
+    assert plan_block(spec, torch.arange(0, 8), torch.arange(8, 16)) is None
+    plan = plan_block(spec, torch.arange(4, 12), torch.arange(0, 16))  # queries straddle two chunks
+    assert plan.rows == (0, 8) and plan.cols == (0, 16) and plan.visible == 4 * 8 + 4 * 8
+    plan = plan_block(AttnSpec(causal=True, chunk=8), torch.arange(6, 10), torch.arange(0, 12))
+    assert plan.cols == (0, 10) and plan.visible == 7 + 8 + 1 + 2
+    # O(S log S): a long sequence plans without building a dense mask
+    pos = torch.arange(1 << 20)
+    assert plan_block(AttnSpec(causal=True, chunk=4096), pos, pos).visible == 256 * 4096 * 4097 // 2
+
+
+def test_fold_sinks_equals_the_reference_with_sinks():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 9, 3, d, generator=g, dtype=torch.float64) for d in (4, 4, 6))
+    sinks = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    keep = torch.rand(2, 9, generator=g) > 0.5
+    keep[0] = False  # a row that sees no key: only the sink
+    out, lse = reference_attention(q, k, v, key_padding_mask=keep)
+    folded, folded_lse = fold_sinks(out.transpose(1, 2), lse, sinks)
+    want, want_lse = reference_attention(q, k, v, key_padding_mask=keep, sinks=sinks)
+    assert torch.allclose(folded.transpose(1, 2), want, atol=1e-14, rtol=0)
+    assert torch.allclose(folded_lse, want_lse, atol=1e-14, rtol=0)
+    assert (folded[0] == 0).all() and torch.equal(folded_lse[0], sinks.detach()[:, None].expand(3, 9))
+    dout = torch.randn_like(want)
+    (want_grad,) = torch.autograd.grad(want, sinks, dout)
+    got = sinks_grad(dout.transpose(1, 2), want.detach().transpose(1, 2), want_lse, sinks.detach())
+    assert torch.allclose(got, want_grad, atol=1e-14, rtol=0)
 
 
 def test_layout_seq_lens_feed_the_ring_shard():

@@ -1,9 +1,10 @@
-"""Ulysses attention against the float64 reference, forward and backward, over real gloo processes."""
+"""Ulysses attention against the float64 reference, forward and backward, over real gloo processes
+(sinks, chunked attention and MLA head dims included); outputs are contiguous."""
 
 import pytest
 
 from seqpar.comm.launch import run_distributed
-from seqpar.testing.attention_parity import AttnCase, attention_grid, run_cases
+from seqpar.testing.attention_parity import AttnCase, attention_grid, bad_rows, run_cases
 
 TOL = 1e-10
 CASES = attention_grid("ulysses", quick=False) + [
@@ -24,8 +25,7 @@ def grid(request):
 def test_grid_within_tolerance(grid):
     p, rows = grid
     assert len(rows) == len(CASES)
-    bad = [(r["label"], {n: r[n] for n in ("out", "dq", "dk", "dv")}) for r in rows
-           if max(r["out"], r["dq"], r["dk"], r["dv"]) > TOL]
+    bad = bad_rows(rows, TOL)
     assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
 
 
@@ -36,3 +36,9 @@ def test_grid_covers_the_required_cases():
             for causal in (0, 1):
                 for mask in ("none", "pad", "packed"):
                     assert f"ulysses/reference S={s} H={h}/{hk} causal={causal} mask={mask}" in labels
+    for kernel in ("reference", "flash_cpu", "sdpa"):
+        of_kernel = [c for c in CASES if c.kernel == kernel]
+        assert any(c.chunk and c.window for c in of_kernel) and any(c.chunk and c.mask == "pad" for c in of_kernel)
+        assert {5, 12} <= {c.v_head_dim for c in of_kernel}
+        assert any(c.sinks for c in of_kernel) == (kernel != "sdpa")
+    assert any(c.sinks and c.heads < 4 for c in CASES)  # idle ranks give sinks a zero gradient

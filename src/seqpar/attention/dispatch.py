@@ -22,9 +22,8 @@ from .shard import SeqShard
 from .ulysses import ulysses_attention
 
 
-def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, kernel: KernelArg | None = None,
-             **kw: Any) -> Tensor:
-    return ulysses_attention(q, k, v, group=axis_group(mesh, Axis.SP.value), kernel=kernel or "sdpa", **kw)
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, **kw: Any) -> Tensor:
+    return ulysses_attention(q, k, v, group=axis_group(mesh, Axis.SP.value), **kw)
 
 
 def _ring(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, **kw: Any) -> Tensor:
@@ -63,16 +62,19 @@ def resolve_strategy(strategy: str, mesh: DeviceMesh, num_heads: int) -> str:
 
 def sp_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, strategy: str = "ulysses",
                  causal: bool = False, scale: float | None = None, window: int | None = None,
-                 softcap: float | None = None, dropout: float = 0.0, kernel: KernelArg | None = None,
+                 softcap: float | None = None, chunk: int | None = None, sinks: Tensor | None = None,
+                 dropout: float = 0.0, kernel: KernelArg | None = None,
                  shard: SeqShard | None = None, validate: bool = True) -> Tensor:
     """Sequence-parallel attention with the named strategy over ``mesh`` (a DeviceMesh from
     :func:`seqpar.init_mesh`).
 
-    ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]`` -> ``[B, S_local, H, Dv]``; options as
+    ``q [B, S_local, H, D]``, ``k [B, S_local, H_kv, D]``, ``v [B, S_local, H_kv, Dv]`` -> a
+    contiguous ``[B, S_local, H, Dv]``; options (``chunk``, ``sinks [H]`` included) as
     :func:`seqpar.ulysses_attention`; ``strategy``: ``"ulysses"``, ``"ring"``, ``"hybrid"`` or
     ``"auto"`` (:func:`resolve_strategy`). Raises ValueError for an unknown strategy or a mesh
     without the axes the strategy needs.
     """
     strategy = resolve_strategy(strategy, as_mesh(mesh, "sp_attention"), q.shape[2])
     return STRATEGIES[strategy](q, k, v, mesh=mesh, causal=causal, scale=scale, window=window, softcap=softcap,
-                                dropout=dropout, kernel=kernel, shard=shard, validate=validate)
+                                chunk=chunk, sinks=sinks, dropout=dropout, kernel=kernel, shard=shard,
+                                validate=validate)

@@ -15,20 +15,28 @@ ulysses index (hence the same heads) then run the ring on it::
 
 Ulysses is capped by the head count and moves activations once; the ring has no cap but moves K/V
 P-1 times: keep ulysses inside a node and the ring across nodes.
+
+Attention sinks follow the heads (sliced to this ulysses rank's query heads, then folded in by
+the ring). The local compute runs under one :class:`~seqpar.comm.guard.Guard` for the whole
+call, fenced over the ulysses group and then the ring (two tiny all-gathers per direction), so a
+rank whose kernel raises stops every rank of the grid.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.agree import share
+from ..comm.guard import Guard
 from .blocks import RingStats
 from .kernels import KernelArg
 from .ring import resolve_shard, ring_options, run_ring
 from .shard import SeqShard, gather_global_masks
 from .spec import AttnSpec, check_supported
-from .ulysses import heads_to_seq, idle_output, seq_to_heads
+from .ulysses import heads_to_seq, idle_output, local_heads, seq_to_heads
 from .validate import check_attention_inputs
 
 
@@ -53,17 +61,19 @@ def hybrid_groups(group: dist.ProcessGroup, ulysses: int) -> tuple[dist.ProcessG
 def hybrid_attention(
     q: Tensor, k: Tensor, v: Tensor, *, ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup,
     causal: bool = False, scale: float | None = None, window: int | None = None, softcap: float | None = None,
-    dropout: float = 0.0, kernel: KernelArg | None = None, key_padding_mask: Tensor | None = None,
-    segment_ids: Tensor | None = None, shard: SeqShard | None = None, layout: str | None = None,
+    chunk: int | None = None, sinks: Tensor | None = None, dropout: float = 0.0, kernel: KernelArg | None = None,
+    key_padding_mask: Tensor | None = None, segment_ids: Tensor | None = None, shard: SeqShard | None = None,
+    layout: str | None = None,
     comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
 ) -> Tensor:
     """Exact attention over the whole sequence: Ulysses inside ``ulysses_group``, ring over ``ring_group``.
 
     Layouts and options as :func:`seqpar.ring_attention`; ``shard`` and ``layout`` describe the
     ``R * U`` sp ranks in ring-major order (:func:`seqpar.layout.layout_indices` with ``ulysses=U``).
-    Returns ``[B, S_local, H, D]``. Raises ValueError on every rank for inconsistent inputs.
+    Returns a contiguous ``[B, S_local, H, Dv]``. Raises ValueError on every rank for inconsistent
+    inputs; an exception in one rank's kernel is raised on every rank of the grid.
     """
-    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
+    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, chunk=chunk, sinks=sinks)
     kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,
                         masks_given=key_padding_mask is not None or segment_ids is not None)
     n_u, n_r = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
@@ -88,13 +98,17 @@ def hybrid_attention(
     # the ring sees R ranks holding whole ring chunks; the layout permutation is the same one
     ring_shard = SeqShard(ring_lens, sp_shard.positions, keep, seg)
 
+    guard = Guard([ulysses_group, ring_group], "hybrid attention")
+    q, k, v, sinks = guard.inputs(q, k, v, sinks)
     qh, kh, vh, q_ranges = heads_to_seq(q, k, v, group=ulysses_group, seq_lens=my_lens)  # [B, S/R, H/U, D]
     if q_ranges[u][1] == 0:  # more ulysses ranks than query heads: this ring group has nothing to do
-        out = idle_output(qh, kh, vh)
+        out = idle_output(qh, kh, vh, sinks)
     else:
-        out = run_ring(qh, kh, vh, group=ring_group, spec=spec, kernel=kern, shard=ring_shard, comm=comm,
-                    stats=stats)  # [B, S/R, H/U, Dv]
-    return seq_to_heads(out, group=ulysses_group, seq_lens=my_lens, q_ranges=q_ranges)  # [B, S/(R*U), H, Dv]
+        out = run_ring(qh, kh, vh, group=ring_group, spec=local_heads(replace(spec, sinks=sinks), q_ranges[u]),
+                       kernel=kern, shard=ring_shard, comm=comm, stats=stats, guard=guard)  # [B, S/R, H/U, Dv]
+    out = seq_to_heads(out, group=ulysses_group, seq_lens=my_lens, q_ranges=q_ranges)  # [B, S/(R*U), H, Dv]
+    guard.fence("forward")
+    return out
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, ulysses_group: dist.ProcessGroup,

@@ -21,6 +21,12 @@ behind, so each returns to its owner; no rank ever holds more than two K/V block
 ``"allgather"`` (gather K/V once; the backward reduce-scatters dK/dV). Unequal local lengths travel
 padded to the longest shard (at most a few tokens with tensor_split-style splits); the padding is
 never attended.
+
+Attention sinks are one more partial result, folded into the merged ``(out, lse)`` after the loop
+(:func:`seqpar.attention.blocks.fold_sinks`); the backward then uses the folded ones, and each
+rank's d sinks covers its own queries. The local compute runs under a
+:class:`~seqpar.comm.guard.Guard`: a rank whose kernel raises keeps passing blocks on without
+computing, and every rank raises at the fence after the loop (forward) or at the inputs (backward).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .blocks import BlockPlan, RingStats, merge_partials, plan_block
-from .kernels import KernelArg, lse_kernel
+from ..comm.guard import Guard, guarded
+from .blocks import BlockPlan, RingStats, fold_sinks, merge_partials, plan_block, sinks_grad
+from .kernels import KernelArg, default_lse_kernel, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
 from .ring_comm import COMMS, RingComm
 from .shard import SeqShard, with_global_masks
@@ -53,6 +60,7 @@ class _Ring:
     shard: SeqShard
     plans: list[BlockPlan | None]  # by owner rank
     longest: int  # K/V travel padded to this length
+    guard: Guard | None = None  # local compute under it (None: errors propagate)
 
     def mask(self, owner: int, plan: BlockPlan, me: int, device: torch.device) -> MaskInfo:
         """The block's MaskInfo, cut to the plan's rows and columns (global positions)."""
@@ -67,21 +75,39 @@ class _Ring:
             k_seg=seg[:, ks:ks + nc] if seg is not None else None)
 
 
+    def forward_block(self, q: Tensor, kb: Tensor, vb: Tensor, owner: int, plan: BlockPlan, me: int
+                      ) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of this rank's queries against the plan's part of ``owner``'s block."""
+        (r0, nr), (c0, nc) = plan.rows, plan.cols
+        return self.kernel.forward(q[:, :, r0:r0 + nr], kb[:, :, c0:c0 + nc], vb[:, :, c0:c0 + nc], self.spec,
+                                   self.mask(owner, plan, me, q.device))
+
+    def backward_block(self, dout: Tensor, q: Tensor, kb: Tensor, vb: Tensor, out: Tensor, lse: Tensor,
+                       owner: int, plan: BlockPlan, me: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The kernel's ``(dq, dk, dv)`` of the plan's rows and columns, with the merged out and lse."""
+        (r0, nr), (c0, nc) = plan.rows, plan.cols
+        rows = slice(r0, r0 + nr)
+        return self.kernel.backward(dout[:, :, rows], q[:, :, rows], kb[:, :, c0:c0 + nc], vb[:, :, c0:c0 + nc],
+                                    out[:, :, rows], lse[:, :, rows], self.spec, self.mask(owner, plan, me, q.device))
+
+
 def _pad(x: Tensor, n: int) -> Tensor:
-    """``[B, H, S, D] -> [B, H, n, D]`` with zeros (the block shape every rank sends)."""
+    """``[B, H, S, D] -> [B, H, n, D]`` with zeros (the block shape every rank sends; k and v may
+    have different D)."""
     if x.shape[2] == n:
         return x.contiguous()
     return torch.cat([x, x.new_zeros((*x.shape[:2], n - x.shape[2], x.shape[3]))], dim=2)
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward: K/V blocks travel the ring, each merged into (out, lse). Backward: the blocks travel
-    again; each block's dQ/dK/dV come from the kernel's backward with the *merged* out and lse (the
-    softmax over all keys, so every block's share is exact), dQ stays, dK/dV go back to the block's
-    owner. Layouts: q [B, H, Sq, D], k, v [B, H_kv, Sk, D] (this rank's tokens)."""
+    """Forward: K/V blocks travel the ring, each merged into (out, lse); sinks folded in at the end.
+    Backward: the blocks travel again; each block's dQ/dK/dV come from the kernel's backward with
+    the *merged* out and lse (the softmax over all keys and sinks, so every block's share is
+    exact), dQ stays, dK/dV go back to the block's owner. Layouts: q [B, H, Sq, D],
+    k [B, H_kv, Sk, D], v [B, H_kv, Sk, Dv] (this rank's tokens), sinks [H] or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, me: int, stats: RingStats | None):
+    def forward(ctx, q, k, v, sinks, ring: _Ring, me: int, stats: RingStats | None):
         acc = acc_dtype(q.dtype)
         out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)  # [B, H, Sq, Dv]
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # [B, H, Sq]
@@ -91,23 +117,25 @@ class _RingAttention(torch.autograd.Function):
                 if stats is not None:
                     stats.skipped += 1
                 continue
-            (r0, nr), (c0, nc) = plan.rows, plan.cols
-            o_b, l_b = ring.kernel.forward(q[:, :, r0:r0 + nr], kb[:, :, c0:c0 + nc], vb[:, :, c0:c0 + nc],
-                                           ring.spec, ring.mask(owner, plan, me, q.device))
-            out[:, :, r0:r0 + nr], lse[:, :, r0:r0 + nr] = merge_partials(
-                out[:, :, r0:r0 + nr], lse[:, :, r0:r0 + nr], o_b, l_b)
+            res = guarded(ring.guard, ring.forward_block, q, kb, vb, owner, plan, me)
+            if res is None:  # this rank failed: keep the blocks moving for the others, compute nothing
+                continue
+            rows = slice(plan.rows[0], plan.rows[0] + plan.rows[1])
+            out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], *res)
             if stats is not None:
                 stats.blocks += 1
                 stats.visible_pairs += plan.visible
-                stats.computed_pairs += nr * nc
+                stats.computed_pairs += plan.rows[1] * plan.cols[1]
+        if sinks is not None:
+            out, lse = fold_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.me = ring, me
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         ring, me = ctx.ring, ctx.me
         acc = lse.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -115,45 +143,43 @@ class _RingAttention(torch.autograd.Function):
         sink = ring.comm.grad_sink()
         for owner, kb, vb in ring.comm.blocks(_pad(k, ring.longest), _pad(v, ring.longest)):
             dk_b = kb.new_zeros(kb.shape, dtype=acc)  # [B, H_kv, L, D]
-            dv_b = vb.new_zeros(vb.shape, dtype=acc)
+            dv_b = vb.new_zeros(vb.shape, dtype=acc)  # [B, H_kv, L, Dv]
             plan = ring.plans[owner]
-            if plan is not None:
+            g = None if plan is None else guarded(ring.guard, ring.backward_block, dout, q, kb, vb, out, lse,
+                                                  owner, plan, me)
+            if g is not None:
                 (r0, nr), (c0, nc) = plan.rows, plan.cols
-                rows = slice(r0, r0 + nr)
-                g = ring.kernel.backward(dout[:, :, rows], q[:, :, rows], kb[:, :, c0:c0 + nc],
-                                         vb[:, :, c0:c0 + nc], out[:, :, rows], lse[:, :, rows], ring.spec,
-                                         ring.mask(owner, plan, me, q.device))
-                dq[:, :, rows] += g[0]
+                dq[:, :, r0:r0 + nr] += g[0]
                 dk_b[:, :, c0:c0 + nc] = g[1]
                 dv_b[:, :, c0:c0 + nc] = g[2]
             sink.push(dk_b, dv_b)
         dk, dv = sink.result()
         n = k.shape[2]
-        return dq.to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype), None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype), dsinks, None, None, None
 
 
 def run_ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: LseKernel,
-             shard: SeqShard, comm: str, stats: RingStats | None = None) -> Tensor:
-    """The ring on validated inputs: ``[B, S_local, H, D] -> [B, S_local, H, Dv]``."""
+             shard: SeqShard, comm: str, stats: RingStats | None = None, guard: Guard | None = None) -> Tensor:
+    """The ring on validated inputs: ``[B, S_local, H, D] -> [B, S_local, H, Dv]`` (contiguous).
+
+    ``spec.sinks`` (``[H]``, the heads of ``q``) are folded in; the kernel sees the spec without
+    them. With ``guard`` the local compute runs under it and the caller fences.
+    """
     me = dist.get_rank(group)
     # block planning is host-side arithmetic: one copy of the positions to the CPU per call
     host = shard if shard.positions is None else replace(shard, positions=shard.positions.cpu())
     q_pos = host.positions_of(me)
     plans = [plan_block(spec, q_pos, host.positions_of(r)) for r in range(len(shard.seq_lens))]
-    ring = _Ring(COMMS[comm](group), kernel, spec, shard, plans, max(shard.seq_lens))
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ring, me, stats)
-    return out.transpose(1, 2)  # [B, S_local, H, Dv]
-
-
-def _default_kernel(q: Tensor, spec: AttnSpec) -> str:
-    """The fused CPU kernel where it honours the options, else the reference (softcap, GPU)."""
-    fast = lse_kernel("flash_cpu")
-    return "flash_cpu" if q.device.type == "cpu" and spec.options() <= (fast.supports or set()) else "reference"
+    ring = _Ring(COMMS[comm](group), kernel, replace(spec, sinks=None), shard, plans, max(shard.seq_lens), guard)
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec.sinks, ring, me, stats)
+    return out.transpose(1, 2).contiguous()  # [B, S_local, H, Dv]
 
 
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool = False,
     scale: float | None = None, window: int | None = None, softcap: float | None = None,
+    chunk: int | None = None, sinks: Tensor | None = None,
     dropout: float = 0.0, kernel: KernelArg | None = None, key_padding_mask: Tensor | None = None,
     segment_ids: Tensor | None = None, shard: SeqShard | None = None, layout: str | None = None,
     comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
@@ -161,10 +187,14 @@ def ring_attention(
     """Exact attention over the whole sequence from sequence shards, K/V travelling around a ring.
 
     Args:
-        q: ``[B, S_local, H, D]``; k, v: ``[B, S_local, H_kv, D]`` -- this rank's tokens, in the
-            layout's order (see :mod:`seqpar.attention.layout`). Local lengths may differ between ranks.
+        q: ``[B, S_local, H, D]``; k: ``[B, S_local, H_kv, D]``; v: ``[B, S_local, H_kv, Dv]`` --
+            this rank's tokens, in the layout's order (see :mod:`seqpar.attention.layout`). Local
+            lengths may differ between ranks.
         group: the ring's process group.
-        causal, scale, window, softcap: see :class:`seqpar.kernels.AttnSpec`. ``dropout`` must be 0.
+        causal, scale, window, chunk, softcap: see :class:`seqpar.attention.spec.AttnSpec`.
+            ``dropout`` must be 0.
+        sinks: ``[H]`` attention-sink logits (GPT-OSS), the same on every rank; may require grad:
+            each rank's gradient covers its own queries, so their sum over the ring is the total.
         kernel: a kernel returning ``(out, lse)`` with a backward: ``"flash_cpu"`` (default on CPU
             unless softcap is set), ``"reference"`` (default otherwise; the only one with softcap) or
             a Kernel object.
@@ -179,9 +209,11 @@ def ring_attention(
             the lengths (else all ranks are assumed to hold ``S_local`` tokens).
         stats: a :class:`RingStats` to add this rank's forward work to.
 
-    Returns ``[B, S_local, H, D]``. Raises ValueError (on every rank) for inconsistent inputs.
+    Returns a contiguous ``[B, S_local, H, Dv]``. Raises ValueError (on every rank) for
+    inconsistent inputs; an exception in one rank's kernel is raised on every rank (see
+    :mod:`seqpar.comm.guard`; one tiny all-gather per call and direction).
     """
-    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap)
+    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, chunk=chunk, sinks=sinks)
     kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,
                         masks_given=key_padding_mask is not None or segment_ids is not None)
     p = dist.get_world_size(group)
@@ -193,7 +225,12 @@ def ring_attention(
     check_supported(kern, spec)  # after the cross-rank check: the spec is the same everywhere now
     shard = resolve_shard(shard, tuple(seq_lens), layout, p)
     shard = with_global_masks(shard, key_padding_mask, segment_ids, group)
-    return run_ring(q, k, v, group=group, spec=spec, kernel=kern, shard=shard, comm=comm, stats=stats)
+    guard = Guard([group], "ring attention")
+    q, k, v, sinks = guard.inputs(q, k, v, sinks)
+    out = run_ring(q, k, v, group=group, spec=replace(spec, sinks=sinks), kernel=kern, shard=shard, comm=comm,
+                   stats=stats, guard=guard)
+    guard.fence("forward")
+    return out
 
 
 def ring_options(q: Tensor, spec: AttnSpec, *, kernel: KernelArg | None, dropout: float, comm: str,
@@ -208,7 +245,7 @@ def ring_options(q: Tensor, spec: AttnSpec, *, kernel: KernelArg | None, dropout
         raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
     if shard is not None and masks_given:
         raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
-    return lse_kernel(kernel if kernel is not None else _default_kernel(q, spec))
+    return lse_kernel(kernel if kernel is not None else default_lse_kernel(q, spec))
 
 
 def resolve_shard(shard: SeqShard | None, seq_lens: tuple[int, ...], layout: str | None, p: int,

@@ -13,17 +13,25 @@ whole sequence with a subset of heads, any local kernel attends, and one all-to-
 
 Rank r computes query heads ``tensor_split(range(H), P)[r]`` and receives exactly the KV heads
 those heads use, so ``H % P != 0`` and ``H_kv < P`` (KV heads replicated to several ranks, their
-gradients summed back by the all-to-all's backward) need no special case.
+gradients summed back by the all-to-all's backward) need no special case. Attention sinks ``[H]``
+are sliced to the same query heads (a differentiable slice: each rank's gradient covers its heads).
+
+The local kernel runs under a :class:`~seqpar.comm.guard.Guard`: a rank whose kernel raises sends
+zeros through the output all-to-all (and zero gradients through the backward one), and every rank
+raises at the fence that ends the call in each direction.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import all_to_all_multi, even_ranges, split_offsets
-from .kernels import KernelArg, attend, get_kernel
+from ..comm.guard import Guard
+from .kernels import KernelArg, attend, default_lse_kernel, get_kernel
 from .shard import SeqShard, with_global_masks
 from .spec import AttnSpec, Kernel, MaskInfo, check_supported
 from .validate import shard_lengths
@@ -58,18 +66,23 @@ def kv_index(q_range: tuple[int, int], kv_range: tuple[int, int], group: int) ->
 def ulysses_attention(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool = False,
     scale: float | None = None, window: int | None = None, softcap: float | None = None,
-    dropout: float = 0.0, kernel: KernelArg = "sdpa",
+    chunk: int | None = None, sinks: Tensor | None = None,
+    dropout: float = 0.0, kernel: KernelArg | None = None,
     key_padding_mask: Tensor | None = None, segment_ids: Tensor | None = None,
     shard: SeqShard | None = None, validate: bool = True,
 ) -> Tensor:
     """Exact attention over the whole sequence from sequence shards, via two all-to-alls.
 
     Args:
-        q: ``[B, S_local, H, D]``; k, v: ``[B, S_local, H_kv, D]`` -- this rank's tokens. Local
-            lengths may differ between ranks (any split; tensor_split's is the usual one).
+        q: ``[B, S_local, H, D]``; k: ``[B, S_local, H_kv, D]``; v: ``[B, S_local, H_kv, Dv]`` --
+            this rank's tokens. Local lengths may differ between ranks (any split; tensor_split's
+            is the usual one).
         group: the sequence-parallel process group (``mesh.get_group("sp")``).
-        causal, scale, window, softcap, dropout: see :class:`seqpar.attention.spec.AttnSpec`.
-        kernel: the local kernel: ``"sdpa"`` (default), ``"flash_cpu"``, ``"reference"``, a Kernel
+        causal, scale, window, chunk, softcap, dropout: see :class:`seqpar.attention.spec.AttnSpec`.
+        sinks: ``[H]`` attention-sink logits (GPT-OSS), the same on every rank; may require grad:
+            each rank's gradient covers its own heads, so their sum over the group is the total.
+        kernel: the local kernel: ``"sdpa"`` (default; cannot honour sinks), ``"flash_cpu"``
+            (default with sinks on CPU), ``"reference"`` (default with sinks elsewhere), a Kernel
             object or a callable ``fn(q, k, v, *, spec, mask) -> out`` in the ``[B, H, S, D]`` layout.
         key_padding_mask, segment_ids: this rank's ``[B, S_local]`` padding mask (True = real
             token) and packed-document ids; gathered with one small collective. Pass ``shard``
@@ -79,9 +92,14 @@ def ulysses_attention(
             ``validate=False`` the caller vouches for them and ``shard`` gives the lengths
             (without it all ranks are assumed to hold ``S_local`` tokens).
 
-    Returns ``[B, S_local, H, D]``. Raises ValueError on every rank for inconsistent inputs.
+    Returns a contiguous ``[B, S_local, H, Dv]``. Raises ValueError on every rank for inconsistent
+    inputs; an exception in one rank's kernel is raised on every rank (see :mod:`seqpar.comm.guard`;
+    one tiny all-gather per call and direction).
     """
-    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout)
+    spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, chunk=chunk,
+                    sinks=sinks)
+    if kernel is None:
+        kernel = "sdpa" if sinks is None else default_lse_kernel(q, spec)
     kern = get_kernel(kernel)
     if shard is not None and (key_padding_mask is not None or segment_ids is not None):
         raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
@@ -125,25 +143,39 @@ def seq_to_heads(out: Tensor, *, group: dist.ProcessGroup, seq_lens: list[int],
                             send_ranges=[seq_ranges], recv_sizes=[head_counts])[0]
 
 
-def idle_output(qh: Tensor, kh: Tensor, vh: Tensor) -> Tensor:
+def local_heads(spec: AttnSpec, q_range: tuple[int, int]) -> AttnSpec:
+    """``spec`` for this rank's query heads: sinks ``[H] -> [H/P]`` (a differentiable slice)."""
+    if spec.sinks is None:
+        return spec
+    start, n = q_range
+    return replace(spec, sinks=spec.sinks[start:start + n])
+
+
+def idle_output(qh: Tensor, kh: Tensor, vh: Tensor, sinks: Tensor | None = None) -> Tensor:
     """The output ``[B, S, 0, Dv]`` of a rank that got no query heads (more ranks than heads). It
     still depends on the received q, k, v, so autograd runs this rank's part of the backward
-    all-to-all, which its peers wait for."""
-    return qh.new_zeros(qh.shape[:3] + (vh.shape[3],)) + 0 * qh.sum() + 0 * kh.sum() + 0 * vh.sum()
+    all-to-all, which its peers wait for (and gives ``sinks`` a zero gradient, not none)."""
+    out = qh.new_zeros(qh.shape[:3] + (vh.shape[3],)) + 0 * qh.sum() + 0 * kh.sum() + 0 * vh.sum()
+    return out if sinks is None else out + 0 * sinks.sum().to(out.dtype)
 
 
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: Kernel,
              shard: SeqShard) -> Tensor:
     me = dist.get_rank(group)
     seq_lens = list(shard.seq_lens)
+    guard = Guard([group], "ulysses attention")
+    q, k, v, sinks = guard.inputs(q, k, v, spec.sinks)
     qh, kh, vh, q_ranges = heads_to_seq(q, k, v, group=group, seq_lens=seq_lens)  # [B, S, H/P, D]
 
     if q_ranges[me][1] == 0:  # more ranks than query heads: nothing to compute here
-        out = idle_output(qh, kh, vh)
+        out = idle_output(qh, kh, vh, sinks)
     else:
         info = MaskInfo(q_pos=shard.positions, k_pos=shard.positions, key_keep=shard.key_keep,
                         q_seg=shard.segments, k_seg=shard.segments)
-        out = attend(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), spec, info, kernel)
+        local = local_heads(replace(spec, sinks=sinks), q_ranges[me])
+        out = attend(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), local, info, kernel, guard)
         out = out.transpose(1, 2)  # [B, S, H/P, Dv]
 
-    return seq_to_heads(out, group=group, seq_lens=seq_lens, q_ranges=q_ranges)  # [B, S/P, H, D]
+    out = seq_to_heads(out, group=group, seq_lens=seq_lens, q_ranges=q_ranges)  # [B, S/P, H, Dv]
+    guard.fence("forward")
+    return out

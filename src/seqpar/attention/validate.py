@@ -1,7 +1,8 @@
 """Attention inputs checked on every rank at once, before the collectives that would hang on them.
 
-The facts every rank must agree on (heads, head dims, dtypes, options) and each rank's own shape
-problems travel in one all-gather (:mod:`seqpar.comm.agree`); every rank raises the same error.
+The facts every rank must agree on (heads, head dims -- v's may differ from q's and k's --, dtypes,
+options, the shape of the attention sinks) and each rank's own shape problems travel in one
+all-gather (:mod:`seqpar.comm.agree`); every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ _ATTN_NAMES = {
     "q.3": "head dim of q", "q.dtype": "dtype of q", "k.2": "number of KV heads", "k.3": "head dim of k",
     "k.dtype": "dtype of k", "v.3": "head dim of v", "v.dtype": "dtype of v",
     "causal": "causal", "scale": "scale", "window": "window (sliding_window)", "softcap": "softcap",
-    "dropout": "dropout", "mask.ndim": "whether a key padding mask is given",
+    "dropout": "dropout", "chunk": "chunk (attention_chunk_size)", "sinks.ndim": "whether sinks are given",
+    "sinks.0": "number of sinks", "sinks.dtype": "dtype of sinks", "mask.ndim": "whether a key padding mask is given",
     "seg.ndim": "whether segment ids are given", "shard": "whether a SeqShard is given",
 }
 
@@ -28,8 +30,9 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Proce
                            shard_len: int | None = None) -> tuple[int, ...]:
     """Validate sequence-parallel attention inputs on every rank at once (one all-gather).
 
-    Layouts: ``q [B, S_local, H, D]``, ``k, v [B, S_local, H_kv, D]``, optional
-    ``key_padding_mask`` / ``segment_ids [B, S_local]``. Returns every rank's local length.
+    Layouts: ``q [B, S_local, H, D]``, ``k [B, S_local, H_kv, D]``, ``v [B, S_local, H_kv, Dv]``,
+    optional ``key_padding_mask`` / ``segment_ids [B, S_local]`` and ``spec.sinks [H]``. Returns
+    every rank's local length.
     Raises the same ValueError on every rank if any rank's input is malformed or the ranks disagree.
     """
     def opt(x: float | None) -> float:
@@ -37,6 +40,7 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Proce
 
     facts = {**shape_facts("q", q, 4), **shape_facts("k", k, 4), **shape_facts("v", v, 4),
              **shape_facts("mask", key_padding_mask, 2), **shape_facts("seg", segment_ids, 2),
+             **shape_facts("sinks", spec.sinks, 2), "chunk": opt(spec.chunk),
              "causal": float(spec.causal), "scale": opt(spec.scale), "window": opt(spec.window),
              "softcap": opt(spec.softcap), "dropout": float(spec.dropout),
              "shard": 0.0 if shard_len is None else 1.0, "shard_len": opt(shard_len)}
@@ -67,6 +71,11 @@ def _problem(f: dict[str, float]) -> str | None:
     for name, label in (("mask", "key_padding_mask"), ("seg", "segment_ids")):
         if f[f"{name}.ndim"] != MISSING and (f[f"{name}.ndim"], f[f"{name}.0"], f[f"{name}.1"]) != (2, b, s):
             return f"{label} must be [batch, local_seq_len] = [{b}, {s}]"
+    if f["chunk"] != MISSING and f["chunk"] < 1:
+        return f"chunk (attention_chunk_size) must be a positive number of tokens, got {f['chunk']:g}"
+    if f["sinks.ndim"] != MISSING and (f["sinks.ndim"], f["sinks.0"]) != (1, h):
+        shape = [int(f[f"sinks.{i}"]) for i in range(2) if f[f"sinks.{i}"] != MISSING]
+        return f"sinks must be [num_query_heads] = [{h}] (one logit per query head), got shape {shape}"
     if f["shard"] and f["shard_len"] != s:
         return (f"the SeqShard says this rank holds {int(f['shard_len'])} tokens but q holds {s}:"
                 " build the SeqShard from this batch")

@@ -2,7 +2,9 @@
 
 Shared by the tests (which assert every case) and ``seqpar verify`` (which prints them). Every rank
 builds the same global inputs from the case's seed, runs the reference on the whole sequence,
-runs the parallel path on its shard, and reports the largest error of out, dq, dk, dv on its shard.
+runs the parallel path on its shard, and reports the largest error of out, dq, dk, dv on its shard
+and of d sinks summed over the ranks (each rank's sinks gradient is its own share), and whether the
+output is contiguous.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class AttnCase:
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+    chunk: int | None = None
+    sinks: bool = False  # attention sinks [H] (GPT-OSS), with their gradient
+    v_head_dim: int | None = None  # None: head_dim (MLA: another)
     kernel: str = "reference"
     strategy: str = "ulysses"  # "ulysses" | "ring" | "hybrid" -- see ATTENTION_PATHS
     options: dict = field(default_factory=dict, hash=False, compare=False)  # strategy-specific keywords
@@ -44,7 +49,9 @@ class AttnCase:
 
     def label(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in (("window", self.window), ("softcap", self.softcap),
-                                                     ("scale", self.scale)) if v is not None)
+                                                     ("scale", self.scale), ("chunk", self.chunk),
+                                                     ("Dv", self.v_head_dim)) if v is not None)
+        extra += " sinks" if self.sinks else ""
         opts = "".join(f" {k}={v}" for k, v in self.options.items())
         return (f"{self.strategy}/{self.kernel} S={self.seq} H={self.heads}/{self.kv_heads} "
                 f"causal={int(self.causal)} mask={self.mask}{extra}{opts}")
@@ -55,12 +62,13 @@ def case_inputs(case: AttnCase) -> dict[str, Tensor | None]:
     g = torch.Generator().manual_seed(case.seed)
     dt = getattr(torch, case.dtype)
     b, s, h, hk, d = case.batch, case.seq, case.heads, case.kv_heads, case.head_dim
+    dv = case.v_head_dim or d
 
     def rnd(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(dt)
 
-    out = {"q": rnd(b, s, h, d), "k": rnd(b, s, hk, d), "v": rnd(b, s, hk, d), "grad": rnd(b, s, h, d),
-           "key_padding_mask": None, "segment_ids": None}
+    out = {"q": rnd(b, s, h, d), "k": rnd(b, s, hk, d), "v": rnd(b, s, hk, dv), "grad": rnd(b, s, h, dv),
+           "key_padding_mask": None, "segment_ids": None, "sinks": rnd(h) if case.sinks else None}
     if case.mask == "pad":
         keep = torch.ones(b, s, dtype=torch.bool)
         for row in range(b):
@@ -82,10 +90,11 @@ def case_inputs(case: AttnCase) -> dict[str, Tensor | None]:
     return out
 
 
-# strategy name -> fn(q, k, v, *, group, case, key_padding_mask, segment_ids) -> (local out, local slices)
-# A path shards the global inputs itself (layouts differ), runs, and returns its local output and the
-# index of the global tokens it holds, so the comparison does not depend on the layout.
-AttentionPath = Callable[..., tuple[Tensor, Tensor]]
+# strategy name -> fn(inputs, case, group) -> (inputs, local token index, run)
+# A path shards the global inputs itself (layouts differ) and returns the index of the global tokens
+# this rank holds and ``run(q, k, v, mask, seg, sinks) -> local out``, so the comparison does not
+# depend on the layout.
+AttentionPath = Callable[..., tuple[dict, Tensor, Callable]]
 ATTENTION_PATHS: dict[str, AttentionPath] = {}
 
 
@@ -96,6 +105,11 @@ def register_path(name: str) -> Callable[[AttentionPath], AttentionPath]:
     return deco
 
 
+def spec_kwargs(case: AttnCase) -> dict:
+    """The AttnSpec keywords of a case, as every strategy and the reference take them."""
+    return dict(causal=case.causal, scale=case.scale, window=case.window, softcap=case.softcap, chunk=case.chunk)
+
+
 @register_path("ulysses")
 def _ulysses_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tuple[dict, Tensor, Callable]:
     p, r = dist.get_world_size(group), dist.get_rank(group)
@@ -103,10 +117,10 @@ def _ulysses_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tup
     start = sum(sizes[:r])
     idx = torch.arange(start, start + sizes[r])
 
-    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seg: Tensor | None) -> Tensor:
-        return ulysses_attention(q, k, v, group=group, causal=case.causal, scale=case.scale, window=case.window,
-                                 softcap=case.softcap, kernel=case.kernel, key_padding_mask=mask,
-                                 segment_ids=seg, **case.options)
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seg: Tensor | None, sinks: Tensor | None
+            ) -> Tensor:
+        return ulysses_attention(q, k, v, group=group, **spec_kwargs(case), sinks=sinks, kernel=case.kernel,
+                                 key_padding_mask=mask, segment_ids=seg, **case.options)
     return inputs, idx, run
 
 
@@ -115,14 +129,22 @@ def _ring_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tuple[
     p, r = dist.get_world_size(group), dist.get_rank(group)
     idx = layout_indices(case.seq, p, case.options.get("layout", "contiguous"))[r]
 
-    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seg: Tensor | None) -> Tensor:
-        return ring_attention(q, k, v, group=group, causal=case.causal, scale=case.scale, window=case.window,
-                              softcap=case.softcap, kernel=case.kernel, key_padding_mask=mask,
-                              segment_ids=seg, **case.options)
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seg: Tensor | None, sinks: Tensor | None
+            ) -> Tensor:
+        return ring_attention(q, k, v, group=group, **spec_kwargs(case), sinks=sinks, kernel=case.kernel,
+                              key_padding_mask=mask, segment_ids=seg, **case.options)
     return inputs, idx, run
 
 
 _HYBRID_GROUPS: dict[tuple[int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def hybrid_case_groups(group: dist.ProcessGroup, ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``hybrid_groups(group, ulysses)``, built once per process (``new_group`` is collective and slow)."""
+    key = (id(group), ulysses)
+    if key not in _HYBRID_GROUPS:
+        _HYBRID_GROUPS[key] = hybrid_groups(group, ulysses)
+    return _HYBRID_GROUPS[key]
 
 
 @register_path("hybrid")
@@ -130,21 +152,47 @@ def _hybrid_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tupl
     p, r = dist.get_world_size(group), dist.get_rank(group)
     opts = dict(case.options)
     ulysses = opts.pop("ulysses", 2 if p % 2 == 0 else 1)
-    key = (id(group), ulysses)
-    if key not in _HYBRID_GROUPS:  # new_group is collective and slow: once per (group, ulysses) per process
-        _HYBRID_GROUPS[key] = hybrid_groups(group, ulysses)
-    ulysses_group, ring_group = _HYBRID_GROUPS[key]
+    ulysses_group, ring_group = hybrid_case_groups(group, ulysses)
     idx = layout_indices(case.seq, p, opts.get("layout", "contiguous"), ulysses=ulysses)[r]
 
-    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seg: Tensor | None) -> Tensor:
-        return hybrid_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, causal=case.causal,
-                                scale=case.scale, window=case.window, softcap=case.softcap, kernel=case.kernel,
-                                key_padding_mask=mask, segment_ids=seg, **opts)
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, seg: Tensor | None, sinks: Tensor | None
+            ) -> Tensor:
+        return hybrid_attention(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, **spec_kwargs(case),
+                                sinks=sinks, kernel=case.kernel, key_padding_mask=mask, segment_ids=seg, **opts)
     return inputs, idx, run
 
 
+def feature_cases(strategy: str, quick: bool = False) -> list[AttnCase]:
+    """Attention sinks, chunked attention (with window) and a v head dim other than q's and k's
+    (MLA: D=8 with Dv=5 or 12), on odd lengths, GQA with fewer KV heads than ranks and padded /
+    packed rows, with every kernel that can honour them (sdpa has no sinks); ring and hybrid with
+    the zigzag layout and with K/V gathered once."""
+    kernels = ("reference", "flash_cpu", "sdpa") if strategy == "ulysses" else ("reference", "flash_cpu")
+    variants = [{}] if strategy == "ulysses" else [{"layout": "zigzag"}, {"comm": "allgather"}]
+    cases = []
+    for kernel in kernels[:1] if quick else kernels:
+        for opts in variants[:1] if quick else variants:
+            kw = dict(strategy=strategy, kernel=kernel, options=opts)
+            cases += [AttnCase(seq=37, heads=6, kv_heads=1, causal=True, chunk=8, mask="pad", **kw),
+                      AttnCase(seq=7, heads=8, kv_heads=2, chunk=3, mask="packed", **kw),
+                      AttnCase(seq=37, heads=8, kv_heads=2, causal=True, chunk=8, window=5, **kw),
+                      AttnCase(seq=37, heads=6, kv_heads=1, causal=True, v_head_dim=5, mask="packed", **kw),
+                      AttnCase(seq=7, heads=8, kv_heads=2, v_head_dim=12, mask="pad", **kw)]
+            if kernel != "sdpa":  # left-padded causal rows see no key: only the sink
+                cases += [AttnCase(seq=37, heads=6, kv_heads=1, causal=True, sinks=True, mask="pad", **kw),
+                          AttnCase(seq=7, heads=8, kv_heads=2, sinks=True, mask="packed", **kw),
+                          AttnCase(seq=37, heads=8, kv_heads=2, causal=True, sinks=True, chunk=8, window=5,
+                                   v_head_dim=12, mask="packed", **kw)]
+    # sinks with softcap (reference only), and with fewer query heads than ranks (idle ranks)
+    cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, sinks=True, softcap=2.0, scale=0.3, chunk=16,
+                       mask="pad", strategy=strategy),
+              AttnCase(seq=7, heads=3, kv_heads=1, causal=True, sinks=True, mask="pad", strategy=strategy)]
+    return cases
+
+
 def attention_grid(strategy: str, quick: bool) -> list[AttnCase]:
-    """The cases ``seqpar verify`` (and the attention test suites) run for one strategy."""
+    """The cases ``seqpar verify`` (and the attention test suites) run for one strategy, the
+    :func:`feature_cases` included."""
     lengths = (7, 129) if quick else (1, 7, 37, 129)
     heads = ((8, 2), (6, 1)) if quick else ((8, 8), (8, 2), (8, 1), (6, 3), (6, 1), (12, 4))
     cases = [AttnCase(seq=s, heads=h, kv_heads=hk, causal=c, mask=m, strategy=strategy)
@@ -160,43 +208,64 @@ def attention_grid(strategy: str, quick: bool) -> list[AttnCase]:
         cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, kernel="flash_cpu", mask=m, window=w,
                            strategy=strategy, options={"layout": "zigzag", "comm": comm})
                   for m in ("pad", "packed") for w in (None, 5) for comm in ("p2p", "allgather")]
-    return cases
+    return cases + feature_cases(strategy, quick)
 
 
 def run_case(case: AttnCase, group: dist.ProcessGroup) -> dict[str, float]:
-    """Run one case on this rank; returns max |err| of out, dq, dk, dv over this rank's tokens."""
+    """Run one case on this rank; returns max |err| of out, dq, dk, dv over this rank's tokens, of
+    d sinks (summed over the ranks) and ``contiguous`` (1.0 when the output is)."""
     inputs = case_inputs(case)
-    q, k, v, grad = (inputs[n] for n in ("q", "k", "v", "grad"))
+    q, k, v, grad, sinks = (inputs[n] for n in ("q", "k", "v", "grad", "sinks"))
     ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref_out, _ = reference_attention(*ref_in, causal=case.causal, scale=case.scale, window=case.window,
-                                     softcap=case.softcap, key_padding_mask=inputs["key_padding_mask"],
-                                     segment_ids=inputs["segment_ids"])
+    ref_sinks = None if sinks is None else sinks.clone().requires_grad_(True)
+    ref_out, _ = reference_attention(*ref_in, **spec_kwargs(case), sinks=ref_sinks,
+                                     key_padding_mask=inputs["key_padding_mask"], segment_ids=inputs["segment_ids"])
     ref_out.backward(grad)
 
     _, idx, run = ATTENTION_PATHS[case.strategy](inputs, case, group)
     local = [t[:, idx].clone().requires_grad_(True) for t in (q, k, v)]
+    local_sinks = None if sinks is None else sinks.clone().requires_grad_(True)
     mask = inputs["key_padding_mask"][:, idx] if inputs["key_padding_mask"] is not None else None
     seg = inputs["segment_ids"][:, idx] if inputs["segment_ids"] is not None else None
-    out = run(*local, mask, seg)
+    out = run(*local, mask, seg, local_sinks)
     out.backward(grad[:, idx])
 
     def err(a: Tensor, b: Tensor) -> float:
         return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
 
-    return {"out": err(out, ref_out[:, idx]),
+    errs = {"out": err(out, ref_out[:, idx]),
             "dq": err(local[0].grad, ref_in[0].grad[:, idx]),
             "dk": err(local[1].grad, ref_in[1].grad[:, idx]),
-            "dv": err(local[2].grad, ref_in[2].grad[:, idx])}
+            "dv": err(local[2].grad, ref_in[2].grad[:, idx]),
+            "dsinks": 0.0, "contiguous": float(out.is_contiguous())}
+    if local_sinks is not None:
+        if local_sinks.grad is None:  # a rank must give its (possibly zero) share
+            errs["dsinks"] = float("inf")
+        dsinks = local_sinks.grad if local_sinks.grad is not None else torch.zeros_like(local_sinks)
+        dsinks = dsinks.detach().clone()
+        dist.all_reduce(dsinks, group=group)  # each rank's gradient is its share: the sum is the total
+        errs["dsinks"] = max(errs["dsinks"], err(dsinks, ref_sinks.grad))
+    return errs
+
+
+ERRORS = ("out", "dq", "dk", "dv", "dsinks")
 
 
 def run_cases(rank: int, world: int, cases: list[AttnCase]) -> list[dict]:
-    """Worker entry: every case on the default group; errors reduced to the max over ranks."""
+    """Worker entry: every case on the default group; errors reduced to the max over ranks and
+    ``contiguous`` to the min (1.0: every rank's output was contiguous)."""
     group = dist.group.WORLD
     rows = []
     for case in cases:
         errs = run_case(case, group)
-        t = torch.tensor([errs[n] for n in ("out", "dq", "dk", "dv")], dtype=torch.float64)
+        t = torch.tensor([errs[n] for n in ERRORS] + [-errs["contiguous"]], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         rows.append({"case": asdict(case), "label": case.label(), "P": world,
-                     **dict(zip(("out", "dq", "dk", "dv"), t.tolist(), strict=True))})
+                     **dict(zip(ERRORS, t.tolist(), strict=False)), "contiguous": -float(t[-1])})
     return rows
+
+
+def bad_rows(rows: list[dict], tol: float) -> list[tuple[str, dict]]:
+    """The rows past ``tol`` in any error, or whose output was not contiguous, with their errors."""
+    return [(r["label"], {n: r[n] for n in (*ERRORS, "contiguous")}) for r in rows
+            if not (max(r[n] for n in ERRORS) <= tol and r["contiguous"] == 1.0)]
