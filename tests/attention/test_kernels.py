@@ -10,7 +10,7 @@ import torch
 from seqpar.attention.blocks import plan_block
 from seqpar.attention.kernels import KERNELS, attend, default_lse_kernel
 from seqpar.attention.reference import math_attention, reference_attention
-from seqpar.attention.spec import AttnSpec, MaskInfo, position_mask
+from seqpar.attention.spec import AttnSpec, MaskInfo, plan_mask, position_mask
 
 
 def naive(q, k, v, *, causal, scale, window, softcap, keep, seg, pos, chunk=None, sinks=None):
@@ -163,6 +163,11 @@ def test_chunk_mask_is_same_chunk_and_combines():
     assert torch.equal(allowed, (pos[:, None] // 4) == (pos[None, :] // 4))
     both = position_mask(AttnSpec(causal=True, window=2, chunk=4), pos, pos)
     assert both[5].nonzero().flatten().tolist() == [4, 5] and both[4].nonzero().flatten().tolist() == [4]
+    # a chunk holding the whole block hides nothing: the fused kernels keep their causal fast path
+    assert plan_mask(AttnSpec(causal=True, chunk=16), None, 10, 10, pos.device) == (True, None)
+    assert plan_mask(AttnSpec(chunk=16), MaskInfo(q_pos=pos + 6, k_pos=pos + 6), 10, 10, pos.device) == (False, None)
+    causal, allowed = plan_mask(AttnSpec(causal=True, chunk=8), None, 10, 10, pos.device)
+    assert not causal and torch.equal(allowed[0, 0], position_mask(AttnSpec(causal=True, chunk=8), pos, pos))
 
 
 def test_block_is_empty():
