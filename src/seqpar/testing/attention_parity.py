@@ -166,12 +166,12 @@ def feature_cases(strategy: str, quick: bool = False) -> list[AttnCase]:
     """Attention sinks, chunked attention (with window) and a v head dim other than q's and k's
     (MLA: D=8 with Dv=5 or 12), on odd lengths, GQA with fewer KV heads than ranks and padded /
     packed rows, with every kernel that can honour them (sdpa has no sinks); ring and hybrid with
-    the zigzag layout and with K/V gathered once."""
+    the zigzag layout, and with K/V gathered once (reference kernel: the comm is kernel-blind)."""
     kernels = ("reference", "flash_cpu", "sdpa") if strategy == "ulysses" else ("reference", "flash_cpu")
     variants = [{}] if strategy == "ulysses" else [{"layout": "zigzag"}, {"comm": "allgather"}]
     cases = []
     for kernel in kernels[:1] if quick else kernels:
-        for opts in variants[:1] if quick else variants:
+        for opts in variants[:1] if quick or kernel != "reference" else variants:
             kw = dict(strategy=strategy, kernel=kernel, options=opts)
             cases += [AttnCase(seq=37, heads=6, kv_heads=1, causal=True, chunk=8, mask="pad", **kw),
                       AttnCase(seq=7, heads=8, kv_heads=2, chunk=3, mask="packed", **kw),
