@@ -144,7 +144,9 @@ class _GuardedLocal(torch.autograd.Function):
     """Forward: a local kernel under the guard, its own autograd graph kept aside. Backward: that
     graph's backward under the guard (zeros on failure), so a failing rank still joins the rest of
     the call's backward communication. Parameters the kernel reads itself get their gradients
-    as usual (the inner backward reaches them, as in reentrant checkpointing)."""
+    as usual (the inner backward reaches them, as in reentrant checkpointing). The kept graph holds
+    what the kernel's own backward holds anyway -- except under non-reentrant activation
+    checkpointing, where its inputs and output now stay alive until the backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, spec, mask, kernel, guard):
