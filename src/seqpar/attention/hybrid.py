@@ -63,8 +63,7 @@ def hybrid_attention(
     causal: bool = False, scale: float | None = None, window: int | None = None, softcap: float | None = None,
     chunk: int | None = None, sinks: Tensor | None = None, dropout: float = 0.0, kernel: KernelArg | None = None,
     key_padding_mask: Tensor | None = None, segment_ids: Tensor | None = None, shard: SeqShard | None = None,
-    layout: str | None = None,
-    comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
+    layout: str | None = None, comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
 ) -> Tensor:
     """Exact attention over the whole sequence: Ulysses inside ``ulysses_group``, ring over ``ring_group``.
 
