@@ -42,11 +42,20 @@ from ..batch.loss import make_loss_function
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.mesh import Axis, as_mesh, axis_group
 from .hf_kernel import ModelKernel, eager_function, original_function
+from .layer_spec import layer_options
 from .mixers import check_token_mixers
 from .models import decoder_config
 
 _ATTR = "_seqpar_parallel"  # our own attribute on the model: how to undo parallelize
 _names = itertools.count()
+
+
+class _LastBatch:
+    """The LocalBatch of the model's latest call, caught by a forward pre-hook on the model: the
+    way seqpar's batch reaches attention in models whose decoder layers drop ``**kwargs`` on the
+    way (StableLM, Nemotron). Replaced at every call, None when a call carries no batch."""
+
+    batch: LocalBatch | None = None
 
 
 @dataclass
@@ -58,9 +67,11 @@ class _Parallel:
     strategy: str
     num_heads: int
     num_kv_heads: int
+    hook: Any  # the forward pre-hook's handle
 
 
-def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str) -> Callable[..., Any]:
+def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str, config: Any,
+                    last: _LastBatch) -> Callable[..., Any]:
     """The attention function registered with transformers, bound to ``mesh`` by closure."""
     import torch.distributed as dist
     from transformers import AttentionInterface
@@ -72,7 +83,7 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
                          attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                          **kwargs: Any) -> tuple[Tensor, None]:
         # query [B, H, S/P, D] (a non-contiguous view), key / value [B, H_kv, S/P, D]
-        batch = kwargs.get(BATCH_KWARG)
+        batch = kwargs.get(BATCH_KWARG, last.batch)
         if not isinstance(batch, LocalBatch):
             raise ValueError("this model is sequence-parallel (seqpar.parallelize): feed it "
                              "model(**seqpar.shard_batch(batch, mesh)), or call seqpar.unparallelize(model)")
@@ -95,20 +106,27 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
                              "the mesh the model was parallelized with")
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-        window = kwargs.get("sliding_window")
+        opts = layer_options(module, config, kwargs)
+        if opts.chunk is not None and batch.shard.segments is not None:
+            # a packed document's chunks start at the document (what packing means), but the
+            # mask counts them from the row start: not expressible yet, so refused, not approximated
+            raise ValueError(f"{type(module).__name__} uses chunked attention (attention_chunk_size={opts.chunk}), "
+                             "which seqpar does not support on packed rows yet: feed one document per row "
+                             "(padded) instead of position_ids that restart")
         softcap = kwargs.get("softcap")
         kern = kernel
         if kern is None and strategy == "ulysses":
             fn, kind = original_function(original, module)
             kern = ModelKernel(fn, module, kind, batch) if fn is not None else (
-                "reference" if softcap is not None else "sdpa")
+                "reference" if softcap is not None or opts.sinks is not None else "sdpa")
         if not query.dtype == key.dtype == value.dtype:
             # under torch.autocast RoPE leaves q, k in float32 while v is bfloat16; the fused
             # all-to-all needs one dtype, and autocast would run attention in v's anyway
             query, key = query.to(value.dtype), key.to(value.dtype)
         out = sp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
-                           strategy=strategy, causal=causal, scale=scaling, window=window, softcap=softcap,
-                           dropout=dropout, kernel=kern, shard=batch.shard, validate=False)
+                           strategy=strategy, causal=causal, scale=scaling, window=opts.window, chunk=opts.chunk,
+                           softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=batch.shard,
+                           validate=False)
         batch.attention_calls += 1
         return out, None  # [B, S/P, H, D]
 
@@ -154,15 +172,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         raise ValueError(f"{type(model).__name__} uses attn_logit_softcapping, which transformers' sdpa does not "
                          "support: load it with attn_implementation='eager' (or pass kernel='reference')")
     name = f"seqpar_{strategy}_{next(_names)}"  # no "flash" in it: transformers would fetch a Hub kernel
-    AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original))
+    last = _LastBatch()
+    AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last))
     model.set_attn_implementation(name if sub is None else {sub: name})
     if config._attn_implementation != name:
         AttentionInterface.register(name, _released)
         raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
                          "AttentionInterface, so seqpar cannot wrap it (its attention would stay local)")
+
+    def catch_batch(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
+        last.batch = kwargs.get(BATCH_KWARG)
+
     state = _Parallel(name=name, original=original, sub_config=sub, loss_function=model.loss_function,
                       strategy=strategy, num_heads=int(config.num_attention_heads),
-                      num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
+                      num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+                      hook=model.register_forward_pre_hook(catch_batch, with_kwargs=True))
     model.loss_function = make_loss_function(mesh)
     setattr(model, _ATTR, state)
     return model
@@ -181,6 +205,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
         raise ValueError("this model is not parallelized by seqpar")
     model.set_attn_implementation(state.original if state.sub_config is None else {state.sub_config: state.original})
     model.loss_function = state.loss_function
+    state.hook.remove()
     delattr(model, _ATTR)
     return model
 

@@ -19,9 +19,11 @@ class _LocalHeads:
     module, except that its query heads share each KV head ``n_rep``-fold -- the ratio of this
     rank's head slice, which need not be the config's."""
 
-    def __init__(self, module: nn.Module, n_rep: int) -> None:
+    def __init__(self, module: nn.Module, n_rep: int, sinks: Tensor | None) -> None:
         self._module = module
         self.num_key_value_groups = n_rep
+        if sinks is not None:  # this rank's slice of the heads' sink logits (GPT-OSS reads module.sinks)
+            self.sinks = sinks
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -47,7 +49,7 @@ class ModelKernel(LocalKernel):
 
     def _mask(self, spec: AttnSpec, mask: MaskInfo, q: Tensor) -> tuple[bool, Tensor | None, Tensor | None]:
         """(is_causal flag, mask in the function's format or None, rows that see a key or None)."""
-        key = (self.kind, spec.causal, spec.window, q.dtype, q.device, q.shape[2])
+        key = (self.kind, spec.causal, spec.window, spec.chunk, q.dtype, q.device, q.shape[2])
         cache = self.batch.mask_cache
         if key not in cache:
             s = q.shape[2]
@@ -93,8 +95,10 @@ class ModelKernel(LocalKernel):
         if inv is not None:
             q, k, v = (t.index_select(2, inv.to(t.device)) for t in (q, k, v))
         causal, attn_mask, seen = self._mask(spec, mask, q)
-        extra = {} if spec.softcap is None else {"softcap": spec.softcap}
-        out, _ = self.fn(_LocalHeads(self.module, q.shape[1] // k.shape[1]), q, k, v, attn_mask,
+        extra: dict[str, Any] = {} if spec.softcap is None else {"softcap": spec.softcap}
+        if spec.sinks is not None:
+            extra["s_aux"] = spec.sinks
+        out, _ = self.fn(_LocalHeads(self.module, q.shape[1] // k.shape[1], spec.sinks), q, k, v, attn_mask,
                          dropout=spec.dropout, scaling=spec.scale, is_causal=causal, **extra)
         out = out.transpose(1, 2)  # [B, S, H, D] -> [B, H, S, D]
         out = out if seen is None else out * seen
