@@ -39,7 +39,10 @@ HYBRIDS = {
     "recurrent_gemma": ({}, "RecurrentGemmaRecurrentBlock"),
     "lfm2": ({"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}, "Lfm2ShortConv"),
     "minimax": ({}, "'linear_attention'"),
-    "llama4_text": ({}, "'chunked_attention'"),
+    "llama4_text": ({}, "attn_temperature_tuning"),  # its chunked layers are fine, its NoPE scaling is not
+    "bart": ({}, "BartForCausalLM.forward takes no position_ids"),
+    "whisper": ({}, "takes no position_ids"),
+    "roberta": ({}, "padding_idx"),
 }
 ATTENTION_ONLY = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3",
                   "deepseek_v3", "gpt2", "gpt_neox", "olmo2", "cohere2", "glm4", "gpt_oss", "starcoder2"]
@@ -53,6 +56,13 @@ def test_hybrid_families_are_refused_naming_the_module(family):
         check_token_mixers(model)
     assert named in str(info.value), str(info.value)
     assert "silently wrong" in str(info.value)
+
+
+def test_chunked_attention_alone_is_accepted():
+    """Llama 4 without NoPE temperature tuning: chunked layers are a mask feature seqpar honours."""
+    assert unsupported_mixers(_build("llama4_text", attn_temperature_tuning=False)) == []
+    with pytest.raises(ValueError, match="which layers are chunked"):  # a chunk size without layer types
+        check_token_mixers(_build("llama", attention_chunk_size=8))
 
 
 @pytest.mark.parametrize("family", ATTENTION_ONLY)
