@@ -38,3 +38,18 @@ def test_build_model_builtins_and_errors():
     assert build_model("tiny-llama", attn_implementation="eager")[0].config._attn_implementation == "eager"
     with pytest.raises(ValueError, match="tiny-llama"):
         build_model("llama-7b")
+
+
+@pytest.mark.distributed
+def test_verify_checkpoint_of_a_zoo_family(tmp_path, capsys):
+    """A local GPT-OSS checkpoint (attention sinks, MoE, its own eager attention) passes; a BART
+    one (positions seqpar cannot feed) is reported refused with the reason, exit 1."""
+    from seqpar.testing.zoo import build_tiny
+
+    build_tiny("gpt_oss").save_pretrained(tmp_path / "gpt_oss")
+    assert main(["verify", "--model", str(tmp_path / "gpt_oss"), "--nproc", "2"]) == 0
+    assert "3 passed, 0 failed" in capsys.readouterr().out
+    build_tiny("bart").save_pretrained(tmp_path / "bart")
+    assert main(["verify", "--model", str(tmp_path / "bart"), "--nproc", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "REFUSED" in out and "takes no position_ids" in out

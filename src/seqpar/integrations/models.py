@@ -57,7 +57,9 @@ def build_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, attn_i
     """``(model, tokenizer or None)`` from a built-in name (:data:`BUILTIN_MODELS`) or a local
     checkpoint directory (``from_pretrained``, with its tokenizer if it has one).
 
-    ``attn_implementation``: transformers' name; default ``"sdpa"`` (``"eager"`` for tiny-gemma2).
+    ``attn_implementation``: transformers' name; default ``"sdpa"`` for the built-ins (``"eager"``
+    for tiny-gemma2), transformers' own choice for a checkpoint (sdpa where the model supports it).
+    In float64, MoE experts run transformers' eager loop (its grouped matmul has no float64).
     ``config_overrides``: config fields, e.g. ``num_attention_heads=6``. Weights of built-in
     models are randomly initialized (seed torch first for reproducible ones). Raises ValueError
     for an unknown name or a missing path.
@@ -70,9 +72,10 @@ def build_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, attn_i
         model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
         return model.to(dtype), None
     check_model_name(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
-                                                 attn_implementation=attn_implementation or "sdpa",
-                                                 **config_overrides)
+    extra: dict[str, Any] = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    if attn_implementation is not None:
+        extra["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **extra, **config_overrides)
     tokenizer = None
     if any(os.path.exists(os.path.join(name_or_path, f))
            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
