@@ -6,7 +6,8 @@ the same inputs, forward + backward, in one run, on local gloo processes.
 
 Both wrap the same local kernel (torch SDPA) and take the same ``[B, S/P, H, D]`` shards, so the
 difference is the communication: seqpar moves q, k, v in one all-to-all (2 per call forward, 2
-backward), DeepSpeed in three (4 forward, 4 backward). Each rank times every variant in turn, step
+backward, plus one one-number all-gather each way: the guard that raises a failure on every rank),
+DeepSpeed in three (4 forward, 4 backward). Each rank times every variant in turn, step
 by step; the figure is the median over repeats of the slowest rank. Also printed: the collectives
 each variant issues per call, counted.
 """

@@ -1,6 +1,6 @@
 """``make bench``: every benchmark of the repository, one after the other, each printing its ratios.
 
-    python benchmarks/run_all.py            # attention strategies, seqpar vs DeepSpeed-Ulysses, seqpar bench
+    python benchmarks/run_all.py            # strategies, vs DeepSpeed-Ulysses, the guard's cost, seqpar bench
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
 The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
@@ -25,6 +25,7 @@ def main() -> int:
     runs = [
         [sys.executable, os.path.join(HERE, "bench_attention.py"), *seq],
         [sys.executable, os.path.join(HERE, "bench_peers.py"), *seq],
+        [sys.executable, os.path.join(HERE, "bench_guard.py"), *(["--seq", "1024,2048"] if args.quick else [])],
         [sys.executable, "-m", "seqpar.cli.main", "bench", *bench_lens],
     ]
     failed = 0
