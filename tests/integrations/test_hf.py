@@ -40,6 +40,9 @@ GRID = [
     ModelCase(model="tiny-llama", batch="packed", seq=17, heads=6, kv_heads=1, layout="zigzag"),
     ModelCase(model="tiny-llama", batch="padded", seq=16, layout="zigzag"),
     ModelCase(model="tiny-llama", batch="packed", seq=13, attn="eager", layout="zigzag"),
+    # activation checkpointing recomputes each layer (and its collectives) in the backward
+    ModelCase(model="tiny-llama", batch="packed", seq=17, checkpointing="non-reentrant"),
+    ModelCase(model="tiny-llama", batch="padded", seq=15, checkpointing="reentrant"),
     *(ModelCase(model=m, batch=b, seq=s, attn=a)
       for m, a in (("tiny-qwen3", None), ("tiny-mistral", None), ("tiny-gemma2", EAGER_FLOAT64))
       for b, s in (("padded", 16), ("packed", 17), ("plain", 13))),

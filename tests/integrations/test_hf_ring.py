@@ -24,6 +24,9 @@ def _cases():
         cases += [replace(c, layout=layout) for c in model_cases("tiny-mistral", strategy)[:2]]
         cases += [replace(c, layout=layout) for m in ("tiny-qwen3", "tiny-gemma2")
                   for c in model_cases(m, strategy)[1:2]]
+    # activation checkpointing: the ring (and its guard) recomputed in the backward
+    cases += [replace(model_cases("tiny-llama", s)[1], layout="zigzag", checkpointing="non-reentrant")
+              for s in ("ring", "hybrid")]
     return cases
 
 

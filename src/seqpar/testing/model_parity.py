@@ -120,11 +120,13 @@ class ModelCase:
     layout: str = "contiguous"
     attn: str | None = None  # attn_implementation (None: the built-in default)
     seed: int = 0
+    checkpointing: str | None = None  # "reentrant" / "non-reentrant": the SP model recomputes its layers
 
     def label(self) -> str:
         heads = "" if self.heads is None else f" H={self.heads}/{self.kv_heads}"
         attn = "" if self.attn is None else f" attn={self.attn}"
-        return f"{self.model} {self.batch} S={self.seq}{heads} {self.strategy}/{self.layout}{attn}"
+        ckpt = "" if self.checkpointing is None else f" ckpt={self.checkpointing}"
+        return f"{self.model} {self.batch} S={self.seq}{heads} {self.strategy}/{self.layout}{attn}{ckpt}"
 
 
 def case_batch(case: ModelCase, vocab: int) -> dict[str, Tensor]:
@@ -284,6 +286,10 @@ def compare(case: ModelCase, mesh: DeviceMesh, p: int) -> dict[str, Any]:
     except ValueError as e:
         return {**head, "refused": str(e)}
     sp_model = copy.deepcopy(model)
+    if case.checkpointing is not None:
+        sp_model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": case.checkpointing == "reentrant"})
+        sp_model.train()
     row = compare_models(sp_model, batch, mesh, strategy=case.strategy, reference=reference_grads(model, batch),
                          floor=floor, layout=case.layout)
     return {**head, **row}
