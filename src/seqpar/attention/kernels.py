@@ -17,61 +17,9 @@ from torch import Tensor
 
 from ..comm.guard import Guard, guarded
 from .blocks import fold_sinks, sinks_grad
+from .flash_cpu import CpuFlashKernel
 from .reference import ReferenceKernel
 from .spec import AttnSpec, Kernel, LocalKernel, LseKernel, MaskInfo, acc_dtype, check_supported, plan_mask
-
-
-def _pad_dim(x: Tensor, n: int) -> Tensor:
-    """``[..., d] -> [..., n]`` with zero columns (``n >= d``)."""
-    return x if x.shape[-1] == n else F.pad(x, (0, n - x.shape[-1]))
-
-
-class CpuFlashKernel(LseKernel):
-    """``aten._scaled_dot_product_flash_attention_for_cpu``: fused, returns lse, has a backward.
-
-    The op wants one head dim for q, k and v; when v's differs (MLA) the smaller side gets zero
-    columns: zero columns of v give zero output columns (cut off again), zero columns of q and k
-    leave the scores unchanged (the scale stays that of the real ``D``).
-    """
-
-    name = "flash_cpu"
-    supports = frozenset({"window", "chunk"})
-
-    @staticmethod
-    def _bias(spec: AttnSpec, mask: MaskInfo | None, q: Tensor, k: Tensor
-              ) -> tuple[Tensor | None, bool, Tensor | None]:
-        """(additive float mask or None, is_causal flag, rows-that-see-something or None)."""
-        causal, allowed = plan_mask(spec, mask, q.shape[2], k.shape[2], q.device)
-        if allowed is None:
-            return None, causal, None
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-        bias = bias.masked_fill(~allowed, float("-inf"))
-        return bias, False, allowed.any(dim=-1)  # [B or 1, 1, Sq]
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None
-                ) -> tuple[Tensor, Tensor]:
-        check_supported(self, spec)
-        bias, causal, seen = self._bias(spec, mask, q, k)
-        dim = max(q.shape[-1], v.shape[-1])
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _pad_dim(q, dim), _pad_dim(k, dim), _pad_dim(v, dim), 0.0, causal, attn_mask=bias,
-            scale=spec.scale_for(q.shape[-1]))
-        out = out[..., :v.shape[-1]]  # [B, H, Sq, Dv]
-        lse = lse.to(acc_dtype(q.dtype))
-        if seen is not None:  # the op reports lse = 0 on rows that see no key
-            lse = lse.masked_fill(~seen, float("-inf"))
-        return out, lse
-
-    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: AttnSpec,
-                 mask: MaskInfo | None) -> tuple[Tensor, Tensor, Tensor]:
-        bias, causal, _ = self._bias(spec, mask, q, k)
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc_dtype(q.dtype))
-        d, dv_dim = q.shape[-1], v.shape[-1]
-        dim = max(d, dv_dim)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _pad_dim(dout, dim).contiguous(), _pad_dim(q, dim), _pad_dim(k, dim), _pad_dim(v, dim),
-            _pad_dim(out, dim).contiguous(), lse.contiguous(), 0.0, causal, attn_mask=bias, scale=spec.scale_for(d))
-        return dq[..., :d], dk[..., :d], dv[..., :dv_dim]
 
 
 class SdpaKernel(LocalKernel):

@@ -1,0 +1,112 @@
+"""Padded and packed blocks as document rectangles: no ``[B, 1, Sq, Sk]`` mask, work where keys are seen.
+
+A block whose rows hold packed documents (segment ids) or padding (a key mask) is mostly invisible:
+a query sees only keys of its own document. :func:`document_rects` cuts such a block into the
+rectangles ``(row, query run, key run)`` of one document each -- runs of equal document id in the
+block's token order, padding keys dropped -- and trims each to what causal / window / chunk let
+its queries see (:func:`seqpar.attention.blocks.plan_block` on the run's global positions)::
+
+    keys ->   d0 d0 d0 | d1 d1 | pad            one row, causal
+    q  d0     [ causal ]                        rectangle (d0 x d0): the kernel's causal flag
+       d1               [causal]                rectangle (d1 x d1)
+       (d0 x d1, d1 x d0, anything x pad: never computed)
+
+Each rectangle says how the kernel should mask it: not at all (every pair visible), with its
+causal flag (an aligned diagonal), or with a position mask of the rectangle's own size -- at most
+one document by one document, never the block. Rectangles are also cut into tiles of at most
+``tile x tile`` (:data:`TILE`), so no kernel call -- forward or backward -- holds more than a
+tile's worth of scores, whatever the block's length. Pure: no communication, plain unit tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .blocks import plan_block
+from .spec import AttnSpec, MaskInfo
+
+TILE = 1024
+"""The longest query or key run one kernel call gets (the CPU op's backward keeps a buffer that
+grows with the product of both)."""
+
+
+@dataclass(frozen=True)
+class Rect:
+    """One document's part of a block: batch ``row`` (None: every row, when no row has padding or
+    documents), query rows ``q = (start, n)`` and key columns ``k = (start, n)`` in the block's own
+    token order, and how to mask it: ``"none"`` (all visible),
+    ``"causal"`` (the kernel's causal flag: same positions on both sides, increasing) or
+    ``"positions"`` (a ``[n_q, n_k]`` mask from the positions)."""
+
+    row: int | None
+    q: tuple[int, int]
+    k: tuple[int, int]
+    how: str
+
+
+def _runs(ids: Tensor) -> list[tuple[int, int, int]]:
+    """``(value, start, length)`` of each run of equal values in a 1-D tensor."""
+    n = ids.numel()
+    if n == 0:
+        return []
+    cuts = (ids[1:] != ids[:-1]).nonzero().flatten().add(1).tolist()
+    starts, ends = [0, *cuts], [*cuts, n]
+    values = ids[starts].tolist()
+    return [(v, s, e - s) for v, s, e in zip(values, starts, ends, strict=True)]
+
+
+def _consecutive(pos: Tensor) -> bool:
+    return pos.numel() <= 1 or bool((pos[1:] - pos[:-1] == 1).all())
+
+
+def _how(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor, visible: int) -> str:
+    if visible == q_pos.numel() * k_pos.numel():
+        return "none"
+    if (spec.causal and spec.window is None and spec.chunk is None and q_pos.numel() == k_pos.numel()
+            and _consecutive(q_pos) and bool(q_pos[0] == k_pos[0]) and _consecutive(k_pos)):
+        return "causal"
+    return "positions"
+
+
+def _tiles(spec: AttnSpec, row: int | None, q_pos: Tensor, k_pos: Tensor, q0: int, nq: int, k0: int, nk: int,
+           tile: int) -> list[Rect]:
+    """The visible tiles of one run-by-run rectangle, each trimmed to what its queries see."""
+    out = []
+    for a in range(q0, q0 + nq, tile):
+        na = min(tile, q0 + nq - a)
+        for c in range(k0, k0 + nk, tile):
+            nc_ = min(tile, k0 + nk - c)
+            plan = plan_block(spec, q_pos[a:a + na], k_pos[c:c + nc_])
+            if plan is None:
+                continue
+            (r0, nr), (c0, nc) = plan.rows, plan.cols
+            how = _how(spec, q_pos[a + r0:a + r0 + nr], k_pos[c + c0:c + c0 + nc], plan.visible)
+            out.append(Rect(row, (a + r0, nr), (c + c0, nc), how))
+    return out
+
+
+def document_rects(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int,
+                   tile: int = TILE) -> list[Rect]:
+    """The rectangles of a ``(queries x keys)`` block that something sees (see the module doc),
+    tiled to at most ``tile x tile``. Tensors of ``mask`` may live on any device."""
+    cpu = torch.device("cpu")
+    mask = mask or MaskInfo()
+    q_pos, k_pos = (p.to(cpu) for p in mask.positions(sq, sk, cpu))
+    if mask.is_trivial():  # one document, no padding: the same rectangles for every row
+        return _tiles(spec, None, q_pos, k_pos, 0, sq, 0, sk, tile)
+    out = []
+    for row in range(batch):
+        q_doc = mask.q_seg[row].to(cpu) if mask.q_seg is not None else torch.zeros(sq, dtype=torch.long)
+        k_doc = mask.k_seg[row].to(cpu) if mask.k_seg is not None else torch.zeros(sk, dtype=torch.long)
+        if mask.key_keep is not None:  # a padding key is in no document
+            k_doc = torch.where(mask.key_keep[row].to(cpu), k_doc, torch.full_like(k_doc, -(1 << 40)))
+        key_runs: dict[int, list[tuple[int, int]]] = {}
+        for doc, start, n in _runs(k_doc):
+            key_runs.setdefault(doc, []).append((start, n))
+        for doc, q0, nq in _runs(q_doc):
+            for k0, nk in key_runs.get(doc, ()):
+                out += _tiles(spec, row, q_pos, k_pos, q0, nq, k0, nk, tile)
+    return out
