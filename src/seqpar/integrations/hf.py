@@ -5,7 +5,10 @@
 model's decoder (``config`` or ``config.text_config``) to it with ``model.set_attn_implementation``.
 The name is not registered with ``AttentionMaskInterface``, so transformers builds no mask at all
 (its masks would describe the local shard); seqpar's masks come from the batch's SeqShard, built
-once by :func:`seqpar.shard_batch` and carried to every layer in ``model(**local)`` keywords::
+once by :func:`seqpar.shard_batch` and carried to every layer in ``model(**local)`` keywords (and
+caught by a forward pre-hook on the model, for decoder layers that drop them). What the suppressed
+masks would have said per layer -- a window, a chunk -- and the layer's sinks are read by
+:mod:`.layer_spec`::
 
     model(**local)                           local = shard_batch(batch, mesh)
       decoder layer
@@ -146,9 +149,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
 
     Raises ValueError if the model is not a transformers model whose attention goes through
     ``AttentionInterface``, has no attention heads, mixes tokens by other means too (convolutions,
-    linear attention, recurrences, chunked or indexed attention: :mod:`.mixers`), is already
-    parallelized, if the strategy is unknown or the mesh has no ``"sp"`` axis -- the same on every
-    rank, before any collective.
+    linear attention, recurrences, indexed attention) or numbers tokens in a way seqpar cannot feed
+    global positions to (:mod:`.mixers`), is already parallelized, if the strategy is unknown or the
+    mesh has no ``"sp"`` axis -- the same on every rank, before any collective.
     """
     check_strategy(strategy)
     axis_group(as_mesh(mesh, "parallelize"), Axis.SP.value)  # raises without an sp axis
