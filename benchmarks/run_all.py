@@ -25,6 +25,7 @@ def main() -> int:
     runs = [
         [sys.executable, os.path.join(HERE, "bench_attention.py"), *seq],
         [sys.executable, os.path.join(HERE, "bench_peers.py"), *seq],
+        [sys.executable, os.path.join(HERE, "bench_balance.py"), *(["--rows", "50"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_varlen.py"), *(["--seq", "4096,8192"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_guard.py"), *(["--seq", "1024,2048"] if args.quick else [])],
         [sys.executable, "-m", "seqpar.cli.main", "bench", *bench_lens],
