@@ -41,12 +41,13 @@ class CpuFlashKernel(LseKernel):
     supports = frozenset({"window", "chunk"})
 
     @staticmethod
-    def _rect_bias(spec: AttnSpec, mask: MaskInfo, rect: Rect, q: Tensor, k: Tensor
+    def _rect_bias(spec: AttnSpec, positions: tuple[Tensor, Tensor], rect: Rect, q: Tensor
                    ) -> tuple[Tensor | None, bool, Tensor | None]:
-        """A rectangle's (bias of its own size or None, causal flag, rows that see a key or None)."""
+        """A rectangle's (bias of its own size or None, causal flag, rows that see a key or None);
+        ``positions``: the block's ``(q_pos, k_pos)``, computed once per call."""
         if rect.how != "positions":
             return None, rect.how == "causal", None
-        q_pos, k_pos = mask.positions(q.shape[2], k.shape[2], q.device)
+        q_pos, k_pos = positions
         (q0, nq), (k0, nk) = rect.q, rect.k
         allowed = position_mask(spec, q_pos[q0:q0 + nq].to(q.device), k_pos[k0:k0 + nk].to(q.device))
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
@@ -64,13 +65,14 @@ class CpuFlashKernel(LseKernel):
                 ) -> tuple[Tensor, Tensor]:
         check_supported(self, spec)
         mask = mask or MaskInfo()
+        positions = mask.positions(q.shape[2], k.shape[2], q.device)
         scale = spec.scale_for(q.shape[-1])
         acc = acc_dtype(q.dtype)
         out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)  # [B, H, Sq, Dv]
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # [B, H, Sq]
         for rect in document_rects(spec, mask, q.shape[2], k.shape[2], q.shape[0]):
             (q0, nq), (k0, nk), rows_of = rect.q, rect.k, _rows(rect)
-            bias, causal, seen = self._rect_bias(spec, mask, rect, q, k)
+            bias, causal, seen = self._rect_bias(spec, positions, rect, q)
             o_r, l_r = self._op(q[rows_of, :, q0:q0 + nq], k[rows_of, :, k0:k0 + nk], v[rows_of, :, k0:k0 + nk],
                                 causal, bias, scale)
             l_r = l_r.to(acc)
@@ -85,12 +87,13 @@ class CpuFlashKernel(LseKernel):
         # each rectangle's share of the gradient, from the whole row's out and lse (exact, as a ring block)
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc_dtype(q.dtype))
         mask = mask or MaskInfo()
+        positions = mask.positions(q.shape[2], k.shape[2], q.device)
         acc = acc_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
         scale = spec.scale_for(q.shape[-1])
         for rect in document_rects(spec, mask, q.shape[2], k.shape[2], q.shape[0]):
             (q0, nq), (k0, nk), rows_of = rect.q, rect.k, _rows(rect)
-            bias, causal, _ = self._rect_bias(spec, mask, rect, q, k)
+            bias, causal, _ = self._rect_bias(spec, positions, rect, q)
             qs = (rows_of, slice(None), slice(q0, q0 + nq))
             ks = (rows_of, slice(None), slice(k0, k0 + nk))
             g = self._op_backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs], causal, bias, scale)
