@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from seqpar.attention.blocks import plan_block
-from seqpar.attention.kernels import KERNELS, attend, default_lse_kernel
+from seqpar.attention.kernels import KERNELS, attend, auto_kernel, default_lse_kernel, lse_kernel_for
 from seqpar.attention.reference import math_attention, reference_attention
-from seqpar.attention.spec import AttnSpec, MaskInfo, plan_mask, position_mask
+from seqpar.attention.spec import AttnSpec, MaskInfo, position_mask
+from seqpar.attention.varlen import mask_flag, plan_mask
 
 
 def naive(q, k, v, *, causal, scale, window, softcap, keep, seg, pos, chunk=None, sinks=None):
@@ -107,10 +108,11 @@ def _as_bhsd(*ts):
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
-@pytest.mark.parametrize("kernel", ["reference", "flash_cpu", "sdpa"])
+@pytest.mark.parametrize("kernel", ["reference", "flash_cpu", "tiled", "auto", "sdpa", "sdpa_dense"])
 def test_kernel_forward_backward_vs_autograd_reference(opts, kernel):
     kern = KERNELS[kernel]
-    missing = _spec(opts, SINKS).options() - set(kern.supports) - ({"sinks"} if kernel != "sdpa" else set())
+    local = kernel in ("sdpa", "sdpa_dense")  # no lse: sinks are not folded around them
+    missing = _spec(opts, SINKS).options() - set(kern.supports) - (set() if local else {"sinks"})
     if missing:
         q, k, v = _inputs(seed=1)[:3]
         with pytest.raises(ValueError, match=re.escape(f"cannot honour {sorted(missing)}")):
@@ -123,6 +125,10 @@ def test_kernel_forward_backward_vs_autograd_reference(opts, kernel):
             sinks = SINKS.clone().requires_grad_(True)
             spec = _spec(opts, sinks)
             inputs = (qb, kb, vb, sinks) if opts["sinks"] else (qb, kb, vb)
+            if kernel == "sdpa" and mask_flag(spec, info, 9, 9, qb.device) is None:
+                with pytest.raises(ValueError, match=r"kernel='sdpa' would need a dense \[B, 1, S, S\] mask"):
+                    attend(qb, kb, vb, spec, info, kern)
+                continue
             out = attend(qb, kb, vb, spec, info, kern)
             grad = torch.randn_like(out)
             grads = torch.autograd.grad(out, inputs, grad)
@@ -135,7 +141,7 @@ def test_kernel_forward_backward_vs_autograd_reference(opts, kernel):
                 assert (a - b).abs().max() < 1e-10
 
 
-@pytest.mark.parametrize("kernel", ["reference", "flash_cpu"])
+@pytest.mark.parametrize("kernel", ["reference", "flash_cpu", "tiled"])
 def test_lse_kernels_report_minus_inf_on_empty_rows(kernel):
     q, k, v, keep, _, _ = _inputs(seed=2)
     info = MaskInfo(key_keep=keep)
@@ -152,7 +158,7 @@ def test_sinks_need_an_lse_kernel_and_pick_one_by_default():
     spec = AttnSpec(causal=True, sinks=torch.zeros(2))
     assert "sinks" in spec.options() and spec == AttnSpec(causal=True)  # an option set, not compared by value
     assert default_lse_kernel(q, spec) == "flash_cpu"
-    assert default_lse_kernel(q, AttnSpec(softcap=2.0, sinks=torch.zeros(2))) == "reference"
+    assert default_lse_kernel(q, AttnSpec(softcap=2.0, sinks=torch.zeros(2))) == "tiled"
     with pytest.raises(ValueError, match=r"'sdpa' cannot honour \['sinks'\]"):
         attend(q, q, q, spec, None, KERNELS["sdpa"])
 
@@ -181,3 +187,26 @@ def test_block_is_empty():
     assert not block_is_empty(AttnSpec(causal=False), a, b)
     assert block_is_empty(AttnSpec(window=1), a, b)
     assert block_is_empty(AttnSpec(chunk=4), a, b) and not block_is_empty(AttnSpec(chunk=8), a, b)
+
+
+def test_auto_picks_sdpa_only_where_its_flag_suffices():
+    """``auto`` on CPU: SDPA's flag for plain blocks, the varlen lse kernel for everything that
+    would need a mask, softcap on ``tiled``; dropout on a masked block is sdpa_dense, said once."""
+    q = torch.zeros(1, 2, 8, 4)
+    pos = torch.arange(8)
+    pad = MaskInfo(key_keep=torch.ones(1, 8, dtype=torch.bool))
+    assert auto_kernel(q, AttnSpec(causal=True), None) == "sdpa"
+    assert auto_kernel(q, AttnSpec(causal=True), MaskInfo(q_pos=pos, k_pos=pos)) == "sdpa"
+    assert auto_kernel(q, AttnSpec(causal=True), MaskInfo(q_pos=pos.flip(0), k_pos=pos.flip(0))) == "flash_cpu"
+    assert auto_kernel(q, AttnSpec(causal=True, window=3), None) == "flash_cpu"
+    assert auto_kernel(q, AttnSpec(causal=True, window=8), None) == "sdpa"  # a window that cuts nothing
+    assert auto_kernel(q, AttnSpec(causal=True), pad) == "flash_cpu"
+    assert auto_kernel(q, AttnSpec(causal=True, sinks=torch.zeros(2)), None) == "flash_cpu"
+    assert auto_kernel(q, AttnSpec(causal=True, softcap=2.0), None) == "tiled"
+    assert auto_kernel(q, AttnSpec(causal=True, dropout=0.1), None) == "sdpa"
+    with pytest.warns(UserWarning, match="sdpa_dense"):
+        assert auto_kernel(q, AttnSpec(causal=True, dropout=0.1), pad) == "sdpa_dense"
+    cuda = torch.device("cuda")
+    assert lse_kernel_for(cuda, torch.bfloat16, AttnSpec(causal=True, window=4)) == "cuda_flash"
+    assert lse_kernel_for(cuda, torch.float64, AttnSpec(causal=True)) == "tiled"
+    assert lse_kernel_for(cuda, torch.float16, AttnSpec(softcap=3.0)) == "tiled"

@@ -38,7 +38,7 @@ def _case(name, rank):
     elif name == "causal differs":
         kw["causal"] = rank == 0
     elif name == "softcap with sdpa":
-        kw.update(softcap=5.0, kernel="sdpa")
+        kw.update(softcap=5.0, kernel="sdpa")  # sdpa cannot honour softcap
     elif name == "shard length":  # rank 0 was handed a SeqShard of another batch
         lens = [5] * dist.get_world_size()
         if rank == 0:

@@ -70,3 +70,45 @@ def test_tiles_cover_each_visible_pair_once():
         assert r.q[1] <= 16 and r.k[1] <= 16
         covered[r.row, r.q[0]:r.q[0] + r.q[1], r.k[0]:r.k[0] + r.k[1]] += 1
     assert covered.max() <= 1 and torch.equal(covered.bool() & visible, visible)
+
+
+class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements any single op output has."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("kernel", ["auto", "flash_cpu", "tiled"])
+def test_no_tensor_grows_with_the_square_of_the_length(kernel):
+    """Forward and backward of one 4096-token block -- packed documents, padding, a window on a
+    permuted (zigzag) layout -- never allocate anything near ``S x S`` (16M elements): the largest
+    tensor is a tile's scores or mask, at most ``H x 1024 x 1024`` = 2M elements (sdpa_dense's
+    mask alone is 16M)."""
+    from seqpar.attention.kernels import KERNELS, attend
+    from seqpar.attention.layout import layout_permutation
+
+    s, g = 4096, torch.Generator().manual_seed(0)
+    docs = torch.repeat_interleave(torch.arange(8), torch.full((8,), 512))[None]  # [1, S]
+    keep = torch.ones(1, s, dtype=torch.bool)
+    keep[:, -700:] = False
+    zigzag = layout_permutation(s, 4, "zigzag")
+    cases = [(AttnSpec(causal=True), MaskInfo(q_seg=docs, k_seg=docs)),
+             (AttnSpec(causal=True), MaskInfo(key_keep=keep)),
+             (AttnSpec(causal=True, window=300), MaskInfo(q_pos=zigzag, k_pos=zigzag))]
+    if kernel == "tiled":
+        cases = [(AttnSpec(causal=True, softcap=5.0), MaskInfo(q_seg=docs, k_seg=docs))]
+    for spec, mask in cases:
+        q, k, v = (torch.randn(1, h, s, 8, generator=g, requires_grad=True) for h in (2, 1, 1))
+        with _Largest() as probe:
+            out = attend(q, k, v, spec, mask, KERNELS[kernel])
+            out.sum().backward()
+        assert probe.most <= 2 * 1024 * 1024, (spec, probe.most)  # S * S / 8

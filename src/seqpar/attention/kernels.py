@@ -1,13 +1,27 @@
 """Local attention kernels: what one rank computes once the collectives have brought it its data.
 
-The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. Here: the fused CPU
-kernel with lse (``flash_cpu``), torch's SDPA (``sdpa``: any backend torch picks, no lse), the
-registry by name, and :func:`attend`, which makes any kernel differentiable, folds attention sinks
-into an lse kernel's result and runs the kernel under a :class:`~seqpar.comm.guard.Guard`.
+The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. The registry by name:
+
+=============  =====================================================================================
+``auto``       the default: per block, ``sdpa`` where its flag says everything the block hides (no
+               padding, no documents, no cut window) and nothing needs lse, else the device's varlen
+               lse kernel below -- no code path builds an ``S x S`` mask
+``flash_cpu``  fused CPU op per document rectangle, with lse (window, chunk)
+``cuda_flash`` torch's FlashAttention-2 / memory-efficient CUDA ops per rectangle, with lse
+``tiled``      the reference math per tile: every option (softcap), any dtype and device, O(S) memory
+``sdpa``       torch's SDPA with its causal flag only (any backend, dropout; no lse); a block that
+               needs a mask is refused -- use ``auto``, or ``sdpa_dense`` to accept an ``S x S`` mask
+``sdpa_dense`` SDPA with a dense ``[B, 1, Sq, Sk]`` bool mask: what its name says
+``reference``  the float64 oracle's math on the whole block (``Sq x Sk`` scores): tests only
+=============  =====================================================================================
+
+:func:`attend` makes any kernel differentiable, folds attention sinks into an lse kernel's result
+and runs the kernel under a :class:`~seqpar.comm.guard.Guard`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -17,16 +31,38 @@ from torch import Tensor
 
 from ..comm.guard import Guard, guarded
 from .blocks import fold_sinks, sinks_grad
+from .cuda import CudaFlashKernel
 from .flash_cpu import CpuFlashKernel
 from .reference import ReferenceKernel
-from .spec import AttnSpec, Kernel, LocalKernel, LseKernel, MaskInfo, acc_dtype, check_supported, plan_mask
+from .spec import AttnSpec, Kernel, LocalKernel, LseKernel, MaskInfo, acc_dtype, check_supported
+from .tiled import TiledKernel
+from .varlen import mask_flag, plan_mask
 
 
 class SdpaKernel(LocalKernel):
-    """``torch.nn.functional.scaled_dot_product_attention``: any backend torch picks (flash,
-    memory-efficient, cuDNN on GPU). Returns no lse, so it serves Ulysses but not a ring."""
+    """``torch.nn.functional.scaled_dot_product_attention`` with its causal flag only: any backend
+    torch picks (flash, memory-efficient, cuDNN on GPU), dropout. Returns no lse, so it serves
+    Ulysses but not a ring. A block that needs a mask raises ValueError instead of building one."""
 
     name = "sdpa"
+    supports = frozenset({"window", "chunk", "dropout"})
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
+        check_supported(self, spec)
+        causal = mask_flag(spec, mask, q.shape[2], k.shape[2], q.device)
+        if causal is None:
+            raise ValueError("kernel='sdpa' would need a dense [B, 1, S, S] mask for this block (padding, packed "
+                             "documents, a window or chunk, or a permuted causal layout): use kernel='auto' (a varlen "
+                             "kernel, O(S) memory) or kernel='sdpa_dense' to accept the S x S mask")
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=spec.dropout, is_causal=causal,
+                                              scale=spec.scale_for(q.shape[-1]), enable_gqa=q.shape[1] != k.shape[1])
+
+
+class DenseSdpaKernel(LocalKernel):
+    """SDPA with a dense ``[B or 1, 1, Sq, Sk]`` bool mask where its flag does not suffice: O(S^2)
+    memory, as the name says; for dropout on padded / packed rows, and as a peer in benchmarks."""
+
+    name = "sdpa_dense"
     supports = frozenset({"window", "chunk", "dropout"})
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
@@ -41,6 +77,16 @@ class SdpaKernel(LocalKernel):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~seen, dropout_p=spec.dropout,
                                              scale=spec.scale_for(q.shape[-1]), enable_gqa=gqa)
         return out * seen
+
+
+class AutoKernel(LocalKernel):
+    """``kernel="auto"``: resolved per block by :func:`auto_kernel` inside :func:`attend`."""
+
+    name = "auto"
+    supports = frozenset({"window", "softcap", "chunk", "dropout", "sinks"})
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
+        return attend(q, k, v, spec, mask, self)
 
 
 class FunctionKernel(LocalKernel):
@@ -129,6 +175,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | Non
     kernel must honour them itself (see :func:`check_supported`). With ``guard`` the kernel's
     forward and backward run under it: a failure gives zeros here and is raised by the guard's fence.
     """
+    if isinstance(kernel, AutoKernel):
+        kernel = KERNELS[auto_kernel(q, spec, mask)]
     check_supported(kernel, spec)
     if isinstance(kernel, LseKernel):
         return _Attend.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)[0]
@@ -141,10 +189,51 @@ def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | Non
 
 
 KERNELS: dict[str, Kernel] = {
-    "reference": ReferenceKernel(),
+    "auto": AutoKernel(),
     "flash_cpu": CpuFlashKernel(),
+    "cuda_flash": CudaFlashKernel(),
+    "tiled": TiledKernel(),
     "sdpa": SdpaKernel(),
+    "sdpa_dense": DenseSdpaKernel(),
+    "reference": ReferenceKernel(),
 }
+
+_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> str:
+    """The varlen lse kernel ``auto`` uses on ``device`` for ``spec``: ``flash_cpu`` (CPU) or
+    ``cuda_flash`` (CUDA: float16 / bfloat16 / float32) where they honour the options (sinks are
+    folded around any lse kernel), else ``tiled`` (softcap, float64 on CUDA, other devices)."""
+    options = spec.options() - {"sinks"}
+    if device.type == "cpu" and options <= KERNELS["flash_cpu"].supports:
+        return "flash_cpu"
+    if device.type == "cuda" and dtype in _CUDA_DTYPES and options <= KERNELS["cuda_flash"].supports:
+        return "cuda_flash"
+    return "tiled"
+
+
+_warned: set[str] = set()
+
+
+def auto_kernel(q: Tensor, spec: AttnSpec, mask: MaskInfo | None, sk: int | None = None) -> str:
+    """What ``kernel="auto"`` runs for a block of ``q [B, H, Sq, D]`` against ``sk`` keys (default
+    ``Sq``): ``sdpa`` where its flag says everything the block hides and neither sinks nor softcap
+    need more, else :func:`lse_kernel_for`. Dropout only ``sdpa`` samples: on a block that needs a
+    mask that is ``sdpa_dense`` (an ``S x S`` mask), said once by a warning."""
+    sk = q.shape[2] if sk is None else sk
+    flag = mask_flag(spec, mask, q.shape[2], sk, q.device)
+    if spec.dropout:
+        if flag is None and "sdpa_dense" not in _warned:
+            _warned.add("sdpa_dense")
+            warnings.warn("attention dropout on padded / packed rows (or a cut window) runs on sdpa_dense, which "
+                          "builds an S x S mask; set the model's attention dropout to 0 for the O(S) varlen kernels",
+                          stacklevel=2)
+        return "sdpa" if flag is not None else "sdpa_dense"
+    if flag is not None and spec.sinks is None and spec.softcap is None:
+        return "sdpa"
+    return lse_kernel_for(q.device, q.dtype, spec)
+
 
 KernelArg = str | Kernel | Callable[..., Tensor]
 """What the attention functions accept as ``kernel``: a name of :data:`KERNELS`, a kernel object,
@@ -152,8 +241,8 @@ or a plain function ``fn(q, k, v, *, spec, mask) -> out``."""
 
 
 def get_kernel(kernel: KernelArg) -> Kernel:
-    """A kernel by name (``reference``, ``flash_cpu``, ``sdpa``), a kernel object as it is, or a
-    plain function wrapped in :class:`FunctionKernel`. Raises ValueError for anything else."""
+    """A kernel by name (:data:`KERNELS`), a kernel object as it is, or a plain function wrapped in
+    :class:`FunctionKernel`. Raises ValueError for anything else."""
     if isinstance(kernel, str):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {sorted(KERNELS)}"
@@ -167,16 +256,18 @@ def get_kernel(kernel: KernelArg) -> Kernel:
 
 
 def default_lse_kernel(q: Tensor, spec: AttnSpec) -> str:
-    """The fused CPU kernel where it honours the options (sinks are folded around any lse kernel),
-    else the reference (softcap, GPU)."""
-    fast = KERNELS["flash_cpu"].supports or frozenset()
-    return "flash_cpu" if q.device.type == "cpu" and spec.options() - {"sinks"} <= fast else "reference"
+    """The lse kernel ring and hybrid attention use by default: :func:`lse_kernel_for` q's device."""
+    return lse_kernel_for(q.device, q.dtype, spec)
 
 
-def lse_kernel(kernel: KernelArg) -> LseKernel:
-    """Like :func:`get_kernel`, but the kernel must return lse and have a backward (ring attention)."""
+def lse_kernel(kernel: KernelArg, q: Tensor | None = None, spec: AttnSpec | None = None) -> LseKernel:
+    """Like :func:`get_kernel`, but the kernel must return lse and have a backward (ring attention);
+    ``"auto"`` (with ``q`` and ``spec``) is :func:`default_lse_kernel`."""
+    if isinstance(kernel, str) and kernel == "auto" and q is not None and spec is not None:
+        kernel = default_lse_kernel(q, spec)
     k = get_kernel(kernel)
     if not isinstance(k, LseKernel):
         raise ValueError(f"ring attention needs a kernel that returns the log-sum-exp and has a backward;"
-                         f" {k.name!r} does not. Use kernel='flash_cpu' (CPU) or 'reference'")
+                         f" {k.name!r} does not. Use kernel='auto' (flash_cpu on CPU, cuda_flash on CUDA,"
+                         " tiled elsewhere)")
     return k

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -129,38 +129,6 @@ def dense_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: 
     return out
 
 
-def plan_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: torch.device
-              ) -> tuple[bool, Tensor | None]:
-    """How a fused kernel should mask a block: ``(is_causal, dense bool mask or None)``.
-
-    Uses the kernels' own causal flag when the block is a diagonal one (same positions for queries
-    and keys) and no mask at all when every key is visible, so fast paths stay fast (a chunk that
-    holds every query and key hides nothing: it does not stop them).
-    """
-    mask = mask or MaskInfo()
-    if mask.is_trivial():
-        q_pos, k_pos = mask.positions(sq, sk, device)
-        spec = _without_whole_chunk(spec, q_pos, k_pos)
-        if spec.window is None and spec.chunk is None and spec.causal and sq == sk and (
-                mask.q_pos is mask.k_pos or torch.equal(q_pos, k_pos)) and bool(
-                (q_pos[1:] > q_pos[:-1]).all()):
-            return True, None
-        allowed = position_mask(spec, q_pos, k_pos)
-        if allowed is None or bool(allowed.all()):
-            return False, None
-        return False, allowed[None, None]
-    return False, dense_mask(spec, mask, sq, sk, device)
-
-
-def _without_whole_chunk(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> AttnSpec:
-    """``spec`` without ``chunk`` when all of ``q_pos`` and ``k_pos`` fall in one chunk."""
-    if spec.chunk is None or q_pos.numel() == 0 or k_pos.numel() == 0:
-        return spec
-    lo = min(int(q_pos.min()), int(k_pos.min())) // spec.chunk
-    hi = max(int(q_pos.max()), int(k_pos.max())) // spec.chunk
-    return replace(spec, chunk=None) if lo == hi else spec
-
-
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype lse and merged partial outputs are kept in: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -203,7 +171,6 @@ def check_supported(kernel: Kernel, spec: AttnSpec) -> None:
         missing.discard("sinks")  # folded into (out, lse) around the kernel
     if missing:
         raise ValueError(
-            f"attention kernel {kernel.name!r} cannot honour {sorted(missing)}; use kernel='reference'"
-            f" (supports everything{', or flash_cpu on CPU for sinks' if 'sinks' in missing else ''})"
-            f" or drop the option"
+            f"attention kernel {kernel.name!r} cannot honour {sorted(missing)}; use kernel='auto' (picks one that"
+            f" does{': dropout only sdpa samples' if 'dropout' in missing else ''}) or drop the option"
         )

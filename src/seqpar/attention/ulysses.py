@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..comm.collectives import all_to_all_multi, even_ranges, split_offsets
 from ..comm.guard import Guard
-from .kernels import KernelArg, attend, default_lse_kernel, get_kernel
+from .kernels import KernelArg, attend, get_kernel
 from .shard import SeqShard, with_global_masks
 from .spec import AttnSpec, Kernel, MaskInfo, check_supported
 from .validate import shard_lengths
@@ -81,9 +81,10 @@ def ulysses_attention(
         causal, scale, window, chunk, softcap, dropout: see :class:`seqpar.attention.spec.AttnSpec`.
         sinks: ``[H]`` attention-sink logits (GPT-OSS), the same on every rank; may require grad:
             each rank's gradient covers its own heads, so their sum over the group is the total.
-        kernel: the local kernel: ``"sdpa"`` (default; cannot honour sinks), ``"flash_cpu"``
-            (default with sinks on CPU), ``"reference"`` (default with sinks elsewhere), a Kernel
-            object or a callable ``fn(q, k, v, *, spec, mask) -> out`` in the ``[B, H, S, D]`` layout.
+        kernel: the local kernel: ``"auto"`` (default: ``sdpa`` where its causal flag suffices,
+            else the device's varlen lse kernel -- see :mod:`seqpar.attention.kernels`), any other
+            name there, a Kernel object or a callable ``fn(q, k, v, *, spec, mask) -> out`` in the
+            ``[B, H, S, D]`` layout.
         key_padding_mask, segment_ids: this rank's ``[B, S_local]`` padding mask (True = real
             token) and packed-document ids; gathered with one small collective. Pass ``shard``
             instead to reuse batch-level global ones at no cost.
@@ -98,9 +99,7 @@ def ulysses_attention(
     """
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, chunk=chunk,
                     sinks=sinks)
-    if kernel is None:
-        kernel = "sdpa" if sinks is None else default_lse_kernel(q, spec)
-    kern = get_kernel(kernel)
+    kern = get_kernel("auto" if kernel is None else kernel)
     if shard is not None and (key_padding_mask is not None or segment_ids is not None):
         raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
 

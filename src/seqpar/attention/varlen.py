@@ -20,13 +20,13 @@ tile's worth of scores, whatever the block's length. Pure: no communication, pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from .blocks import plan_block
-from .spec import AttnSpec, MaskInfo
+from .spec import AttnSpec, MaskInfo, dense_mask
 
 TILE = 1024
 """The longest query or key run one kernel call gets (the CPU op's backward keeps a buffer that
@@ -110,3 +110,54 @@ def document_rects(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batc
             for k0, nk in key_runs.get(doc, ()):
                 out += _tiles(spec, row, q_pos, k_pos, q0, nq, k0, nk, tile)
     return out
+
+
+def _without_whole_chunk(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> AttnSpec:
+    """``spec`` without ``chunk`` when all of ``q_pos`` and ``k_pos`` fall in one chunk."""
+    if spec.chunk is None or q_pos.numel() == 0 or k_pos.numel() == 0:
+        return spec
+    lo = min(int(q_pos.min()), int(k_pos.min())) // spec.chunk
+    hi = max(int(q_pos.max()), int(k_pos.max())) // spec.chunk
+    return replace(spec, chunk=None) if lo == hi else spec
+
+
+def _without_wide_window(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> AttnSpec:
+    """``spec`` without ``window`` when no query-key distance of the block reaches it."""
+    if spec.window is None or q_pos.numel() == 0 or k_pos.numel() == 0:
+        return spec
+    reach = max(int(q_pos.max()) - int(k_pos.min()), int(k_pos.max()) - int(q_pos.min()))
+    return replace(spec, window=None) if reach < spec.window else spec
+
+
+def mask_flag(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: torch.device) -> bool | None:
+    """Whether a fused kernel's own flag says everything a block hides: True (its causal flag: a
+    diagonal block, same increasing positions for queries and keys), False (nothing hidden: no
+    mask), None (it needs a mask -- padding, documents, a window or chunk that cuts the block, or
+    a permuted causal block). O((Sq + Sk) log) -- no mask is built to find out (a chunk that holds
+    every query and key hides nothing)."""
+    mask = mask or MaskInfo()
+    if not mask.is_trivial():
+        return None
+    if sq == 0 or sk == 0:
+        return False
+    q_pos, k_pos = mask.positions(sq, sk, device)
+    spec = _without_wide_window(_without_whole_chunk(spec, q_pos, k_pos), q_pos, k_pos)
+    if spec.window is None and spec.chunk is None:
+        if not spec.causal:
+            return False
+        same = mask.q_pos is mask.k_pos or torch.equal(q_pos, k_pos)
+        if sq == sk and same and bool((q_pos[1:] > q_pos[:-1]).all()):
+            return True
+    plan = plan_block(spec, q_pos.cpu(), k_pos.cpu())
+    return False if plan is not None and plan.visible == sq * sk else None
+
+
+def plan_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: torch.device
+              ) -> tuple[bool, Tensor | None]:
+    """``(is_causal, bool [B or 1, 1, Sq, Sk] mask or None)`` for a kernel that takes a dense mask
+    (``sdpa_dense``, a model's eager function): the flag of :func:`mask_flag` where it suffices,
+    else the dense mask -- ``Sq x Sk``, which is what such kernels say in their name."""
+    flag = mask_flag(spec, mask, sq, sk, device)
+    if flag is not None:
+        return flag, None
+    return False, dense_mask(spec, mask, sq, sk, device)

@@ -9,8 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..attention.kernels import KERNELS, attend, lse_kernel_for
 from ..attention.layout import inverse_permutation
-from ..attention.spec import AttnSpec, LocalKernel, MaskInfo, dense_mask, plan_mask
+from ..attention.spec import AttnSpec, LocalKernel, MaskInfo, dense_mask
+from ..attention.varlen import mask_flag, plan_mask
 from ..batch.sharding import LocalBatch
 
 
@@ -37,6 +39,11 @@ class ModelKernel(LocalKernel):
     batch and layer kind and shared by all layers: a bool mask for ``sdpa``, an additive one (0 /
     dtype min, as transformers' eager mask) for ``eager``. Rows that see no key at all (padding
     queries) are computed against every key and zeroed, so no NaN can reach the backward.
+
+    transformers' own ``sdpa`` function is plain SDPA: where it would need a mask (padded or packed
+    rows, a window that cuts the sequence) and there is no dropout, the block runs on seqpar's
+    varlen lse kernel instead (the same math, O(S) memory: no ``[B, 1, S, S]`` mask). Other
+    functions (``eager`` computes every score itself) get the dense mask their format asks for.
     """
 
     supports = None  # the model's function reads softcap, dropout and the window mask itself
@@ -44,8 +51,11 @@ class ModelKernel(LocalKernel):
     def __init__(self, fn: Callable[..., tuple[Tensor, Any]], module: nn.Module, kind: str, batch: LocalBatch
                  ) -> None:
         assert kind in ("bool", "additive")
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         self.fn, self.module, self.kind, self.batch = fn, module, kind, batch
         self.name = f"the model's own ({getattr(fn, '__name__', 'attention')})"
+        self.plain_sdpa = fn is sdpa_attention_forward
 
     def _mask(self, spec: AttnSpec, mask: MaskInfo, q: Tensor) -> tuple[bool, Tensor | None, Tensor | None]:
         """(is_causal flag, mask in the function's format or None, rows that see a key or None)."""
@@ -94,6 +104,10 @@ class ModelKernel(LocalKernel):
         mask, perm, inv = self._in_order(mask or MaskInfo())
         if inv is not None:
             q, k, v = (t.index_select(2, inv.to(t.device)) for t in (q, k, v))
+        s = q.shape[2]
+        if self.plain_sdpa and not spec.dropout and mask_flag(spec, mask, s, s, q.device) is None:
+            out = attend(q, k, v, spec, mask, KERNELS[lse_kernel_for(q.device, q.dtype, spec)])
+            return out if perm is None else out.index_select(2, perm.to(out.device))
         causal, attn_mask, seen = self._mask(spec, mask, q)
         extra: dict[str, Any] = {} if spec.softcap is None else {"softcap": spec.softcap}
         if spec.sinks is not None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..attention.hybrid import hybrid_attention
-from ..attention.kernels import SdpaKernel
+from ..attention.kernels import DenseSdpaKernel
 from ..attention.reference import ReferenceKernel
 from ..attention.ring import ring_attention
 from ..attention.spec import AttnSpec, LocalKernel, LseKernel, MaskInfo
@@ -75,7 +75,7 @@ class FailingLocalKernel(LocalKernel):
     supports = None
 
     def __init__(self, rank: int, when: str, error: type[Exception] = KernelFailure) -> None:
-        self.rank, self.when, self.error, self.inner = rank, when, error, SdpaKernel()
+        self.rank, self.when, self.error, self.inner = rank, when, error, DenseSdpaKernel()
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
         if self.when == "forward":

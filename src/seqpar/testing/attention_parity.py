@@ -165,9 +165,9 @@ def _hybrid_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tupl
 def feature_cases(strategy: str, quick: bool = False) -> list[AttnCase]:
     """Attention sinks, chunked attention (with window) and a v head dim other than q's and k's
     (MLA: D=8 with Dv=5 or 12), on odd lengths, GQA with fewer KV heads than ranks and padded /
-    packed rows, with every kernel that can honour them (sdpa has no sinks); ring and hybrid with
+    packed rows, with every kernel that can honour them (sdpa_dense has no sinks); ring and hybrid with
     the zigzag layout, and with K/V gathered once (reference kernel: the comm is kernel-blind)."""
-    kernels = ("reference", "flash_cpu", "sdpa") if strategy == "ulysses" else ("reference", "flash_cpu")
+    kernels = ("reference", "auto", "sdpa_dense") if strategy == "ulysses" else ("reference", "flash_cpu")
     variants = [{}] if strategy == "ulysses" else [{"layout": "zigzag"}, {"comm": "allgather"}]
     cases = []
     for kernel in kernels[:1] if quick else kernels:
@@ -178,14 +178,15 @@ def feature_cases(strategy: str, quick: bool = False) -> list[AttnCase]:
                       AttnCase(seq=37, heads=8, kv_heads=2, causal=True, chunk=8, window=5, **kw),
                       AttnCase(seq=37, heads=6, kv_heads=1, causal=True, v_head_dim=5, mask="packed", **kw),
                       AttnCase(seq=7, heads=8, kv_heads=2, v_head_dim=12, mask="pad", **kw)]
-            if kernel != "sdpa":  # left-padded causal rows see no key: only the sink
+            if kernel != "sdpa_dense":  # left-padded causal rows see no key: only the sink
                 cases += [AttnCase(seq=37, heads=6, kv_heads=1, causal=True, sinks=True, mask="pad", **kw),
                           AttnCase(seq=7, heads=8, kv_heads=2, sinks=True, mask="packed", **kw),
                           AttnCase(seq=37, heads=8, kv_heads=2, causal=True, sinks=True, chunk=8, window=5,
                                    v_head_dim=12, mask="packed", **kw)]
-    # sinks with softcap (reference only), and with fewer query heads than ranks (idle ranks)
+    # sinks with softcap (reference and tiled), and with fewer query heads than ranks (idle ranks)
     cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, sinks=True, softcap=2.0, scale=0.3, chunk=16,
-                       mask="pad", strategy=strategy),
+                       mask=m, strategy=strategy, kernel=k) for k, m in (("reference", "pad"), ("tiled", "packed"))]
+    cases += [
               AttnCase(seq=7, heads=3, kv_heads=1, causal=True, sinks=True, mask="pad", strategy=strategy)]
     return cases
 
@@ -201,7 +202,7 @@ def attention_grid(strategy: str, quick: bool) -> list[AttnCase]:
                        strategy=strategy)]
     if strategy == "ulysses":
         cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, kernel=k, mask=m, strategy=strategy)
-                  for k in ("flash_cpu", "sdpa") for m in ("pad", "packed")]
+                  for k in ("flash_cpu", "tiled", "sdpa_dense") for m in ("pad", "packed")]
     if strategy in ("ring", "hybrid"):  # the load-balanced layout, the fused CPU kernel, K/V gathered once
         cases += [AttnCase(seq=c.seq, heads=c.heads, kv_heads=c.kv_heads, causal=True, mask=c.mask, strategy=strategy,
                            options={"layout": "zigzag"}) for c in cases if c.causal and c.window is None]

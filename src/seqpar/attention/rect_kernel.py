@@ -1,0 +1,81 @@
+"""An lse kernel that runs a block as its document rectangles: one tile op per rectangle, partial
+results merged -- the varlen loop every fused kernel shares (CPU, CUDA and the portable one).
+
+:func:`~seqpar.attention.varlen.document_rects` cuts a block into the rectangles something sees,
+each at most ``tile x tile``; a subclass supplies the tile op (``tile_forward`` / ``tile_backward``)
+for one rectangle, given how it must be masked: ``"none"``, ``"causal"`` (the op's own causal flag)
+or ``"positions"`` (the rectangle's global positions: a mask of the rectangle's size at most).
+The forward merges the rectangles' ``(out, lse)`` with
+:func:`~seqpar.attention.blocks.merge_partials`; the backward gives each rectangle the whole row's
+``out`` and ``lse`` -- exact, as a ring block's share is. Memory is linear in the block's length
+(plus one tile), work proportional to the visible pairs, and nothing of size ``Sq x Sk`` exists.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import Tensor
+
+from .blocks import merge_partials
+from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported
+from .varlen import TILE, Rect, document_rects
+
+
+def _rows(rect: Rect) -> slice:
+    return slice(None) if rect.row is None else slice(rect.row, rect.row + 1)
+
+
+class RectKernel(LseKernel):
+    """Base of the varlen lse kernels: the rectangle loop; subclasses give the tile op and ``tile``."""
+
+    tile: int = TILE
+
+    @abstractmethod
+    def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
+                     k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """One rectangle: ``q [b, H, nq, D]``, ``k [b, H_kv, nk, D]``, ``v [b, H_kv, nk, Dv]``, its
+        tokens' global positions ``q_pos [nq]``, ``k_pos [nk]`` (on q's device) -> ``(out, lse)``,
+        lse in the accumulation dtype and ``-inf`` on rows that see no key of the rectangle."""
+
+    @abstractmethod
+    def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One rectangle's ``(dq, dk, dv)`` from the whole row's ``out`` and ``lse`` (``lse`` finite:
+        rows that see no key anywhere carry 0 and ``dout``'s share of them is 0)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None
+                ) -> tuple[Tensor, Tensor]:
+        check_supported(self, spec)
+        mask = mask or MaskInfo()
+        q_pos, k_pos = mask.positions(q.shape[2], k.shape[2], q.device)
+        acc = acc_dtype(q.dtype)
+        out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)  # [B, H, Sq, Dv]
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # [B, H, Sq]
+        for rect in document_rects(spec, mask, q.shape[2], k.shape[2], q.shape[0], self.tile):
+            (q0, nq), (k0, nk), rows_of = rect.q, rect.k, _rows(rect)
+            o_r, l_r = self.tile_forward(q[rows_of, :, q0:q0 + nq], k[rows_of, :, k0:k0 + nk],
+                                         v[rows_of, :, k0:k0 + nk], spec, rect.how, q_pos[q0:q0 + nq],
+                                         k_pos[k0:k0 + nk])
+            rows = (rows_of, slice(None), slice(q0, q0 + nq))
+            out[rows], lse[rows] = merge_partials(out[rows], lse[rows], o_r, l_r.to(acc))
+        return out.to(q.dtype), lse
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: AttnSpec,
+                 mask: MaskInfo | None) -> tuple[Tensor, Tensor, Tensor]:
+        acc = acc_dtype(q.dtype)
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc)
+        mask = mask or MaskInfo()
+        q_pos, k_pos = mask.positions(q.shape[2], k.shape[2], q.device)
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+        for rect in document_rects(spec, mask, q.shape[2], k.shape[2], q.shape[0], self.tile):
+            (q0, nq), (k0, nk), rows_of = rect.q, rect.k, _rows(rect)
+            qs = (rows_of, slice(None), slice(q0, q0 + nq))
+            ks = (rows_of, slice(None), slice(k0, k0 + nk))
+            g = self.tile_backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs], spec, rect.how,
+                                   q_pos[q0:q0 + nq], k_pos[k0:k0 + nk])
+            dq[qs] += g[0]
+            dk[ks] += g[1]
+            dv[ks] += g[2]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
