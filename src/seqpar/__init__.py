@@ -21,7 +21,7 @@ from .comm.collectives import all_to_all
 from .comm.gather import gather_seq, split_seq
 from .comm.mesh import init_mesh
 from .integrations.fsdp import apply_ddp, apply_fsdp
-from .integrations.hf import parallelize, parallelized, unparallelize
+from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize
 from .planner import Plan, plan
 
 __version__ = "0.1.0"
@@ -31,6 +31,7 @@ __all__ = [
     "SeqShard",
     "all_to_all",
     "apply_ddp",
+    "attention_kernel",
     "apply_fsdp",
     "count_target_tokens",
     "gather_log_probs",

@@ -23,9 +23,10 @@ masks would have said per layer -- a window, a chunk -- and the layer's sinks ar
 The local kernel is the model's own implementation where it can be wrapped: ``sdpa``, ``eager`` (the
 modeling file's function, which is what carries Gemma 2's softcap) and any function registered
 together with transformers' ``sdpa_mask`` or ``eager_mask`` (that says which mask format it takes).
-Anything else (flash_attention_*, flex_attention) runs on seqpar's kernels (``sdpa``, or
-``reference`` for softcap). Ring and hybrid need a kernel that returns the log-sum-exp, so they
-use seqpar's. ``unparallelize`` restores the implementation and the loss function.
+Anything else (flash_attention_*, flex_attention) runs on seqpar's ``auto`` kernel. Ring and
+hybrid need a kernel that returns the log-sum-exp, so they use seqpar's (:func:`attention_kernel`
+says in words which one a parallelized model runs). ``unparallelize`` restores the implementation
+and the loss function.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class _Parallel:
     sub_config: str | None  # None: the top-level config; else e.g. "text_config"
     loss_function: Callable[..., Any]
     strategy: str
+    kernel: KernelArg | None
     num_heads: int
     num_kv_heads: int
     hook: Any  # the forward pre-hook's handle
@@ -120,8 +122,7 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
         kern = kernel
         if kern is None and strategy == "ulysses":
             fn, kind = original_function(original, module)
-            kern = ModelKernel(fn, module, kind, batch) if fn is not None else (
-                "reference" if softcap is not None or opts.sinks is not None else "sdpa")
+            kern = ModelKernel(fn, module, kind, batch) if fn is not None else "auto"
         if not query.dtype == key.dtype == value.dtype:
             # under torch.autocast RoPE leaves q, k in float32 while v is bfloat16; the fused
             # all-to-all needs one dtype, and autocast would run attention in v's anyway
@@ -173,7 +174,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
     if original == "sdpa" and getattr(config, "attn_logit_softcapping", None) and kernel is None:
         raise ValueError(f"{type(model).__name__} uses attn_logit_softcapping, which transformers' sdpa does not "
-                         "support: load it with attn_implementation='eager' (or pass kernel='reference')")
+                         "support: load it with attn_implementation='eager' (or pass kernel='auto')")
     name = f"seqpar_{strategy}_{next(_names)}"  # no "flash" in it: transformers would fetch a Hub kernel
     last = _LastBatch()
     AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last))
@@ -187,12 +188,39 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         last.batch = kwargs.get(BATCH_KWARG)
 
     state = _Parallel(name=name, original=original, sub_config=sub, loss_function=model.loss_function,
-                      strategy=strategy, num_heads=int(config.num_attention_heads),
+                      strategy=strategy, kernel=kernel, num_heads=int(config.num_attention_heads),
                       num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
                       hook=model.register_forward_pre_hook(catch_batch, with_kwargs=True))
     model.loss_function = make_loss_function(mesh)
     setattr(model, _ATTR, state)
     return model
+
+
+def attention_kernel(model: nn.Module) -> str:
+    """Which local attention kernel a parallelized model runs, in words, for its device and dtype
+    (``seqpar train`` prints it): the choice of ``kernel="auto"`` made visible."""
+    from ..attention.kernels import lse_kernel_for
+    from ..attention.spec import AttnSpec
+
+    state: _Parallel | None = getattr(model, _ATTR, None)
+    if state is None:
+        raise ValueError("this model is not parallelized by seqpar")
+    if state.kernel is not None:
+        return f"{getattr(state.kernel, 'name', state.kernel)} (as passed to parallelize)"
+    param = next(model.parameters())
+    config, _ = decoder_config(model.config)
+    spec = AttnSpec(softcap=getattr(config, "attn_logit_softcapping", None))
+    varlen = lse_kernel_for(param.device, param.dtype, spec)
+    if state.strategy != "ulysses":
+        return f"{varlen} (varlen, returns lse; {state.strategy} merges the blocks)"
+    if state.original == "sdpa":
+        return (f"the model's sdpa on rows SDPA's causal flag describes; {varlen} (varlen, no S x S mask) on "
+                "padded or packed rows and cut windows")
+    if state.original == "eager":
+        return "the model's eager attention (it computes the S x S scores and takes a dense mask, as eager does)"
+    fn, _ = original_function(state.original, model)
+    return (f"the model's {state.original}" if fn is not None
+            else f"auto: sdpa or {varlen} (the model's {state.original!r} cannot be wrapped)")
 
 
 def _released(*args: Any, **kwargs: Any) -> Any:

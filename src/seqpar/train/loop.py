@@ -105,6 +105,7 @@ class Trainer:
         model.to(self.device)
         self.n_params = sum(p.numel() for p in model.parameters())
         seqpar.parallelize(model, self.mesh, strategy=job.strategy)
+        self.attention = seqpar.attention_kernel(model)  # the kernel "auto" chose, in words
         self.use_fsdp = use_fsdp(cfg, self.device.type)
         if self.use_fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -50,6 +50,7 @@ class RunSummary:
     resumed_from: str | None
     replaced_previous: bool  # a fresh run cleared an earlier run's save dir
     reason: str  # why --strategy auto chose what it chose
+    attention: str  # the local attention kernel, in words (seqpar.attention_kernel)
     setup_s: float
     eval_s: float
 
@@ -182,7 +183,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         world=job.world, sp=job.sp, dp=job.dp, strategy=job.strategy, layout=job.layout, params=trainer.n_params,
         fsdp=trainer.use_fsdp, device=str(trainer.device), tokens_per_step=tokens_per_step,
         resumed_from=os.path.abspath(resume_from) if resume_from else None, replaced_previous=replaced,
-        reason=job.reason, setup_s=setup_s, eval_s=eval_s)
+        reason=job.reason, attention=trainer.attention, setup_s=setup_s, eval_s=eval_s)
 
 
 def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> RunSummary:
