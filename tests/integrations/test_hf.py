@@ -165,10 +165,24 @@ def _control(rank, world):
     return abs(float(model(**local).loss.detach()) - ref)
 
 
+def _kernels(rank, world):
+    """What seqpar.attention_kernel says each strategy / attn_implementation runs on CPU."""
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    said = {}
+    for strategy, impl in (("ulysses", "sdpa"), ("ulysses", "eager"), ("ring", "sdpa")):
+        model = make_model(ModelCase(attn=impl))
+        with seqpar.parallelized(model, mesh, strategy=strategy):
+            said[strategy, impl] = seqpar.attention_kernel(model)
+        with seqpar.parallelized(model, mesh, strategy=strategy, kernel="tiled"):
+            said[strategy, impl, "tiled"] = seqpar.attention_kernel(model)
+    return said
+
+
 def _worker(rank, world):
     torch.set_num_threads(1)
     return {"rows": run_model_parity(rank, world, GRID, SIZES), "counts": _counts(rank, world),
-            "misuse": _misuse(rank, world), "submodels": _submodels(rank, world), "control": _control(rank, world)}
+            "misuse": _misuse(rank, world), "submodels": _submodels(rank, world), "control": _control(rank, world),
+            "kernels": _kernels(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +260,11 @@ def test_only_the_text_decoder_is_parallelized(results):
 
 def test_harness_detects_local_attention(results):
     assert all(res["control"] > 1e-3 for res in results)
+
+
+def test_the_auto_kernel_choice_is_said(results):
+    said = results[0]["kernels"]
+    assert said["ulysses", "sdpa"].startswith("the model's sdpa") and "flash_cpu (varlen" in said["ulysses", "sdpa"]
+    assert "eager" in said["ulysses", "eager"] and "dense mask" in said["ulysses", "eager"]
+    assert said["ring", "sdpa"].startswith("flash_cpu (varlen, returns lse")
+    assert all(said[k].startswith("tiled (as passed") for k in said if len(k) == 3)
