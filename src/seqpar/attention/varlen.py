@@ -20,6 +20,7 @@ tile's worth of scores, whatever the block's length. Pure: no communication, pla
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -88,12 +89,39 @@ def _tiles(spec: AttnSpec, row: int | None, q_pos: Tensor, k_pos: Tensor, q0: in
     return out
 
 
+_PLANS: dict[int, dict[tuple, tuple[list, list[Rect]]]] = {}
+"""Plans by ``id`` of the mask's first tensor; an entry goes when that tensor dies."""
+
+
 def document_rects(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int,
                    tile: int = TILE) -> list[Rect]:
     """The rectangles of a ``(queries x keys)`` block that something sees (see the module doc),
-    tiled to at most ``tile x tile``. Tensors of ``mask`` may live on any device."""
-    cpu = torch.device("cpu")
+    tiled to at most ``tile x tile``. Tensors of ``mask`` may live on any device.
+
+    Planned once per batch: the plan is kept while the mask's tensors live (the layers of a model
+    and the backward share one SeqShard's tensors), so later calls read it back without touching
+    the tensors -- no host synchronization after a batch's first layer."""
     mask = mask or MaskInfo()
+    tensors = [mask.q_pos, mask.k_pos, mask.key_keep, mask.q_seg, mask.k_seg]
+    anchor = next((t for t in tensors if t is not None), None)
+    if anchor is None:
+        return _document_rects(spec, mask, sq, sk, batch, tile)
+    key = (spec.causal, spec.window, spec.chunk, sq, sk, batch, tile, tuple(t is None for t in tensors))
+    plans = _PLANS.get(id(anchor))
+    if plans is None:
+        plans = _PLANS[id(anchor)] = {}
+        weakref.finalize(anchor, _PLANS.pop, id(anchor), None)
+    hit = plans.get(key)
+    if hit is not None and all((r is None and t is None) or (r is not None and r() is t)
+                               for r, t in zip(hit[0], tensors, strict=True)):
+        return hit[1]
+    rects = _document_rects(spec, mask, sq, sk, batch, tile)
+    plans[key] = ([None if t is None else weakref.ref(t) for t in tensors], rects)
+    return rects
+
+
+def _document_rects(spec: AttnSpec, mask: MaskInfo, sq: int, sk: int, batch: int, tile: int) -> list[Rect]:
+    cpu = torch.device("cpu")
     q_pos, k_pos = (p.to(cpu) for p in mask.positions(sq, sk, cpu))
     if mask.is_trivial():  # one document, no padding: the same rectangles for every row
         return _tiles(spec, None, q_pos, k_pos, 0, sq, 0, sk, tile)
