@@ -1,12 +1,13 @@
 """shard_batch and its pure helpers: target shifting rules, packed-document segments, the problems a
 batch can have, and (4 gloo processes) what each rank receives: slices that put back together give
-the full shifted batch, uneven and zigzag layouts, and target counts summed over dp."""
+the full shifted batch, uneven, zigzag and doc-zigzag layouts (on a ulysses x ring mesh too), and
+target counts summed over dp."""
 
 import pytest
 import torch
 
 import seqpar
-from seqpar.attention.layout import layout_indices
+from seqpar.attention.layout import document_cuts, layout_indices
 from seqpar.attention.shard import SeqShard
 from seqpar.batch.sharding import BATCH_KWARG, LocalBatch, _checksum, _local_problem
 from seqpar.batch.targets import (
@@ -128,18 +129,37 @@ def _full_batch():
             "loss_weights": torch.rand(2, 11, generator=g, dtype=torch.float64)}
 
 
+LAYOUTS = ("contiguous", "zigzag", "doc-zigzag", "doc-zigzag 2x2")
+
+
+def _pieces(layout):
+    """Each rank's token indices in the full batch under ``layout`` ("... 2x2": ulysses=2 x ring=2)."""
+    prep = prepare_batch(_full_batch())
+    name, _, grid = layout.partition(" ")
+    cuts = document_cuts(prep.segments, prep.key_keep) if name == "doc-zigzag" else None
+    return layout_indices(11, 4, name, 2 if grid else 1, cuts)
+
+
 def _worker(rank, world):
     torch.set_num_threads(1)
     out = {}
     batch = _full_batch()
-    for layout in ("contiguous", "zigzag"):
-        mesh = seqpar.init_mesh(sp=4, device_type="cpu")
-        local = seqpar.shard_batch(batch, mesh, layout=layout)
+    for layout in LAYOUTS:
+        name, _, grid = layout.partition(" ")
+        mesh = seqpar.init_mesh(sp=4, ulysses=2, ring=2, device_type="cpu") if grid else \
+            seqpar.init_mesh(sp=4, device_type="cpu")
+        local = seqpar.shard_batch(batch, mesh, layout=name)
         info = local[BATCH_KWARG]
         out[layout] = {k: v for k, v in local.items() if k != BATCH_KWARG}
         out[layout]["shard"] = info.shard
         out[layout]["denominator"] = info.denominator
         out[layout]["weights"] = info.loss_weights
+    try:  # 3 tokens cannot fill 4 ranks, whatever the layout
+        seqpar.shard_batch({k: v[:, :3] for k, v in batch.items()}, seqpar.init_mesh(sp=4, device_type="cpu"),
+                           layout="doc-zigzag")
+        out["too short"] = "no error"
+    except ValueError as e:
+        out["too short"] = str(e)
     mesh = seqpar.init_mesh(sp=2, dp=2, device_type="cpu")
     dp = mesh.get_local_rank("dp")
     mine = [_full_batch()] if dp == 0 else [_full_batch(), {"input_ids": batch["input_ids"][:, :5],
@@ -160,11 +180,11 @@ def ranks():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_slices_put_back_together_give_the_full_shifted_batch(ranks, layout):
     batch = _full_batch()
     prep = prepare_batch(batch)
-    pieces = layout_indices(11, 4, layout)
+    pieces = _pieces(layout)
     assert [len(p) for p in pieces] == [r[layout]["input_ids"].shape[1] for r in ranks]
     perm = torch.cat(pieces)
     for key, full in (("input_ids", batch["input_ids"]), ("position_ids", prep.position_ids),
@@ -179,10 +199,10 @@ def test_slices_put_back_together_give_the_full_shifted_batch(ranks, layout):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_shard_metadata_is_global_and_in_layout_order(ranks, layout):
     prep = prepare_batch(_full_batch())
-    perm = torch.cat(layout_indices(11, 4, layout))
+    perm = torch.cat(_pieces(layout))
     for r in ranks:
         shard = r[layout]["shard"]
         assert shard.seq_lens == (3, 3, 3, 2) if layout == "contiguous" else sum(shard.seq_lens) == 11
@@ -193,6 +213,19 @@ def test_shard_metadata_is_global_and_in_layout_order(ranks, layout):
         assert torch.equal(shard.key_keep, prep.key_keep[:, perm])
         assert torch.equal(shard.segments, prep.segments[:, perm])
         assert r[layout]["denominator"] == pytest.approx(float(prep.weights.sum()), abs=1e-12)
+
+
+@pytest.mark.distributed
+def test_doc_zigzag_follows_the_batch_documents_and_padding(ranks):
+    # row 0: documents [0, 4) and [4, 11); row 1: padding from 8: pieces [0, 4), [4, 8), [8, 11)
+    assert document_cuts(prepare_batch(_full_batch()).segments, prepare_batch(_full_batch()).key_keep) == (4, 8)
+    perm = ranks[0]["doc-zigzag"]["shard"].positions
+    assert not torch.equal(perm, torch.cat(layout_indices(11, 4, "zigzag")))
+    # each piece is shorter than its 2R = 8 parts: its tokens go one each to the ranks holding the
+    # fewest so far, into head parts (0 1 2 3), then tail parts (3 2 1 0), then head parts again
+    assert [p.tolist() for p in _pieces("doc-zigzag")] == [[0, 7, 8], [1, 6, 9], [2, 5, 10], [3, 4]]
+    assert torch.equal(perm, torch.tensor([0, 7, 8, 1, 6, 9, 2, 5, 10, 3, 4]))
+    assert all("use sequences of at least 4 tokens" in r["too short"] for r in ranks), ranks[0]["too short"]
 
 
 @pytest.mark.distributed

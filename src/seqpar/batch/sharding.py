@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..attention.layout import LAYOUTS, layout_indices
+from ..attention.layout import LAYOUTS, document_cuts, layout_indices, min_seq_len
 from ..attention.shard import SeqShard
 from ..comm.agree import MISSING, check, share
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, dp_size, has_axis
@@ -169,7 +169,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
             for no target), ``attention_mask [B, S]`` (padding), ``position_ids [B or 1, S]``
             (packed rows restart), ``loss_weights [B, S]`` (per-label weight).
         mesh: a DeviceMesh with an ``"sp"`` axis (and optionally ``"dp"``): :func:`seqpar.init_mesh`.
-        layout: ``"contiguous"`` or ``"zigzag"`` (see :mod:`seqpar.attention.layout`).
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"doc-zigzag"`` (zigzag inside every packed
+            document and padding run of the batch: balances ring attention on packed rows; see
+            :mod:`seqpar.attention.layout`).
         num_items_in_batch: the loss denominator N for the whole optimizer step (all dp ranks and
             micro-batches: :func:`seqpar.count_target_tokens`). Default: this batch's targets.
 
@@ -195,12 +197,15 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch}")
 
     prep = prepare_batch(batch, ignore_index)
-    pieces = layout_indices(s, p, layout, _ulysses_degree(mesh))
+    # doc-zigzag follows this batch's documents and padding: every SP rank holds the same (checked)
+    # batch, so every rank derives the same cuts and permutation without communicating
+    cuts = document_cuts(prep.segments, prep.key_keep) if layout == "doc-zigzag" else None
+    pieces = layout_indices(s, p, layout, _ulysses_degree(mesh), cuts)
     seq_lens = tuple(int(t.numel()) for t in pieces)
     if min(seq_lens) == 0:  # transformers' attention reshapes cannot take an empty shard
         raise ValueError(f"a sequence of {s} tokens leaves an SP rank without tokens with sp={p} and layout="
                          f"{layout!r} (shard lengths {list(seq_lens)}): use sequences of at least "
-                         f"{p if layout == 'contiguous' else 2 * p // _ulysses_degree(mesh)} tokens or a smaller sp")
+                         f"{min_seq_len(p, layout, _ulysses_degree(mesh))} tokens or a smaller sp")
     perm = torch.cat(pieces).to(device) if layout != "contiguous" else None
     idx = pieces[me].to(device)
 
