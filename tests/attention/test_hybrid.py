@@ -1,6 +1,7 @@
 """Hybrid Ulysses x ring attention against the float64 reference, forward and backward, on ring x ulysses
 grids of 1 to 4 gloo processes (sinks, chunked attention and MLA head dims included); the mesh
-strategies; collective counts; misuse errors and kernel failures raised on every rank."""
+strategies; collective counts; misuse errors and kernel failures raised on every rank; the doc-zigzag
+layout through a batch's SeqShard."""
 
 
 from dataclasses import replace
@@ -8,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from test_ring import doc_zigzag_path  # the ring suite's doc-zigzag parity path, reused for hybrid
 
 from seqpar.attention.dispatch import sp_attention
 from seqpar.attention.hybrid import hybrid_attention, hybrid_groups
@@ -18,7 +20,7 @@ from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.mesh import init_mesh
 from seqpar.testing.attention_faults import crash_problems, crash_scenarios, run_crashes
-from seqpar.testing.attention_parity import AttnCase, bad_rows, feature_cases, run_cases
+from seqpar.testing.attention_parity import AttnCase, bad_rows, feature_cases, register_path, run_cases
 
 TOL = 1e-10
 LAYOUTS = ("contiguous", "zigzag")
@@ -28,6 +30,19 @@ MASKS = ("none", "pad", "packed")
 def _case(u, seq, heads, kv, causal, mask, layout, kernel="reference", comm="p2p", **kw):
     return AttnCase(seq=seq, heads=heads, kv_heads=kv, causal=causal, mask=mask, kernel=kernel, strategy="hybrid",
                     options={"ulysses": u, "layout": layout, "comm": comm}, **kw)
+
+
+register_path("hybrid:doc-zigzag")(doc_zigzag_path("hybrid"))
+
+
+def _doc_grid(u):
+    """doc-zigzag: documents and padding runs zigzagged over the ring, split over ulysses inside (on
+    the 2x2 grid: at 2 and 3 ranks a grid is plain Ulysses or a plain ring, see test_ring.py)."""
+    return ([AttnCase(seq=s, heads=6, kv_heads=2, causal=c, mask=m, strategy="hybrid:doc-zigzag",
+                      options={"ulysses": u}) for s in (7, 37, 129) for c in (False, True) for m in MASKS]
+            + [AttnCase(seq=129, heads=8, kv_heads=2, causal=True, mask=m, kernel="flash_cpu",
+                        strategy="hybrid:doc-zigzag", options={"ulysses": u, "comm": comm})
+               for m in ("pad", "packed") for comm in ("p2p", "allgather")])
 
 
 def _full_grid(u):
@@ -63,7 +78,7 @@ def _features(u, quick=False):
 # plain Ulysses or a plain ring, whose own suites run every feature case
 GRIDS = {1: _small_grid(1), 2: _full_grid(2) + _full_grid(1),
          3: _small_grid(3) + _small_grid(1) + _features(3, quick=True) + _features(1, quick=True),
-         4: _full_grid(2) + _small_grid(4) + _small_grid(1) + _features(2)}
+         4: _full_grid(2) + _small_grid(4) + _small_grid(1) + _features(2) + _doc_grid(2)}
 
 
 def _inputs(rank, b=2, s=5, h=4, hk=2, d=8):
@@ -189,6 +204,12 @@ def test_grids_cover_the_required_shapes():
                 for lay in LAYOUTS:
                     assert (f"hybrid/reference S={s} H=6/1 causal={causal} mask={mask} ulysses=2 layout={lay}"
                             " comm=p2p") in labels
+
+
+def test_grids_cover_doc_zigzag():
+    docs = {(c.seq, c.causal, c.mask, c.kernel) for c in GRIDS[4] if c.strategy == "hybrid:doc-zigzag"}
+    assert {(s, True, m, "reference") for s in (7, 37, 129) for m in MASKS} <= docs
+    assert {(129, True, m, "flash_cpu") for m in ("pad", "packed")} <= docs
 
 
 def test_grids_cover_the_features():

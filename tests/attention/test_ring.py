@@ -1,20 +1,29 @@
 """Ring attention against the float64 reference, forward and backward, over real gloo processes
 (sinks, chunked attention and MLA head dims included); its load balance, collective counts and misuse
-errors. Its pure parts (block plans, lse merge, sinks fold): test_blocks.py."""
+errors; the doc-zigzag layout through a batch's SeqShard. Its pure parts (block plans, lse merge, sinks
+fold): test_blocks.py."""
 
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from seqpar.attention.blocks import RingStats, plan_block
-from seqpar.attention.layout import layout_indices, layout_permutation, layout_seq_lens
+from seqpar.attention.layout import document_cuts, layout_indices, layout_permutation, layout_seq_lens
 from seqpar.attention.ring import ring_attention
 from seqpar.attention.shard import SeqShard
 from seqpar.attention.spec import AttnSpec
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
-from seqpar.testing.attention_parity import AttnCase, bad_rows, feature_cases, run_cases
+from seqpar.testing.attention_parity import (
+    ATTENTION_PATHS,
+    AttnCase,
+    bad_rows,
+    feature_cases,
+    register_path,
+    run_cases,
+)
 
 TOL = 1e-10
 LAYOUTS = ("contiguous", "zigzag")
@@ -24,6 +33,31 @@ MASKS = ("none", "pad", "packed")
 def _case(seq, heads, kv, causal, mask, layout, kernel="reference", comm="p2p", **kw):
     return AttnCase(seq=seq, heads=heads, kv_heads=kv, causal=causal, mask=mask, kernel=kernel, strategy="ring",
                     options={"layout": layout, "comm": comm}, **kw)
+
+
+def doc_zigzag_path(strategy):
+    """``strategy``'s parity path with layout='doc-zigzag': the permutation follows the case's
+    documents and padding, so the global masks travel in a SeqShard, as shard_batch builds it."""
+    base = ATTENTION_PATHS[strategy]
+
+    def path(inputs, case, group):
+        p, r = dist.get_world_size(group), dist.get_rank(group)
+        keep, seg = inputs["key_padding_mask"], inputs["segment_ids"]
+        parts = layout_indices(case.seq, p, "doc-zigzag", case.options.get("ulysses", 1), document_cuts(seg, keep))
+        perm = torch.cat(parts)
+        shard = SeqShard(tuple(len(t) for t in parts), perm, None if keep is None else keep[:, perm],
+                         None if seg is None else seg[:, perm])
+        _, _, run = base(inputs, replace(case, strategy=strategy, options={**case.options, "shard": shard}), group)
+        return inputs, parts[r], lambda q, k, v, mask, seg_ids, sinks: run(q, k, v, None, None, sinks)
+    return path
+
+
+register_path("ring:doc-zigzag")(doc_zigzag_path("ring"))
+
+
+def _doc_case(seq, heads, kv, causal, mask, kernel="reference", comm="p2p", **kw):
+    return AttnCase(seq=seq, heads=heads, kv_heads=kv, causal=causal, mask=mask, kernel=kernel,
+                    strategy="ring:doc-zigzag", options={"comm": comm}, **kw)
 
 
 CASES = (
@@ -46,6 +80,12 @@ CASES = (
        for lay in LAYOUTS for w in (None, 7)]
     # attention sinks, chunked attention, v head dim != q/k head dim (MLA)
     + feature_cases("ring")
+    # doc-zigzag: documents and padding runs zigzagged one by one (many short pieces at these lengths)
+    + [_doc_case(s, 6, 1, c, m) for s in (7, 37, 129) for c in (False, True) for m in MASKS]
+    + [_doc_case(129, 8, 2, True, m, kernel="flash_cpu", comm=comm) for m in ("pad", "packed")
+       for comm in ("p2p", "allgather")]
+    + [_doc_case(37, 8, 2, True, "packed", kernel="flash_cpu", window=5),
+       _doc_case(37, 8, 2, True, "pad", softcap=2.0, scale=0.3, chunk=8, sinks=True)]
 )
 
 
@@ -103,6 +143,8 @@ def _misuse_case(name, rank, world):
         kw["layout"] = "zigzag"
     elif name == "unknown layout":
         kw["layout"] = "spiral"
+    elif name == "doc-zigzag without the batch's shard":  # its permutation follows documents it cannot see
+        kw.update(layout="doc-zigzag", segment_ids=torch.zeros(2, s, dtype=torch.long))
     elif name == "unknown comm":
         kw["comm"] = "carrier-pigeon"
     elif name == "dropout":
@@ -121,6 +163,7 @@ MISUSE = {
     "seq mismatch q vs k on one rank": "rank 0: q, k, v must share batch and local_seq_len",
     "zigzag lengths": "layout='zigzag' puts",
     "unknown layout": "unknown layout 'spiral'",
+    "doc-zigzag without the batch's shard": "layout='doc-zigzag' follows the batch's documents: pass cuts=",
     "unknown comm": "unknown ring comm 'carrier-pigeon'",
     "dropout": "ring attention has no dropout",
     "shard of another group": "shard lengths for a ring of",
@@ -174,6 +217,9 @@ def test_grid_covers_the_required_cases():
         for comm in ("p2p", "allgather"):
             assert any(c.kernel == kernel and c.options["comm"] == comm and c.window for c in CASES)
     assert any(c.softcap for c in CASES)
+    docs = {(c.seq, c.causal, c.mask, c.kernel) for c in CASES if c.strategy == "ring:doc-zigzag"}
+    assert {(s, True, m, "reference") for s in (7, 37, 129) for m in MASKS} <= docs
+    assert {(129, True, m, "flash_cpu") for m in ("pad", "packed")} <= docs
     for kernel, comm in (("reference", "p2p"), ("reference", "allgather"), ("flash_cpu", "p2p")):
         of = [c for c in CASES if c.kernel == kernel and c.options.get("comm", "p2p") == comm]
         assert any(c.sinks for c in of) and any(c.chunk and c.window for c in of)

@@ -1,5 +1,5 @@
-"""Whole-model parity with strategies ring (contiguous and zigzag) and hybrid (2 x 2) on 4 processes:
-loss within 1e-9 and every parameter gradient within 1e-8 of the non-SP model, float64."""
+"""Whole-model parity with strategies ring (contiguous, zigzag and doc-zigzag) and hybrid (2 x 2) on 4
+processes: loss within 1e-9 and every parameter gradient within 1e-8 of the non-SP model, float64."""
 
 from dataclasses import replace
 
@@ -12,12 +12,13 @@ from seqpar.comm.mesh import init_mesh
 from seqpar.testing.model_parity import F32_RTOL, GRAD_TOL, LOSS_TOL, compare, model_cases
 
 P = 4
-SETUPS = (("ring", "contiguous"), ("ring", "zigzag"), ("hybrid", "zigzag"), ("hybrid", "contiguous"))
+FULL_SETUPS = (("ring", "contiguous"), ("ring", "zigzag"), ("hybrid", "zigzag"), ("hybrid", "contiguous"))
+SETUPS = (*FULL_SETUPS, ("ring", "doc-zigzag"), ("hybrid", "doc-zigzag"))
 
 
 def _cases():
     cases = []
-    for strategy, layout in SETUPS:
+    for strategy, layout in FULL_SETUPS:
         # padded, packed and plain rows at odd and even lengths; 6 query / 2 KV heads (H % P != 0)
         cases += [replace(c, layout=layout) for c in model_cases("tiny-llama", strategy)]
         # sliding window shorter than the sequence (Mistral), q/k norm (Qwen3), softcap (Gemma 2)
@@ -27,6 +28,10 @@ def _cases():
     # activation checkpointing: the ring (and its guard) recomputed in the backward
     cases += [replace(model_cases("tiny-llama", s)[1], layout="zigzag", checkpointing="non-reentrant")
               for s in ("ring", "hybrid")]
+    # doc-zigzag (the permutation follows each batch's documents and padding): padded and packed rows,
+    # and packed rows under a sliding window
+    cases += [replace(c, layout="doc-zigzag") for s in ("ring", "hybrid") for c in model_cases("tiny-llama", s)[:2]]
+    cases += [replace(model_cases("tiny-mistral", "ring")[1], layout="doc-zigzag")]
     return cases
 
 
