@@ -1,12 +1,15 @@
 """How evenly ring attention's causal work spreads over the ranks on packed rows, per layout.
 
-    python benchmarks/bench_balance.py          # S = 32768, P = 2, 3, 4, 200 rows per setting
+    python benchmarks/bench_balance.py             # S = 32768, P = 2, 3, 4, 200 batches of 1 row
+    python benchmarks/bench_balance.py --batch 4   # batches of 4 rows sharing one permutation
 
 A packed row's documents have lengths drawn log-uniformly from 64 to S (the last one cut to fit).
 Under causal attention a query at global position p of a document starting at s sees p - s + 1
-keys, so a rank's work is the sum of that over the tokens the layout gives it. Printed: the mean
-over rows of max/mean work per rank (1.00 is perfect balance), and the worst row, for the
-contiguous and zigzag layouts (whole-row zigzag balances one long document, not many).
+keys, so a rank's work is the sum of that over the tokens the layout gives it (over every row of
+the batch: one permutation serves the whole batch). Printed: the mean over batches of max/mean
+work per rank (1.00 is perfect balance), and the worst batch, for the contiguous, zigzag and
+doc-zigzag layouts (whole-row zigzag balances one long document, not many; doc-zigzag cuts the
+sequence wherever a row's document starts, see seqpar.attention.layout).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import math
 
 import torch
 
-from seqpar.attention.layout import layout_indices
+from seqpar.attention.layout import document_cuts, layout_indices
+
+LAYOUTS = ("contiguous", "zigzag", "doc-zigzag")
 
 
 def packed_row(seq: int, lo: int, g: torch.Generator) -> torch.Tensor:
@@ -31,29 +36,34 @@ def packed_row(seq: int, lo: int, g: torch.Generator) -> torch.Tensor:
 
 
 def imbalance(within_doc: torch.Tensor, p: int, layout: str) -> float:
-    """max / mean of the causal visible pairs per rank."""
-    work = within_doc + 1  # keys a query sees: itself and the earlier tokens of its document
-    per_rank = torch.stack([work[idx].sum() for idx in layout_indices(within_doc.numel(), p, layout)]).double()
-    return float(per_rank.max() / per_rank.mean())
+    """max / mean of the causal visible pairs per rank; ``within_doc`` ``[B, S]``."""
+    work = (within_doc + 1).sum(0)  # [S] keys the queries at a position see, summed over the rows
+    segments = (within_doc == 0).cumsum(1)  # [B, S] document id of each token
+    cuts = document_cuts(segments) if layout == "doc-zigzag" else None
+    per_rank = torch.stack([work[idx].sum() for idx in layout_indices(work.numel(), p, layout, cuts=cuts)])
+    return float(per_rank.double().max() / per_rank.double().mean())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=32768)
-    parser.add_argument("--rows", type=int, default=200)
+    parser.add_argument("--rows", type=int, default=200, help="batches per setting")
+    parser.add_argument("--batch", type=int, default=1, help="rows per batch (one permutation for all of them)")
     parser.add_argument("--min-doc", type=int, default=64)
     args = parser.parse_args()
     print(f"causal ring work per rank, packed rows of {args.seq} tokens, documents log-uniform in "
-          f"[{args.min_doc}, {args.seq}], {args.rows} rows: max/mean (mean over rows, worst row)")
-    print(f"{'P':>2} {'contiguous':>18} {'zigzag':>18}")
+          f"[{args.min_doc}, {args.seq}], {args.rows} batches of {args.batch} row(s): max/mean "
+          "(mean over batches, worst batch)")
+    print(f"{'P':>2}" + "".join(f" {name:>18}" for name in LAYOUTS))
     for p in (2, 3, 4):
         g = torch.Generator().manual_seed(p)
-        rows = [packed_row(args.seq, args.min_doc, g) for _ in range(args.rows)]
+        batches = [torch.stack([packed_row(args.seq, args.min_doc, g) for _ in range(args.batch)])
+                   for _ in range(args.rows)]
         cells = []
-        for layout in ("contiguous", "zigzag"):
-            r = [imbalance(row, p, layout) for row in rows]
+        for layout in LAYOUTS:
+            r = [imbalance(b, p, layout) for b in batches]
             cells.append(f"{sum(r) / len(r):8.3f} ({max(r):6.3f})")
-        print(f"{p:>2} {cells[0]:>18} {cells[1]:>18}")
+        print(f"{p:>2}" + "".join(f" {c:>18}" for c in cells))
 
 
 if __name__ == "__main__":
