@@ -31,9 +31,9 @@ Within a ring rank its two chunks (concatenated) are split contiguously over its
 On packed rows a query sees only its own document, so whole-row zigzag is off balance (max/mean
 work 1.3-1.5 at P = 2-4 with documents log-uniform in 64..S: ``benchmarks/bench_balance.py``).
 The sequence is cut at :func:`document_cuts`: wherever, in any row of the batch, a document starts
-or padding starts or ends. Inside one piece every row's causal work grows by the same step per
-token (one key, or none for padding), so the piece's work summed over the rows is linear in the
-position, and zigzag on the piece -- ``2R`` parts, ring rank ``i`` takes parts ``i`` and ``2R-1-i``
+or padding starts or ends. Inside one piece each row's causal work per query grows by a constant
+step per token (one key, or none in padding), so the piece's work summed over the rows is linear
+in the position, and zigzag on the piece -- ``2R`` parts, ring rank ``i`` takes parts ``i`` and ``2R-1-i``
 -- gives every ring rank the same work. A ring rank holds its parts of all pieces in token order,
 split contiguously over its ulysses ranks as in zigzag. Where a piece does not divide into ``2R``
 equal parts, its extra tokens go to the ring ranks holding the fewest tokens so far (ties: the
