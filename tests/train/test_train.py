@@ -146,6 +146,7 @@ PARITY = {  # name: (world, options); every one reads rows 0 and 1 of the same p
     "sp2_accum2": (2, dict(sp=2, micro_batch=1, grad_accum=2)),
     "sp2_ring": (2, dict(sp=2, micro_batch=2, strategy="ring")),
     "sp2_fsdp": (2, dict(sp=2, micro_batch=2, fsdp="on")),
+    "sp2_fsdp_accum2": (2, dict(sp=2, micro_batch=1, grad_accum=2, fsdp="on")),  # one reduce-scatter per step
     "sp4_hybrid": (4, dict(sp=4, micro_batch=2, strategy="hybrid")),
     "sp2_dp2_fsdp": (4, dict(sp=2, micro_batch=1, fsdp="on")),
 }

@@ -25,7 +25,9 @@ class Axis(str, Enum):
     RING = "ring"
 
 
-def _default_device_type() -> str:
+def default_device_type() -> str:
+    """``"cuda"`` when CUDA is there and the default process group has NCCL among its backends
+    (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, a group from a bare ``init_process_group()``), else ``"cpu"``."""
     import torch
 
     return "cuda" if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower() else "cpu"
@@ -48,7 +50,7 @@ def init_mesh(*, sp: int, dp: int | None = None, ulysses: int | None = None, rin
     dp = world // sp if dp is None else dp
     if dp * sp != world:
         raise ValueError(f"dp={dp} x sp={sp} = {dp * sp} != world size {world}: set dp={world // sp} or omit it")
-    device_type = device_type or _default_device_type()
+    device_type = device_type or default_device_type()
     if ulysses is None and ring is None:
         return init_device_mesh(device_type, (dp, sp), mesh_dim_names=(Axis.DP.value, Axis.SP.value))
     ulysses = ulysses if ulysses is not None else sp // (ring or 1)

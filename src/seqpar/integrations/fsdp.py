@@ -59,7 +59,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
     fully_shard(model, mesh=flat, **fully_shard_kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)
+            else:  # torch < 2.6 names it after the reduce-scatter
+                module.set_reduce_scatter_divide_factor(1.0)
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 # a divide factor of 1 otherwise becomes PREMUL_SUM in fp32/bf16, which gloo lacks
                 module.set_force_sum_reduction_for_comms(True)

@@ -78,11 +78,13 @@ def run_torchrun(cfg: TrainConfig) -> RunSummary | None:
         raise ValueError(f"--nproc {cfg.nproc} does not match torchrun's world size {world}: omit --nproc")
     job = prepare_job(cfg, world)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kw = {}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        kw["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # eager NCCL init, bound
+        torch.cuda.set_device(kw["device_id"])
     else:
         torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout), **kw)
     try:
         summary = run_training(job)
         dist.barrier()

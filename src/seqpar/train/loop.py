@@ -28,7 +28,7 @@ from torch import Tensor
 
 import seqpar
 from seqpar.batch.loss import token_losses
-from seqpar.comm.mesh import axis_group
+from seqpar.comm.mesh import axis_group, default_device_type
 from seqpar.integrations.models import BUILTIN_MODELS, build_model
 
 from .config import DTYPES, TrainConfig, model_overrides
@@ -81,7 +81,7 @@ class Trainer:
         if self.world != job.world:
             raise ValueError(f"the job was prepared for {job.world} ranks but runs on {self.world}")
         self.device = torch.device("cpu")
-        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        if torch.cuda.is_available() and default_device_type() == "cuda":  # NCCL among the group's backends
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self.device)
         self.mesh = seqpar.init_mesh(**job.mesh_kwargs, device_type=self.device.type)
@@ -151,7 +151,9 @@ class Trainer:
         batches = self.micro_batches(step)
         n_items = seqpar.count_target_tokens(batches, self.mesh)
         share = 0.0
-        for b in batches:
+        for i, b in enumerate(batches):
+            if self.use_fsdp:  # reduce-scatter once per step, after the last micro-batch, not after each
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
             local = seqpar.shard_batch(b, self.mesh, layout=self.job.layout, num_items_in_batch=n_items or None)
             loss = self.model(**local).loss
             loss.backward()
