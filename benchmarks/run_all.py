@@ -1,6 +1,7 @@
 """``make bench``: every benchmark of the repository, one after the other, each printing its ratios.
 
-    python benchmarks/run_all.py            # strategies, vs DeepSpeed-Ulysses, the guard's cost, seqpar bench
+    python benchmarks/run_all.py            # strategies, vs DeepSpeed-Ulysses, the guard's cost, seqpar bench,
+                                            # seqpar bench --packing (plain vs packed rows)
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
 The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
@@ -29,6 +30,7 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_varlen.py"), *(["--seq", "4096,8192"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_guard.py"), *(["--seq", "1024,2048"] if args.quick else [])],
         [sys.executable, "-m", "seqpar.cli.main", "bench", *bench_lens],
+        [sys.executable, "-m", "seqpar.cli.main", "bench", "--packing", *bench_lens],
     ]
     failed = 0
     for cmd in runs:

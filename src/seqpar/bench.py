@@ -1,14 +1,15 @@
 """``seqpar bench``: per-rank peak memory and step time of a training step, P ranks vs 1.
 
 One training step (forward, backward, gradient sync, AdamW) of a model on one row of N tokens,
-sequence-parallel over P ranks, compared with the same step on one rank. Memory is what the step
-adds on top of an idle baseline measured in the same process after a warm-up step (weights,
-gradients and optimizer states exist by then), so the ratio shows how the sequence-length
-dependent part -- activations -- divides over the ranks:
+sequence-parallel over P ranks, compared with the same step on one rank -- or, with ``--packing``,
+the same row packed with short documents compared with the plain causal row. Memory is what the
+step adds on top of what existed after a warm-up step (weights, gradients and optimizer states exist
+by then), so the ratio shows how the sequence-length dependent part -- activations -- behaves:
 
-* CPU: peak resident set size. Each configuration runs in fresh worker processes, and the peak
-  is reset after the baseline (``/proc/self/clear_refs``; else the process's peak since start,
-  which is why processes are fresh).
+* CPU: the peak of live tensor storage created in one step (:class:`seqpar.testing.memory.LiveMemory`:
+  counted, not sampled, so the same on every run), measured on the first, untimed step. The peak
+  resident set size of the timed steps is kept beside it (``rss_mib``; each configuration runs in
+  fresh worker processes, the peak reset after the baseline with ``/proc/self/clear_refs``).
 * CUDA: the caching allocator's peak (``torch.cuda.max_memory_allocated``) after a reset.
 
 Step time is the median over the timed steps; with more workers than cores (CPU) it measures the
@@ -41,6 +42,7 @@ class BenchCase:
     steps: int = 3
     dtype: str = "float32"
     seed: int = 0
+    doc_len: int = 0  # > 0: the row packs documents of doc_len tokens (position ids restart); 0: one causal row
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,6 +102,16 @@ def _build(case: BenchCase, mesh: Any, device: torch.device) -> tuple[Any, Any]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def prepare(case: BenchCase, mesh: Any, device: torch.device) -> tuple[Any, Any]:
+    """``(model, optimizer)`` for ``case``, after one small step: gradients and AdamW states exist."""
+    from seqpar.train.tasks import CopyTask
+
+    model, opt = _build(case, mesh, device)
+    warm = CopyTask(max(CopyTask.min_seq_len, 4 * case.nproc)).row(0)
+    _step(model, opt, mesh, {k: v[None].to(device) for k, v in warm.items()}, layout_for(case.strategy))
+    return model, opt
+
+
 def _step(model: Any, opt: Any, mesh: Any, batch: dict[str, torch.Tensor], layout: str) -> None:
     import seqpar
 
@@ -110,42 +122,67 @@ def _step(model: Any, opt: Any, mesh: Any, batch: dict[str, torch.Tensor], layou
     opt.zero_grad(set_to_none=True)
 
 
-def measure(case: BenchCase, mesh: Any, device: torch.device) -> dict[str, float]:
-    """Peak memory above the idle baseline (MiB) and median step time (s) on this rank."""
+def bench_batch(seq_len: int, doc_len: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One row (``[1, seq_len]`` tensors) of the copy task; with ``doc_len`` its ``position_ids``
+    restart every ``doc_len`` tokens, so :func:`seqpar.shard_batch` sees packed documents."""
     from seqpar.train.tasks import CopyTask
 
-    layout = "contiguous" if case.strategy == "ulysses" else "zigzag"
-    model, opt = _build(case, mesh, device)
-    sp = case.nproc
-    warm = CopyTask(max(CopyTask.min_seq_len, 4 * sp)).row(0)  # small: allocates grads and AdamW states
-    _step(model, opt, mesh, {k: v[None].to(device) for k, v in warm.items()}, layout)
-    batch = {k: v[None].to(device) for k, v in CopyTask(case.seq_len, case.seed).row(0).items()}
+    batch = {k: v[None] for k, v in CopyTask(seq_len, seed).row(0).items()}
+    if doc_len:
+        batch["position_ids"] = (torch.arange(seq_len) % doc_len)[None]  # [1, S]
+    return batch
+
+
+def layout_for(strategy: str) -> str:
+    """The layout a strategy trains with: zigzag balances a ring's causal work, Ulysses needs none."""
+    return "contiguous" if strategy == "ulysses" else "zigzag"
+
+
+def probe_step(model: Any, opt: Any, mesh: Any, batch: dict[str, torch.Tensor], layout: str) -> int:
+    """Bytes of live tensor storage at the peak of one training step, above what existed before it."""
+    from seqpar.testing.memory import LiveMemory
+
     gc.collect()
+    with LiveMemory() as probe:
+        _step(model, opt, mesh, batch, layout)
+    return probe.peak_bytes
+
+
+def measure(case: BenchCase, mesh: Any, device: torch.device) -> dict[str, float]:
+    """Peak memory above the baseline (MiB), on CPU also peak RSS, and median step time (s) on this rank."""
+    from seqpar.testing.memory import MIB
+
+    layout = layout_for(case.strategy)
+    model, opt = prepare(case, mesh, device)
+    batch = {k: v.to(device) for k, v in bench_batch(case.seq_len, case.doc_len, case.seed).items()}
+    gc.collect()
+    untimed = 1  # the first full step is not timed (allocator and caches warm up)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device) / 2**20
+        base = torch.cuda.memory_allocated(device) / MIB
         torch.cuda.reset_peak_memory_stats(device)
-        reset_ok = True
-    else:
+    else:  # on CPU that first step carries the probe (it slows the step down)
+        live = probe_step(model, opt, mesh, batch, layout) / MIB
+        untimed = 0
         base = _rss_mib()
         reset_ok = _reset_peak_rss()
     times = []
-    for _ in range(case.steps + 1):  # the first one is not timed (allocator and caches warm up)
+    for _ in range(case.steps + untimed):
         dist.barrier()
         t0 = time.perf_counter()
         _step(model, opt, mesh, batch, layout)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        peak = _peak_rss_mib(reset_ok)
     del model, opt
-    return {"mem_mib": max(0.0, peak - base), "base_mib": base, "step_s": statistics.median(times[1:])}
+    step_s = statistics.median(times[untimed:])
+    if device.type == "cuda":
+        return {"mem_mib": max(0.0, torch.cuda.max_memory_allocated(device) / MIB - base), "step_s": step_s}
+    return {"mem_mib": live, "rss_mib": max(0.0, _peak_rss_mib(reset_ok) - base), "step_s": step_s}
 
 
-def _mesh_for(case: BenchCase, device_type: str) -> Any:
+def mesh_for(case: BenchCase, device_type: str) -> Any:
+    """The mesh a case runs on: ``sp = nproc`` (hybrid: split into ulysses x ring), the rest dp."""
     import seqpar
 
     kw: dict[str, int] = {"sp": case.nproc, "dp": dist.get_world_size() // case.nproc}
@@ -160,7 +197,7 @@ def _mesh_for(case: BenchCase, device_type: str) -> Any:
 
 def bench_worker(rank: int, world: int, case: BenchCase) -> dict[str, float]:
     """One configuration on ``world`` fresh local processes (:func:`seqpar.comm.launch.run_distributed`)."""
-    return measure(case, _mesh_for(case, "cpu"), torch.device("cpu"))
+    return measure(case, mesh_for(case, "cpu"), torch.device("cpu"))
 
 
 def run_case(case: BenchCase, timeout: float = 900.0) -> dict[str, Any]:
@@ -171,7 +208,12 @@ def run_case(case: BenchCase, timeout: float = 900.0) -> dict[str, Any]:
                                env={"OMP_NUM_THREADS": "1"})
     return {**asdict(case), "mem_mib": max(r["mem_mib"] for r in per_rank),
             "mem_mib_per_rank": [round(r["mem_mib"], 1) for r in per_rank],
-            "step_s": max(r["step_s"] for r in per_rank), "measure": "peak RSS"}
+            "rss_mib": max(r["rss_mib"] for r in per_rank),
+            "step_s": max(r["step_s"] for r in per_rank), "measure": "live tensors"}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -179,67 +221,24 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     single = {r["seq_len"]: r for r in rows if r["nproc"] == 1}
     for r in rows:
         one = single.get(r["seq_len"])
-        r["mem_ratio"] = r["mem_mib"] / one["mem_mib"] if one and one["mem_mib"] > 0 else float("nan")
-        r["time_ratio"] = r["step_s"] / one["step_s"] if one and one["step_s"] > 0 else float("nan")
+        r["mem_ratio"] = _ratio(r["mem_mib"], one["mem_mib"]) if one else float("nan")
+        r["time_ratio"] = _ratio(r["step_s"], one["step_s"]) if one else float("nan")
     return rows
 
 
-CSV_FIELDS = ["model", "strategy", "nproc", "seq_len", "tokens_per_rank", "mem_mib", "mem_ratio", "step_s",
-              "time_ratio", "mem_mib_per_rank", "measure", "dtype", "steps"]
-
-
-def write_csv(rows: list[dict[str, Any]], path: str) -> None:
-    import csv
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({**r, "tokens_per_rank": -(-r["seq_len"] // r["nproc"]),
-                        "mem_mib": f"{r['mem_mib']:.1f}", "mem_ratio": f"{r['mem_ratio']:.3f}",
-                        "step_s": f"{r['step_s']:.4f}", "time_ratio": f"{r['time_ratio']:.3f}",
-                        "mem_mib_per_rank": ";".join(str(m) for m in r["mem_mib_per_rank"])})
-
-
-def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    """Memory per rank and step time against sequence length, one line per (P, strategy)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series: dict[tuple[int, str], list[dict[str, Any]]] = {}
+def add_packing_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``mem_ratio`` / ``time_ratio``: each row over the plain row of the same P, strategy and
+    length (1 for the plain row itself); ``growth``: its memory over the same series' at half the
+    length (nan where that was not measured) -- 2 where memory is linear in S, 4 where quadratic."""
+    by = {(r["nproc"], r["strategy"], r["seq_len"], r["doc_len"]): r for r in rows}
+    nan = float("nan")
     for r in rows:
-        series.setdefault((r["nproc"], r["strategy"] if r["nproc"] > 1 else "1 rank"), []).append(r)
-    for (p, strat), rs in sorted(series.items()):
-        rs = sorted(rs, key=lambda r: r["seq_len"])
-        label = strat if p == 1 else f"P={p} {strat}"
-        xs = [r["seq_len"] for r in rs]
-        ax_m.plot(xs, [r["mem_mib"] for r in rs], marker="o", label=label)
-        ax_t.plot(xs, [r["step_s"] for r in rs], marker="o", label=label)
-    for ax, what in ((ax_m, f"peak memory per rank above idle (MiB, {rows[0]['measure']})"),
-                     (ax_t, "step time (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel(what)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'P':>2} {'strategy':<8} {'seq_len':>8} {'mem/rank MiB':>13} {'vs 1 rank':>9} {'step s':>8}"
-            f" {'vs 1 rank':>9}")
-    lines = [head, "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["seq_len"], r["nproc"], r["strategy"])):
-        lines.append(f"{r['nproc']:>2} {r['strategy'] if r['nproc'] > 1 else '-':<8} {r['seq_len']:>8} "
-                     f"{r['mem_mib']:>13.1f} {r['mem_ratio']:>9.3f} {r['step_s']:>8.3f} {r['time_ratio']:>9.3f}")
-    return "\n".join(lines)
+        plain = by.get((r["nproc"], r["strategy"], r["seq_len"], 0))
+        half = by.get((r["nproc"], r["strategy"], r["seq_len"] // 2, r["doc_len"])) if r["seq_len"] % 2 == 0 else None
+        r["mem_ratio"] = _ratio(r["mem_mib"], plain["mem_mib"]) if plain else nan
+        r["time_ratio"] = _ratio(r["step_s"], plain["step_s"]) if plain else nan
+        r["growth"] = _ratio(r["mem_mib"], half["mem_mib"]) if half else nan
+    return rows
 
 
 def cases(model: str, model_config: str, seq_lens: list[int], nprocs: list[int], strategies: list[str],
@@ -257,6 +256,25 @@ def cases(model: str, model_config: str, seq_lens: list[int], nprocs: list[int],
     return out
 
 
+def packing_cases(model: str, model_config: str, seq_lens: list[int], nprocs: list[int], strategies: list[str],
+                  steps: int, dtype: str, doc_len: int) -> tuple[list[BenchCase], list[str]]:
+    """Every (P, strategy, length) twice: one causal row, and the row packed with ``doc_len``-token
+    documents. Also returns what was left out and why (hybrid below P = 4, P = 1)."""
+    out, skipped = [], []
+    for p in nprocs:
+        if p == 1:
+            skipped.append("P=1: the packing table compares sequence-parallel strategies; use --nproc >= 2")
+            continue
+        for s in strategies:
+            if s == "hybrid" and p < 4:
+                skipped.append(f"hybrid at P={p}: it splits the ranks into ulysses x ring, each >= 2, so it needs "
+                               "P >= 4 (add --nproc 4)")
+                continue
+            out += [BenchCase(model, model_config, p, s, n, steps, dtype, doc_len=d)
+                    for n in seq_lens for d in (0, doc_len)]
+    return out, skipped
+
+
 def check_cases(all_cases: list[BenchCase]) -> None:
     """Bad input before any process starts: ValueError naming the option."""
     from seqpar.integrations.models import BUILTIN_MODELS
@@ -268,6 +286,9 @@ def check_cases(all_cases: list[BenchCase]) -> None:
         if c.seq_len < max(8, 2 * c.nproc):
             raise ValueError(f"--seq-lens {c.seq_len} is too short for {c.nproc} ranks: use >= "
                              f"{max(8, 2 * c.nproc)}")
+        if c.doc_len and not 2 <= c.doc_len < c.seq_len:
+            raise ValueError(f"--packing {c.doc_len}: a packed row needs documents of 2 to seq_len - 1 tokens; "
+                             f"use a smaller --packing or longer --seq-lens than {c.seq_len}")
     if os.cpu_count() and max(c.nproc for c in all_cases) > 64:
         raise ValueError("--nproc above 64 local processes is not what seqpar bench is for: use torchrun")
 
@@ -290,7 +311,7 @@ def torchrun_rows(all_cases: list[BenchCase]) -> list[dict[str, Any]] | None:
         for case in all_cases:
             if case.nproc not in (1, world):
                 continue  # other P need another torchrun
-            r = measure(case, _mesh_for(case, device.type), device)
+            r = measure(case, mesh_for(case, device.type), device)
             table = torch.tensor([r["mem_mib"], r["step_s"]], dtype=torch.float64, device=device)
             out = [torch.zeros_like(table) for _ in range(world)]
             dist.all_gather(out, table)

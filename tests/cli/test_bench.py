@@ -1,5 +1,6 @@
-"""seqpar bench: the case grid, ratios, CSV and plot (pure), bad options, and one real measurement
-(1 rank vs 2 ranks at 1024 tokens, fresh processes each) whose memory per rank must drop."""
+"""seqpar bench: the case grids, ratios, CSV and plot (pure), bad options, one real measurement
+(1 rank vs 2 ranks at 1024 tokens, fresh processes each) whose memory per rank must drop, and one
+real ``--packing`` run (plain vs packed rows, hybrid skipped at P=2 with its reason)."""
 
 import csv
 import math
@@ -7,13 +8,14 @@ import math
 import pytest
 
 from seqpar import bench
+from seqpar.cli import bench as cli_bench
 from seqpar.cli.main import main
 
 
-def _row(p, strategy, n, mem, t):
+def _row(p, strategy, n, mem, t, doc_len=0):
     return {"model": "tiny-llama", "model_config": "", "nproc": p, "strategy": strategy, "seq_len": n, "steps": 1,
-            "dtype": "float32", "seed": 0, "mem_mib": mem, "mem_mib_per_rank": [mem] * p, "step_s": t,
-            "measure": "peak RSS"}
+            "dtype": "float32", "seed": 0, "doc_len": doc_len, "mem_mib": mem, "mem_mib_per_rank": [mem] * p,
+            "rss_mib": 2 * mem, "step_s": t, "measure": "live tensors"}
 
 
 def test_cases_one_baseline_per_length_and_hybrid_only_from_4():
@@ -31,12 +33,45 @@ def test_ratios_are_against_one_rank_at_the_same_length(tmp_path):
     assert rows[1]["mem_ratio"] == 0.5 and rows[1]["time_ratio"] == pytest.approx(1.5)
     assert math.isnan(rows[2]["mem_ratio"])  # no 1-rank row at 2048
     path = tmp_path / "b.csv"
-    bench.write_csv(rows, str(path))
+    cli_bench.write_csv(rows, str(path), cli_bench.CSV_FIELDS)
     got = list(csv.DictReader(open(path)))
-    assert got[1]["mem_ratio"] == "0.500" and got[1]["tokens_per_rank"] == "512"
-    bench.plot(rows, str(tmp_path / "b.png"), "t")
+    assert got[1]["mem_ratio"] == "0.500" and got[1]["tokens_per_rank"] == "512" and got[1]["rss_mib"] == "40.0"
+    cli_bench.plot(rows, str(tmp_path / "b.png"), "t")
     assert (tmp_path / "b.png").stat().st_size > 1000
-    assert "0.500" in bench.format_table(rows)
+    assert "0.500" in cli_bench.format_table(rows)
+
+
+def test_packing_cases_plain_and_packed_per_length_hybrid_skipped_below_4():
+    cases, skipped = bench.packing_cases("tiny-llama", "", [1024, 2048], [1, 2, 4], ["ring", "hybrid"], 1,
+                                         "float32", 256)
+    assert {(c.nproc, c.strategy, c.seq_len, c.doc_len) for c in cases} == {
+        (p, s, n, d) for p, s in ((2, "ring"), (4, "ring"), (4, "hybrid")) for n in (1024, 2048) for d in (0, 256)}
+    assert len(cases) == 12 and len(skipped) == 2
+    assert skipped[0].startswith("P=1") and skipped[1].startswith("hybrid at P=2") and "--nproc 4" in skipped[1]
+    assert bench.bench_batch(1024, 256)["position_ids"][0, 250:260].tolist() == [250, 251, 252, 253, 254, 255,
+                                                                                 0, 1, 2, 3]
+    assert "position_ids" not in bench.bench_batch(1024)
+
+
+def test_packing_ratios_growth_table_and_csv(tmp_path):
+    rows = bench.add_packing_ratios([
+        _row(2, "ring", 1024, 10.0, 1.0), _row(2, "ring", 1024, 12.0, 0.5, 128),
+        _row(2, "ring", 2048, 20.0, 4.0), _row(2, "ring", 2048, 48.0, 1.0, 128),
+        _row(2, "ulysses", 2048, 16.0, 3.0)])
+    ring_plain, ring_packed = rows[2], rows[3]
+    assert ring_plain["mem_ratio"] == 1.0 and ring_plain["growth"] == 2.0
+    assert ring_packed["mem_ratio"] == 2.4 and ring_packed["time_ratio"] == 0.25 and ring_packed["growth"] == 4.0
+    assert math.isnan(rows[0]["growth"]) and math.isnan(rows[4]["growth"])  # no row at half the length
+    table = cli_bench.format_packing_table(rows)
+    ring_2048 = next(line for line in table.splitlines() if line.startswith(" 2 ring") and " 2048 " in line)
+    assert ring_2048.split() == ["2", "ring", "2048", "|", "20.0", "48.0", "2.40", "|", "4.000", "1.000", "0.25", "|",
+                                 "2.00", "4.00"]
+    ulysses_line = table.splitlines()[-1].split()
+    assert ulysses_line[4:7] == ["16.0", "-", "-"]  # no packed row: no ratio
+    path = tmp_path / "p.csv"
+    cli_bench.write_csv(rows, str(path), cli_bench.PACKING_CSV_FIELDS)
+    got = list(csv.DictReader(open(path)))
+    assert (got[3]["doc_len"], got[3]["mem_ratio"], got[3]["growth"]) == ("128", "2.400", "4.000")
 
 
 @pytest.mark.distributed
@@ -45,6 +80,8 @@ def test_ratios_are_against_one_rank_at_the_same_length(tmp_path):
     (["--seq-lens", "4", "--nproc", "4"], "--seq-lens 4"),
     (["--model", "/no/such"], "--model"),
     (["--steps", "0"], "--steps"),
+    (["--packing", "2048", "--seq-lens", "2048"], "--packing 2048"),
+    (["--packing", "--nproc", "1"], "P=1"),
 ])
 def test_bad_options(capsys, args, needle):
     assert main(["bench", *args]) == 2
@@ -65,3 +102,20 @@ def test_real_measurement_memory_per_rank_drops(tmp_path, capsys):
     assert float(rows[1]["mem_ratio"]) == pytest.approx(two / one, abs=2e-3)
     assert (out / "bench.png").stat().st_size > 1000
     assert "vs 1 rank" in capsys.readouterr().out
+
+
+@pytest.mark.distributed
+def test_real_packing_run_plain_vs_packed(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["bench", "--packing", "128", "--seq-lens", "1024", "--nproc", "2", "--strategies", "ring,hybrid",
+                 "--model-config", '{"num_hidden_layers": 1}', "--out", str(out)])
+    assert code == 0
+    rows = list(csv.DictReader(open(out / "bench_packing.csv")))
+    assert [(r["strategy"], r["seq_len"], r["doc_len"]) for r in rows] == [("ring", "1024", "0"),
+                                                                            ("ring", "1024", "128")]
+    plain, packed = (float(r["mem_mib"]) for r in rows)
+    assert 0 < packed <= 1.5 * plain, rows  # 128-token documents: no mask of the row's size
+    assert float(rows[1]["mem_ratio"]) == pytest.approx(packed / plain, abs=0.01)  # the CSV rounds MiB to 0.1
+    assert (out / "bench_packing.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "packed MiB" in printed and "skipped hybrid at P=2" in printed

@@ -4,7 +4,7 @@ Peak RSS depends on the allocator, on the other processes of the machine and on 
 before; this counts tensors instead. Inside ``with LiveMemory() as mem:`` every storage that an op
 *creates* (any aten op, the backward's included, and the buffers collectives write into) is counted
 once, keyed by storage identity so a view never counts twice, and leaves the count when the storage
-dies; ``mem.peak_bytes`` is the highest count reached::
+dies; ``mem.peak_bytes`` is the highest count reached (``live_bytes`` the count now)::
 
     live bytes
       ^        peak_bytes
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 MIB = 2**20
 
@@ -87,12 +87,13 @@ class LiveMemory(TorchDispatchMode):
 
 
 def _tensors(values: tuple | list) -> Iterator[Tensor]:
-    """The tensors with a storage among ``values`` and inside their lists and tuples (aten's
-    arguments and results nest one level: ``cat``'s inputs, a collective's buffers). Faster than
+    """The tensors with a storage of their own among ``values`` and inside their lists and tuples
+    (aten's arguments and results nest one level: ``cat``'s inputs, a collective's buffers); not
+    wrapper subclasses such as DTensor, whose local tensors live in their own dispatch. Faster than
     pytree, which matters: this runs for every op."""
     for x in values:
         if isinstance(x, Tensor):
-            if x.layout == torch.strided and x.device.type != "meta":
+            if x.layout == torch.strided and x.device.type != "meta" and not is_traceable_wrapper_subclass(x):
                 yield x
         elif isinstance(x, (tuple, list)):
             yield from _tensors(x)
