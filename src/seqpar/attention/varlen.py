@@ -48,12 +48,17 @@ class Rect:
     how: str
 
 
-def _runs(ids: Tensor) -> list[tuple[int, int, int]]:
-    """``(value, start, length)`` of each run of equal values in a 1-D tensor."""
+def _runs(ids: Tensor, pos: Tensor | None = None) -> list[tuple[int, int, int]]:
+    """``(value, start, length)`` of each run of equal values in a 1-D tensor -- and, given
+    ``pos``, of consecutive positions too (a permuted layout's pieces: a rectangle between two
+    pieces is then exactly visible or causal, not a bounding box of scattered pairs)."""
     n = ids.numel()
     if n == 0:
         return []
-    cuts = (ids[1:] != ids[:-1]).nonzero().flatten().add(1).tolist()
+    cut = ids[1:] != ids[:-1]
+    if pos is not None:
+        cut |= pos[1:] != pos[:-1] + 1
+    cuts = cut.nonzero().flatten().add(1).tolist()
     starts, ends = [0, *cuts], [*cuts, n]
     values = ids[starts].tolist()
     return [(v, s, e - s) for v, s, e in zip(values, starts, ends, strict=True)]
@@ -123,18 +128,19 @@ def document_rects(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batc
 def _document_rects(spec: AttnSpec, mask: MaskInfo, sq: int, sk: int, batch: int, tile: int) -> list[Rect]:
     cpu = torch.device("cpu")
     q_pos, k_pos = (p.to(cpu) for p in mask.positions(sq, sk, cpu))
-    if mask.is_trivial():  # one document, no padding: the same rectangles for every row
-        return _tiles(spec, None, q_pos, k_pos, 0, sq, 0, sk, tile)
+    positional = spec.causal or spec.window is not None or spec.chunk is not None
+    q_cut, k_cut = (q_pos, k_pos) if positional else (None, None)  # pieces of a permuted layout
+    rows: list[int | None] = [None] if mask.is_trivial() else list(range(batch))  # trivial: rows alike
     out = []
-    for row in range(batch):
+    for row in rows:
         q_doc = mask.q_seg[row].to(cpu) if mask.q_seg is not None else torch.zeros(sq, dtype=torch.long)
         k_doc = mask.k_seg[row].to(cpu) if mask.k_seg is not None else torch.zeros(sk, dtype=torch.long)
         if mask.key_keep is not None:  # a padding key is in no document
             k_doc = torch.where(mask.key_keep[row].to(cpu), k_doc, torch.full_like(k_doc, -(1 << 40)))
         key_runs: dict[int, list[tuple[int, int]]] = {}
-        for doc, start, n in _runs(k_doc):
+        for doc, start, n in _runs(k_doc, k_cut):
             key_runs.setdefault(doc, []).append((start, n))
-        for doc, q0, nq in _runs(q_doc):
+        for doc, q0, nq in _runs(q_doc, q_cut):
             for k0, nk in key_runs.get(doc, ()):
                 out += _tiles(spec, row, q_pos, k_pos, q0, nq, k0, nk, tile)
     return out
