@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from seqpar.attention.layout import min_seq_len
 from seqpar.integrations.models import BUILTIN_MODELS, builtin_config, decoder_config
 from seqpar.planner import hybrid_split, plan
 
@@ -88,16 +89,17 @@ def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool =
             raise ValueError(f"--strategy hybrid cannot split --sp {sp} into ulysses x ring (each >= 2, ulysses <= "
                              f"{heads} heads): use --strategy ulysses or ring") from None
         mesh_kwargs.update(ulysses=u, ring=r)
-    layout = "contiguous" if strategy == "ulysses" or sp == 1 else "zigzag"
+    # ring work balanced per packed document and padding run (plain rows: the same as zigzag)
+    layout = "contiguous" if strategy == "ulysses" or sp == 1 else "doc-zigzag"
     if cfg.dtype == "bfloat16" and cfg.fsdp == "off":
         raise ValueError("--dtype bfloat16 trains through FSDP2's mixed precision (bf16 compute, fp32 master "
                          "weights): use --fsdp auto or on")
 
     ulysses = mesh_kwargs.get("ulysses", sp if strategy == "ulysses" else 1)
-    pieces = sp if layout == "contiguous" else 2 * sp // ulysses
-    if cfg.seq_len < pieces:
-        raise ValueError(f"--seq-len {cfg.seq_len} is too short for --sp {sp} with {strategy} ({layout} layout "
-                         f"cuts each row into {pieces} pieces): use --seq-len >= {pieces} or a smaller --sp")
+    shortest = min_seq_len(sp, layout, ulysses)
+    if cfg.seq_len < shortest:
+        raise ValueError(f"--seq-len {cfg.seq_len} is too short for --sp {sp} with {strategy} ({layout} layout): "
+                         f"use --seq-len >= {shortest} or a smaller --sp")
     if not cfg.data:
         CopyTask(cfg.seq_len, cfg.seed)  # raises for a row too short for the task
     elif read_data:
