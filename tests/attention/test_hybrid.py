@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-from test_ring import doc_zigzag_path  # the ring suite's doc-zigzag parity path, reused for hybrid
 
 from seqpar.attention.dispatch import sp_attention
 from seqpar.attention.hybrid import hybrid_attention, hybrid_groups
@@ -20,7 +19,7 @@ from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.mesh import init_mesh
 from seqpar.testing.attention_faults import crash_problems, crash_scenarios, run_crashes
-from seqpar.testing.attention_parity import AttnCase, bad_rows, feature_cases, register_path, run_cases
+from seqpar.testing.attention_parity import AttnCase, bad_rows, feature_cases, run_cases
 
 TOL = 1e-10
 LAYOUTS = ("contiguous", "zigzag")
@@ -32,7 +31,6 @@ def _case(u, seq, heads, kv, causal, mask, layout, kernel="reference", comm="p2p
                     options={"ulysses": u, "layout": layout, "comm": comm}, **kw)
 
 
-register_path("hybrid:doc-zigzag")(doc_zigzag_path("hybrid"))
 
 
 def _doc_grid(u):

@@ -3,25 +3,22 @@
 errors; the doc-zigzag layout through a batch's SeqShard. Its pure parts (block plans, lse merge, sinks
 fold): test_blocks.py."""
 
-from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from seqpar.attention.blocks import RingStats, plan_block
-from seqpar.attention.layout import document_cuts, layout_indices, layout_permutation, layout_seq_lens
+from seqpar.attention.layout import layout_indices, layout_permutation, layout_seq_lens
 from seqpar.attention.ring import ring_attention
 from seqpar.attention.shard import SeqShard
 from seqpar.attention.spec import AttnSpec
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 from seqpar.testing.attention_parity import (
-    ATTENTION_PATHS,
     AttnCase,
     bad_rows,
     feature_cases,
-    register_path,
     run_cases,
 )
 
@@ -35,24 +32,6 @@ def _case(seq, heads, kv, causal, mask, layout, kernel="reference", comm="p2p", 
                     options={"layout": layout, "comm": comm}, **kw)
 
 
-def doc_zigzag_path(strategy):
-    """``strategy``'s parity path with layout='doc-zigzag': the permutation follows the case's
-    documents and padding, so the global masks travel in a SeqShard, as shard_batch builds it."""
-    base = ATTENTION_PATHS[strategy]
-
-    def path(inputs, case, group):
-        p, r = dist.get_world_size(group), dist.get_rank(group)
-        keep, seg = inputs["key_padding_mask"], inputs["segment_ids"]
-        parts = layout_indices(case.seq, p, "doc-zigzag", case.options.get("ulysses", 1), document_cuts(seg, keep))
-        perm = torch.cat(parts)
-        shard = SeqShard(tuple(len(t) for t in parts), perm, None if keep is None else keep[:, perm],
-                         None if seg is None else seg[:, perm])
-        _, _, run = base(inputs, replace(case, strategy=strategy, options={**case.options, "shard": shard}), group)
-        return inputs, parts[r], lambda q, k, v, mask, seg_ids, sinks: run(q, k, v, None, None, sinks)
-    return path
-
-
-register_path("ring:doc-zigzag")(doc_zigzag_path("ring"))
 
 
 def _doc_case(seq, heads, kv, causal, mask, kernel="reference", comm="p2p", **kw):

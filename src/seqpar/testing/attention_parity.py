@@ -10,16 +10,17 @@ output is contiguous.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..attention.hybrid import hybrid_attention, hybrid_groups
-from ..attention.layout import layout_indices
+from ..attention.layout import document_cuts, layout_indices
 from ..attention.reference import reference_attention
 from ..attention.ring import ring_attention
+from ..attention.shard import SeqShard
 from ..attention.ulysses import ulysses_attention
 from ..comm.collectives import split_sizes
 
@@ -162,6 +163,45 @@ def _hybrid_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tupl
     return inputs, idx, run
 
 
+def _doc_zigzag_path(strategy: str) -> AttentionPath:
+    """``strategy``'s path with ``layout="doc-zigzag"``: the permutation follows the case's documents
+    and padding, so the global masks travel in a SeqShard, as shard_batch builds it."""
+    base = ATTENTION_PATHS[strategy]
+
+    def path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tuple[dict, Tensor, Callable]:
+        p, r = dist.get_world_size(group), dist.get_rank(group)
+        keep, seg = inputs["key_padding_mask"], inputs["segment_ids"]
+        ulysses = case.options.get("ulysses", (2 if p % 2 == 0 else 1) if strategy == "hybrid" else 1)
+        parts = layout_indices(case.seq, p, "doc-zigzag", ulysses, document_cuts(seg, keep))
+        perm = torch.cat(parts)
+        shard = SeqShard(tuple(len(t) for t in parts), perm, None if keep is None else keep[:, perm],
+                         None if seg is None else seg[:, perm])
+        _, _, run = base(inputs, replace(case, strategy=strategy, options={**case.options, "shard": shard}), group)
+        return inputs, parts[r], lambda q, k, v, mask, seg_ids, sinks: run(q, k, v, None, None, sinks)
+    return path
+
+
+for _name in ("ulysses", "ring", "hybrid"):
+    register_path(f"{_name}:doc-zigzag")(_doc_zigzag_path(_name))
+
+
+def doc_zigzag_cases(strategy: str, quick: bool = False) -> list[AttnCase]:
+    """``strategy`` on the doc-zigzag layout (each document and padding run zigzagged over the
+    ring): odd lengths, every mask, the fused CPU kernel with both ring comms, window, softcap,
+    sinks and chunk."""
+    name = f"{strategy}:doc-zigzag"
+    comms = [{}] if strategy == "ulysses" else [{"comm": "p2p"}, {"comm": "allgather"}]
+    cases = [AttnCase(seq=s, heads=6, kv_heads=1, causal=c, mask=m, strategy=name)
+             for s in ((37,) if quick else (7, 37, 129)) for c in (False, True) for m in ("none", "pad", "packed")]
+    cases += [AttnCase(seq=129, heads=8, kv_heads=2, causal=True, mask=m, kernel="flash_cpu" if strategy != "ulysses"
+                       else "auto", strategy=name, options=o) for m in ("pad", "packed") for o in comms]
+    cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, mask="packed", window=5,
+                       kernel="flash_cpu" if strategy != "ulysses" else "auto", strategy=name),
+              AttnCase(seq=37, heads=8, kv_heads=2, causal=True, mask="pad", softcap=2.0, scale=0.3, chunk=8,
+                       sinks=True, strategy=name, kernel="tiled")]
+    return cases
+
+
 def feature_cases(strategy: str, quick: bool = False) -> list[AttnCase]:
     """Attention sinks, chunked attention (with window) and a v head dim other than q's and k's
     (MLA: D=8 with Dv=5 or 12), on odd lengths, GQA with fewer KV heads than ranks and padded /
@@ -209,7 +249,7 @@ def attention_grid(strategy: str, quick: bool) -> list[AttnCase]:
         cases += [AttnCase(seq=37, heads=8, kv_heads=2, causal=True, kernel="flash_cpu", mask=m, window=w,
                            strategy=strategy, options={"layout": "zigzag", "comm": comm})
                   for m in ("pad", "packed") for w in (None, 5) for comm in ("p2p", "allgather")]
-    return cases + feature_cases(strategy, quick)
+    return cases + feature_cases(strategy, quick) + doc_zigzag_cases(strategy, quick)
 
 
 def run_case(case: AttnCase, group: dist.ProcessGroup) -> dict[str, float]:
