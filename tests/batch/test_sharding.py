@@ -95,6 +95,31 @@ def test_local_problems(batch, problem):
     assert found == problem if problem is None else problem in found
 
 
+CU = torch.tensor([0, 3, 4, 8], dtype=torch.int32)  # documents 0..2 | 3 | 4..7 of a [2, 4] batch
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"cu_seq_lens_q": CU, "cu_seq_lens_k": CU, "max_length_q": 4, "max_length_k": 4}, None),
+    ({"cu_seq_lens_q": CU}, "both be given and equal"),
+    ({"cu_seq_lens_q": CU, "cu_seq_lens_k": torch.tensor([0, 4, 8])}, "both be given and equal"),
+    ({"cu_seq_lens_q": torch.tensor([0, 3, 3, 8]), "cu_seq_lens_k": torch.tensor([0, 3, 3, 8])}, "grow strictly"),
+    ({"cu_seq_lens_q": torch.tensor([0, 4, 9]), "cu_seq_lens_k": torch.tensor([0, 4, 9])}, "documents longer"),
+    ({"cu_seq_lens_q": torch.tensor([0, 3, 8]), "cu_seq_lens_k": torch.tensor([0, 3, 8])}, "crosses a row"),
+    ({"cu_seq_lens_q": CU, "cu_seq_lens_k": CU, "position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])},
+     "contradicts position_ids"),
+    ({"cu_seq_lens_q": CU, "cu_seq_lens_k": CU, "position_ids": torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]])}, None),
+])
+def test_cu_seqlens_are_checked_against_the_rows_and_positions(extra, problem):
+    found = _local_problem({"input_ids": Z, **extra})[0]
+    assert found == problem if problem is None else problem in found
+
+
+def test_cu_seqlens_alone_give_the_documents():
+    prep = prepare_batch({"input_ids": Z, "labels": Z, "cu_seq_lens_q": CU, "cu_seq_lens_k": CU})
+    assert prep.position_ids.tolist() == [[0, 1, 2, 0], [0, 1, 2, 3]]
+    assert prep.segments.tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]]
+
+
 def test_checksum_tells_batches_apart():
     a = torch.arange(20).view(2, 10)
     assert _checksum(a) == _checksum(a.clone())
@@ -160,6 +185,12 @@ def _worker(rank, world):
         out["too short"] = "no error"
     except ValueError as e:
         out["too short"] = str(e)
+    contradicting = dict(batch, cu_seq_lens_q=torch.tensor([0, 11, 22]), cu_seq_lens_k=torch.tensor([0, 11, 22]))
+    try:  # documents of the offsets and of the position ids differ: the same error on every rank
+        seqpar.shard_batch(contradicting, seqpar.init_mesh(sp=4, device_type="cpu"))
+        out["cu contradiction"] = "no error"
+    except ValueError as e:
+        out["cu contradiction"] = str(e)
     mesh = seqpar.init_mesh(sp=2, dp=2, device_type="cpu")
     dp = mesh.get_local_rank("dp")
     mine = [_full_batch()] if dp == 0 else [_full_batch(), {"input_ids": batch["input_ids"][:, :5],
@@ -238,3 +269,8 @@ def test_count_target_tokens_sums_over_dp(ranks):
     # bare labels know nothing of padding or documents: every shifted label counts
     assert all(r["count_labels"] == 2 * (2 * 10) + 8 for r in ranks)
     assert all(r["dp_denominator"] == expected and r["dp_scale"] == 1 / expected for r in ranks)
+
+
+@pytest.mark.distributed
+def test_contradicting_cu_seqlens_raise_on_every_rank(ranks):
+    assert all("contradicts position_ids" in r["cu contradiction"] for r in ranks)

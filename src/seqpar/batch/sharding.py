@@ -32,7 +32,7 @@ from ..attention.layout import LAYOUTS, document_cuts, layout_indices, min_seq_l
 from ..attention.shard import SeqShard
 from ..comm.agree import MISSING, check, share
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, dp_size, has_axis
-from .targets import IGNORE_INDEX, prepare_batch, target_count
+from .targets import CU_SEQLENS_KEYS, IGNORE_INDEX, cu_seqlens_problem, prepare_batch, target_count
 
 BATCH_KWARG = "seqpar_batch"
 """The key under which a sharded batch carries its :class:`LocalBatch` into ``model(**local)``."""
@@ -95,8 +95,9 @@ def _local_problem(batch: Mapping[str, Any]) -> tuple[str | None, int, int]:
     if (ids is not None and ids.dim() != 2) or (ids is None and emb.dim() != 3):
         return "input_ids must be [batch, seq_len] (inputs_embeds [batch, seq_len, hidden])", -1, -1
     b, s = int(ref.shape[0]), int(ref.shape[1])
-    if set(batch) - set(BATCH_KEYS) - {"use_cache"}:
-        return f"the batch has keys shard_batch does not know: use only {list(BATCH_KEYS)}", b, s
+    if set(batch) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - {"use_cache"}:
+        return (f"the batch has keys shard_batch does not know: use only {list(BATCH_KEYS)} (and the "
+                f"{list(CU_SEQLENS_KEYS)} of DataCollatorWithFlattening)"), b, s
     labels, mask, pos, w = (batch.get(k) for k in ("labels", "attention_mask", "position_ids", "loss_weights"))
     if labels is not None and tuple(labels.shape) != (b, s):
         return "labels must have the shape of input_ids [batch, seq_len]", b, s
@@ -107,7 +108,7 @@ def _local_problem(batch: Mapping[str, Any]) -> tuple[str | None, int, int]:
         return "position_ids must be [batch, seq_len] or [1, seq_len]", b, s
     if w is not None and (labels is None or tuple(w.shape) != (b, s)):
         return "loss_weights must have the shape of labels [batch, seq_len] and need labels", b, s
-    return None, b, s
+    return cu_seqlens_problem(batch, b, s), b, s
 
 
 def _checksum(t: Tensor | None) -> float:

@@ -41,6 +41,49 @@ def segments_from_positions(position_ids: Tensor) -> Tensor:
     return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
+CU_SEQLENS_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""The flash-attention packing keys of transformers' ``DataCollatorWithFlattening``: document
+offsets in the flattened ``[B * S]`` batch. seqpar checks them against the rows and the position
+ids, derives position ids from them when there are none, and does not pass them on (they describe
+the unsharded batch)."""
+
+
+def cu_seqlens_problem(batch: Mapping[str, Any], b: int, s: int) -> str | None:
+    """What is wrong with a batch's ``cu_seq_lens_q`` / ``cu_seq_lens_k``, or None (also when it has
+    none): they must be equal, start at 0, grow strictly, end at ``B * S``, start a document at every
+    row, and -- with ``position_ids`` -- start documents exactly where the positions restart."""
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    if cu_q is None or cu_k is None or not torch.equal(cu_q.reshape(-1).cpu(), cu_k.reshape(-1).cpu()):
+        return "cu_seq_lens_q and cu_seq_lens_k must both be given and equal (self-attention over packed documents)"
+    cu = cu_q.reshape(-1).to("cpu", torch.long)
+    if cu.numel() < 2 or int(cu[0]) != 0 or not bool((cu[1:] > cu[:-1]).all()):
+        return f"cu_seq_lens_q must start at 0 and grow strictly (document offsets), got {cu.tolist()[:8]}..."
+    if int(cu[-1]) != b * s:
+        return (f"cu_seq_lens_q ends at {int(cu[-1])} but the batch holds {b} x {s} = {b * s} tokens: documents "
+                "longer than the rows, or offsets of another batch")
+    starts = set(cu[:-1].tolist())
+    if not {r * s for r in range(b)} <= starts:
+        return "a document in cu_seq_lens_q crosses a row boundary: every row must start a document"
+    pos = batch.get("position_ids")
+    if pos is not None:
+        restarts = segments_from_positions(pos.to("cpu", torch.long).expand(b, s)).diff(dim=-1, prepend=torch.full(
+            (b, 1), -1)) != 0  # [B, S] True where a document starts
+        if set(restarts.reshape(-1).nonzero().flatten().tolist()) != starts:
+            return ("cu_seq_lens_q contradicts position_ids: their documents start at different tokens (pass one "
+                    "of them, or both from the same collator)")
+    return None
+
+
+def positions_from_cu_seqlens(cu_seqlens: Tensor, b: int, s: int) -> Tensor:
+    """``[B, S]`` position ids restarting at 0 at every document offset of ``cu_seqlens``."""
+    cu = cu_seqlens.reshape(-1).to(torch.long)
+    flat = torch.arange(b * s, device=cu.device)
+    doc = torch.searchsorted(cu, flat, right=True) - 1
+    return (flat - cu[doc]).view(b, s)
+
+
 def shift_targets(labels: Tensor, *, key_keep: Tensor | None = None, segments: Tensor | None = None,
                   weights: Tensor | None = None, ignore_index: int = IGNORE_INDEX
                   ) -> tuple[Tensor, Tensor | None]:
@@ -73,6 +116,8 @@ def prepare_batch(batch: Mapping[str, Any], ignore_index: int = IGNORE_INDEX) ->
     ref = ids if ids is not None else batch["inputs_embeds"][..., 0]
     b, s = ref.shape[:2]
     pos = batch.get("position_ids")
+    if pos is None and batch.get("cu_seq_lens_q") is not None:  # checked by cu_seqlens_problem
+        pos = positions_from_cu_seqlens(batch["cu_seq_lens_q"].to(ref.device), b, s)
     pos = torch.arange(s, device=ref.device).expand(b, s) if pos is None else pos.to(torch.long).expand(b, s)
     mask = batch.get("attention_mask")
     key_keep = None
