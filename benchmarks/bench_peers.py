@@ -4,12 +4,15 @@ the same inputs, forward + backward, in one run, on local gloo processes.
     python benchmarks/bench_peers.py            # P = 2 and 4, S = 4096, 8 heads, causal, float32
     DS_BUILD_OPS=0 pip install deepspeed        # the peer (optional: without it only seqpar runs)
 
-Both wrap the same local kernel (torch SDPA) and take the same ``[B, S/P, H, D]`` shards, so the
-difference is the communication: seqpar moves q, k, v in one all-to-all (2 per call forward, 2
-backward, plus one one-number all-gather each way: the guard that raises a failure on every rank),
-DeepSpeed in three (4 forward, 4 backward). Each rank times every variant in turn, step
-by step; the figure is the median over repeats of the slowest rank. Also printed: the collectives
-each variant issues per call, counted.
+Both wrap the same local kernel (torch SDPA, causal) and take the same ``[B, S/P, H, D]`` shards, so
+the difference is the communication: seqpar moves q, k, v in one exchange (one batch of
+point-to-point transfers; 2 per call forward, 2 backward; the guard that raises a failure on every
+rank rides in them), DeepSpeed in three ``all_to_all_single`` (4 forward, 4 backward). Also timed:
+that local kernel alone on the gathered ``[B, S, H/P, D]`` inputs, so each variant's *overhead*
+(total minus kernel alone: communication and layout copies) can be compared. Each rank times every
+variant in turn, step by step (the order rotating each repeat); a figure is the median over
+repeats of the slowest rank; an overhead is the median of the per-repeat differences. Also
+printed: the collectives each variant issues per call, counted.
 """
 
 from __future__ import annotations
@@ -17,33 +20,43 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from seqpar.attention.shard import SeqShard
-from seqpar.attention.ulysses import ulysses_attention
+from seqpar.attention.ulysses import head_ranges, ulysses_attention
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 
+KERNEL = "kernel alone"
+
 
 def _sdpa_bshd(q, k, v, *args, **kwargs):
-    """The peer's local attention: SDPA in the [B, S, H, D] layout DistributedAttention hands over."""
+    """The local attention both use: SDPA, causal, in the [B, S, H, D] layout DistributedAttention hands over."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                          enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 
-def _worker(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+def _variants(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim: int
+              ) -> tuple[dict[str, Callable[[], torch.Tensor]], list[torch.Tensor]]:
+    """Every timed call on this rank, and the tensors whose gradients a step clears."""
     group = dist.group.WORLD
     s_local = seq // world
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, s_local, h, head_dim, generator=g, requires_grad=True)
                for h in (heads, kv_heads, kv_heads))
+    # what the first all-to-all hands the kernel: the whole sequence, this rank's heads
+    q_ranges, kv_ranges = head_ranges(heads, kv_heads, world)
+    qg, kg, vg = (torch.randn(1, seq, n, head_dim, generator=g, requires_grad=True)  # [B, S, H/P, D]
+                  for n in (q_ranges[rank][1], kv_ranges[rank][1], kv_ranges[rank][1]))
     shard = SeqShard((s_local,) * world)
     variants = {"seqpar ulysses": lambda: ulysses_attention(q, k, v, group=group, causal=True, kernel="sdpa",
-                                                            shard=shard, validate=False)}
+                                                            shard=shard, validate=False),
+                KERNEL: lambda: _sdpa_bshd(qg, kg, vg)}
     try:
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
@@ -53,11 +66,16 @@ def _worker(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
         variants["deepspeed ulysses"] = lambda: ds(q, k, v, 0)
     except ImportError:
         pass
+    return variants, [q, k, v, qg, kg, vg]
+
+
+def _worker(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+    variants, leaves = _variants(rank, world, seq, heads, kv_heads, head_dim)
 
     def step(fn):
-        out = fn()
-        out.sum().backward()
-        q.grad = k.grad = v.grad = None
+        fn().sum().backward()
+        for x in leaves:
+            x.grad = None
 
     calls = {}
     for name, fn in variants.items():
@@ -65,16 +83,34 @@ def _worker(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
         with count_collectives() as c:
             step(fn)
         calls[name] = sum(c.values())
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
-            step(fn)
+            step(variants[name])
             t = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times[name].append(float(t))
-    return {"median_s": {n: statistics.median(ts) for n, ts in times.items()}, "collectives": calls}
+    overhead = {n: statistics.median(t - k for t, k in zip(ts, times[KERNEL], strict=True))
+                for n, ts in times.items() if n != KERNEL}
+    return {"median_s": {n: statistics.median(ts) for n, ts in times.items()}, "overhead_s": overhead,
+            "collectives": calls}
+
+
+def _report(p: int, res: dict) -> None:
+    med, over = res["median_s"], res["overhead_s"]
+    print(f"{p:>2}  {KERNEL:<20} {med[KERNEL] * 1e3:9.1f}")
+    for name in over:
+        print(f"{p:>2}  {name:<20} {med[name] * 1e3:9.1f} {over[name] * 1e3:12.1f} {res['collectives'][name]:>17}")
+    if "deepspeed ulysses" not in over:
+        print("    (deepspeed is not installed: DS_BUILD_OPS=0 pip install deepspeed)")
+        return
+    sp, ds = "seqpar ulysses", "deepspeed ulysses"
+    overhead = f"{over[sp] / over[ds]:.2f}x" if over[ds] > 0 else "n/a (no deepspeed overhead measured)"
+    print(f"{p:>2}  seqpar / deepspeed: total {med[sp] / med[ds]:.2f}x (goal <= 0.95x), "
+          f"overhead {overhead} (goal <= 0.60x)")
 
 
 def main() -> None:
@@ -83,20 +119,15 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     args = ap.parse_args()
     print(f"S={args.seq} heads={args.heads}/{args.kv_heads} D={args.head_dim} causal float32, forward+backward, "
-          f"median of {args.repeats}, slowest rank")
-    print(f"{'P':>2}  {'variant':<20} {'ms':>9} {'vs seqpar':>10} {'collectives/call':>17}")
+          f"median of {args.repeats}, slowest rank; overhead = total - {KERNEL} on [B, S, H/P, D]")
+    print(f"{'P':>2}  {'variant':<20} {'total ms':>9} {'overhead ms':>12} {'collectives/call':>17}")
     for p in args.nproc:
-        res = run_distributed(_worker, p, args.seq, args.heads, args.kv_heads, args.head_dim, args.repeats,
-                              timeout=900)[0]
-        base = res["median_s"]["seqpar ulysses"]
-        for name, t in res["median_s"].items():
-            print(f"{p:>2}  {name:<20} {t * 1e3:9.1f} {t / base:9.2f}x {res['collectives'][name]:>17}")
-        if len(res["median_s"]) == 1:
-            print("    (deepspeed is not installed: DS_BUILD_OPS=0 pip install deepspeed)")
+        _report(p, run_distributed(_worker, p, args.seq, args.heads, args.kv_heads, args.head_dim, args.repeats,
+                                   timeout=900)[0])
 
 
 if __name__ == "__main__":

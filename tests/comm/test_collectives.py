@@ -1,6 +1,7 @@
 """Collectives with autograd on real gloo processes: values and gradients against what the same
-operation on the whole (unsharded) tensor gives, with uneven sizes; and the fence that makes a
-failure on one rank an error on every rank."""
+operation on the whole (unsharded) tensor gives, with uneven sizes, B = 1 and B > 1, fused tensors
+of different shapes; the fence that makes a failure on one rank an error on every rank, and the
+failure flags that ride the all-to-all so that the fence costs nothing when no rank failed."""
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ import torch.distributed as dist
 
 from seqpar.comm.agree import fence
 from seqpar.comm.collectives import all_to_all, all_to_all_multi, even_ranges, split_sizes
+from seqpar.comm.counting import count_collectives
 from seqpar.comm.gather import gather_seq, split_seq
+from seqpar.comm.guard import Guard
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.p2p import RingShift
 
@@ -29,23 +32,24 @@ def _worker(rank, world):
     g = dist.group.WORLD
     errs = {}
     # seq -> head all-to-all on an uneven sequence (ranks hold different lengths) and uneven heads
-    for s_total, heads in ((7, 5), (1, 3), (13, 8), (4, 1)):
-        x_full = _global(s_total * 10 + heads, 2, s_total, heads, 3)
-        w = _global(1, 2, s_total, heads, 3)
+    for s_total, heads, b in ((7, 5, 2), (1, 3, 2), (13, 8, 2), (4, 1, 2), (7, 5, 1), (13, 8, 1)):
+        x_full = _global(s_total * 10 + heads, b, s_total, heads, 3)
+        w = _global(1, b, s_total, heads, 3)
         seq = split_sizes(s_total, world)
         off = sum(seq[:rank])
         x = x_full[:, off:off + seq[rank]].clone().requires_grad_(True)
         y = all_to_all(x, scatter_dim=2, gather_dim=1, group=g, gather_sizes=seq)  # [B, S, H/P, D]
         h0, hn = even_ranges(heads, world)[rank]
-        errs[f"a2a fwd S={s_total} H={heads}"] = float((y - x_full[:, :, h0:h0 + hn]).abs().max()) if y.numel() else 0.0
+        errs[f"a2a fwd S={s_total} H={heads} B={b}"] = \
+            float((y - x_full[:, :, h0:h0 + hn]).abs().max()) if y.numel() else 0.0
         # loss = sum(w * x) over the whole tensor, computed piecewise on the head shards
         (y * w[:, :, h0:h0 + hn]).sum().backward()
-        errs[f"a2a bwd S={s_total} H={heads}"] = float((x.grad - w[:, off:off + seq[rank]]).abs().max()) \
+        errs[f"a2a bwd S={s_total} H={heads} B={b}"] = float((x.grad - w[:, off:off + seq[rank]]).abs().max()) \
             if x.numel() else 0.0
         # and back: head -> seq is the inverse
         z = all_to_all(y.detach(), scatter_dim=1, gather_dim=2, group=g,
                        gather_sizes=[n for _, n in even_ranges(heads, world)])
-        errs[f"a2a inverse S={s_total} H={heads}"] = float((z - x.detach()).abs().max()) if z.numel() else 0.0
+        errs[f"a2a inverse S={s_total} H={heads} B={b}"] = float((z - x.detach()).abs().max()) if z.numel() else 0.0
 
     # overlapping ranges (replication): every rank receives all of x's dim 0; grads sum over copies
     x = _global(7, 3, 2).requires_grad_(True) if rank == 0 else _global(8, 3, 2).requires_grad_(True)
@@ -54,14 +58,23 @@ def _worker(rank, world):
     y.sum().backward()
     errs["replicated grad"] = float((x.grad - world).abs().max())
 
-    # fused: q, k, v of different head counts in one call equal three separate calls
-    q, k = _global(3, 2, 5, 6, 4).requires_grad_(True), _global(4, 2, 5, 2, 4).requires_grad_(True)
-    rq, rk = even_ranges(6, world), even_ranges(2, world)
-    fq, fk = all_to_all_multi([q, k], scatter_dim=2, gather_dim=1, group=g, send_ranges=[rq, rk],
-                              recv_sizes=[[5] * world] * 2)
-    (fq.sum() * 2 + fk.sum() * 3).backward()
-    errs["fused grad q"] = float((q.grad - 2).abs().max())
-    errs["fused grad k"] = float((k.grad - 3).abs().max())
+    # fused: q, k, v of different head counts (one message block, or one after another where the
+    # head dims differ too) equal separate calls, forward and backward; outputs may be modified in place
+    for b, dv in ((2, 4), (1, 4), (1, 3)):
+        q, k = _global(3, b, 5, 6, 4).requires_grad_(True), _global(4, b, 5, 2, 4).requires_grad_(True)
+        v = _global(5, b, 5, 2, dv).requires_grad_(True)
+        rq, rk = even_ranges(6, world), even_ranges(2, world)
+        fq, fk, fv = all_to_all_multi([q, k, v], scatter_dim=2, gather_dim=1, group=g, send_ranges=[rq, rk, rk],
+                                      recv_sizes=[[5] * world] * 3)
+        alone = [all_to_all_multi([x], scatter_dim=2, gather_dim=1, group=g, send_ranges=[r],
+                                  recv_sizes=[[5] * world])[0] for x, r in ((q, rq), (k, rk), (v, rk))]
+        errs[f"fused fwd B={b} Dv={dv}"] = max(float((f - a).abs().max()) if f.numel() else 0.0
+                                               for f, a in zip((fq, fk, fv), alone, strict=True))
+        fk.mul_(3)
+        (fq.sum() * 2 + fk.sum() + fv.sum() * 4).backward()
+        errs[f"fused grad q B={b} Dv={dv}"] = float((q.grad - 2).abs().max())
+        errs[f"fused grad k B={b} Dv={dv}"] = float((k.grad - 3).abs().max())
+        errs[f"fused grad v B={b} Dv={dv}"] = float((v.grad - 4).abs().max())
 
     # gather_seq (sum backward) and split_seq (gather backward), uneven
     for s_total in (5, 1, 9):
@@ -89,7 +102,83 @@ def _worker(rank, world):
         (t,) = shift.wait()
         seen.append(int(t[0]))
     errs["ring order"] = 0.0 if seen == [(rank - i - 1) % world for i in range(world)] else 1.0
-    return {"errs": errs, "fence": _fences(rank, world)}
+    return {"errs": errs, "fence": _fences(rank, world), "flags": _flags(rank, world)}
+
+
+class _Recorder:
+    """A Flag that sends ``10 + rank`` in the exchange of ``direction`` and keeps what it hears."""
+
+    def __init__(self, rank, direction):
+        self.rank, self.direction, self.heard = rank, direction, None
+
+    def value(self):
+        return 10.0 + self.rank
+
+    def receive(self, values):
+        self.heard = values
+
+
+def _flags(rank, world):
+    """What a flag heard through each direction of an all-to-all (and that the values still moved
+    right), and the collectives of a guarded call whose failure flags ride its all-to-alls: when
+    nothing fails, when the last rank fails in the forward, when it fails in the backward."""
+    g = dist.group.WORLD
+    heads = even_ranges(5, world)
+
+    def to_seq(x, flag):  # [B, S/P, 5, 3] -> [B, S, 5/P, 3]
+        return all_to_all_multi([x], scatter_dim=2, gather_dim=1, group=g, send_ranges=[heads],
+                                recv_sizes=[[4] * world], flag=flag)[0]
+
+    def to_heads(y, flag):  # [B, S, 5/P, 3] -> [B, S/P, 5, 3]
+        return all_to_all_multi([y], scatter_dim=1, gather_dim=2, group=g, send_ranges=[even_ranges(4 * world, world)],
+                                recv_sizes=[[n for _, n in heads]], flag=flag)[0]
+
+    seen = {}
+    for direction in ("forward", "backward"):
+        x = _global(9, 2, 4, 5, 3).requires_grad_(True)  # the same on every rank
+        flag = _Recorder(rank, direction)
+        y = to_seq(x, flag)
+        y.sum().backward()
+        h0, hn = heads[rank]
+        moved = torch.equal(y, torch.cat([x.detach()[:, :, h0:h0 + hn]] * world, 1)) and bool((x.grad == 1).all())
+        seen[f"heard {direction}"] = (flag.heard, moved)
+    for when in ("none", "forward", "backward"):
+        guard = Guard([g], "test call")
+        (x,) = guard.inputs(_global(9, 1, 4, 5, 3).requires_grad_(True))
+        failing = rank == world - 1
+        caught = []
+        with count_collectives() as calls:
+            try:
+                y = to_seq(x, guard.flag("backward"))
+                if failing and when == "forward":
+                    guard.call(_raise, "kernel failed")
+                if failing and when == "backward":
+                    y = _FailInBackward.apply(y, guard)
+                z = to_heads(y, guard.flag("forward"))
+                guard.fence("forward")
+                z.sum().backward()
+            except Exception as e:
+                caught.append(f"{type(e).__name__}: {e}")
+        seen[f"fails {when}"] = (caught, dict(calls))
+    return seen
+
+
+def _raise(text):
+    raise _Boom(text)
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity, whose backward fails under the guard (zeros go on)."""
+
+    @staticmethod
+    def forward(ctx, x, guard):
+        ctx.guard = guard
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.guard.call(_raise, "backward failed")
+        return torch.zeros_like(grad), None
 
 
 class _Boom(RuntimeError):
@@ -148,6 +237,24 @@ def test_fence_raises_on_every_rank(results):
         if p == 4:  # staged: the failure in one ulysses group reaches every rank of the grid
             assert s["grid"] == ("_Boom" if mine else "RuntimeError", seen[0]["grid"][1], mine)
             assert "rank 3: _Boom: grid" in s["grid"][1]
+
+
+@pytest.mark.distributed
+def test_flags_ride_the_all_to_all(results):
+    p, per_rank = results
+    for rank, seen in enumerate(r["flags"] for r in per_rank):
+        for direction in ("forward", "backward"):
+            assert seen[f"heard {direction}"] == ([10.0 + r for r in range(p)], True), (direction, rank)
+        # nothing failed: the fences cost no collective of their own (an exchange is one batch of
+        # point-to-point transfers; a single rank keeps everything)
+        assert seen["fails none"] == ([], {"batch_isend_irecv": 4} if p > 1 else {}), rank
+        for when in ("forward", "backward"):  # the flag said so: one fence, raised on every rank
+            caught, calls = seen[f"fails {when}"]
+            assert len(caught) == 1 and f"test call ({when}) failed" in caught[0], (when, rank, caught)
+            assert f"rank {p - 1}: _Boom: {when if when == 'backward' else 'kernel'} failed" in caught[0]
+            assert caught[0].startswith("_Boom" if rank == p - 1 else "RuntimeError"), (when, rank, caught)
+            assert calls.get("all_gather_flat", 0) == (2 if p > 1 else 0)  # the verdicts, then the texts
+            assert calls.get("batch_isend_irecv", 0) == (0 if p == 1 else 2 if when == "forward" else 4)
 
 
 @pytest.mark.distributed

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.collectives import all_to_all_multi, even_ranges, split_offsets
+from ..comm.collectives import Flag, all_to_all_multi, even_ranges, split_offsets
 from ..comm.guard import Guard
 from .kernels import KernelArg, attend, get_kernel
 from .shard import SeqShard, with_global_masks
@@ -112,20 +112,21 @@ def ulysses_attention(
     return _ulysses(q, k, v, group=group, spec=spec, kernel=kern, shard=shard)
 
 
-def heads_to_seq(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, seq_lens: list[int]
-                 ) -> tuple[Tensor, Tensor, Tensor, list[tuple[int, int]]]:
-    """The first all-to-all: ``[B, S/P, H, D] -> [B, S, H/P, D]`` for q, k, v in one collective.
+def heads_to_seq(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, seq_lens: list[int],
+                 flag: Flag | None = None) -> tuple[Tensor, Tensor, Tensor, list[tuple[int, int]]]:
+    """The first all-to-all: ``[B, S/P, H, D] -> [B, S, H/P, D]`` for q, k, v in one exchange.
 
     Returns ``(q, k, v, q_ranges)``: this rank's query heads with the KV heads they read (one copy
     per query head where the GQA grouping does not line up with the split), and every rank's
-    query-head range for :func:`seq_to_heads`. Backward: the reverse all-to-all.
+    query-head range for :func:`seq_to_heads`. Backward: the reverse all-to-all, which carries
+    ``flag`` (a :meth:`~seqpar.comm.guard.Guard.flag` of the backward) when given.
     """
     p, me = dist.get_world_size(group), dist.get_rank(group)
     n_heads, n_kv = q.shape[2], k.shape[2]
     q_ranges, kv_ranges = head_ranges(n_heads, n_kv, p)
     qh, kh, vh = all_to_all_multi(
         [q, k, v], scatter_dim=2, gather_dim=1, group=group,
-        send_ranges=[q_ranges, kv_ranges, kv_ranges], recv_sizes=[seq_lens] * 3)
+        send_ranges=[q_ranges, kv_ranges, kv_ranges], recv_sizes=[seq_lens] * 3, flag=flag)
     if q_ranges[me][1]:
         idx = kv_index(q_ranges[me], kv_ranges[me], n_heads // n_kv)
         if idx is not None:  # uneven GQA split: give each query head its own copy of its KV head
@@ -134,12 +135,13 @@ def heads_to_seq(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, s
 
 
 def seq_to_heads(out: Tensor, *, group: dist.ProcessGroup, seq_lens: list[int],
-                 q_ranges: list[tuple[int, int]]) -> Tensor:
-    """The second all-to-all: ``[B, S, H/P, D] -> [B, S/P, H, D]``. Backward: the reverse."""
+                 q_ranges: list[tuple[int, int]], flag: Flag | None = None) -> Tensor:
+    """The second all-to-all: ``[B, S, H/P, D] -> [B, S/P, H, D]`` (contiguous), carrying ``flag``
+    (a :meth:`~seqpar.comm.guard.Guard.flag` of the forward) when given. Backward: the reverse."""
     seq_ranges = list(zip(split_offsets(seq_lens), seq_lens, strict=True))
     head_counts = [n for _, n in q_ranges]
     return all_to_all_multi([out], scatter_dim=1, gather_dim=2, group=group,
-                            send_ranges=[seq_ranges], recv_sizes=[head_counts])[0]
+                            send_ranges=[seq_ranges], recv_sizes=[head_counts], flag=flag)[0]
 
 
 def local_heads(spec: AttnSpec, q_range: tuple[int, int]) -> AttnSpec:
@@ -164,7 +166,10 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec:
     seq_lens = list(shard.seq_lens)
     guard = Guard([group], "ulysses attention")
     q, k, v, sinks = guard.inputs(q, k, v, spec.sinks)
-    qh, kh, vh, q_ranges = heads_to_seq(q, k, v, group=group, seq_lens=seq_lens)  # [B, S, H/P, D]
+    # The guard's flags ride the call's last all-to-all in each direction: no fence collective
+    # unless a rank failed.
+    qh, kh, vh, q_ranges = heads_to_seq(q, k, v, group=group, seq_lens=seq_lens,
+                                        flag=guard.flag("backward"))  # [B, S, H/P, D]
 
     if q_ranges[me][1] == 0:  # more ranks than query heads: nothing to compute here
         out = idle_output(qh, kh, vh, sinks)
@@ -175,6 +180,7 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec:
         out = attend(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), local, info, kernel, guard)
         out = out.transpose(1, 2)  # [B, S, H/P, Dv]
 
-    out = seq_to_heads(out, group=group, seq_lens=seq_lens, q_ranges=q_ranges)  # [B, S/P, H, Dv]
+    out = seq_to_heads(out, group=group, seq_lens=seq_lens, q_ranges=q_ranges,
+                       flag=guard.flag("forward"))  # [B, S/P, H, Dv]
     guard.fence("forward")
     return out

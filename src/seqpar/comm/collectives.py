@@ -2,14 +2,15 @@
 
 Uneven sizes are normal: a dim of size n split over P ranks follows ``torch.tensor_split`` (the
 first ``n % P`` ranks hold one more), see :func:`split_sizes`. Everything is built on
-``all_to_all_single`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` /
-``batch_isend_irecv``, which behave the same on gloo and NCCL: the code the CPU tests run is the code
-that runs on GPUs.
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``batch_isend_irecv`` (the all-to-all too:
+it moves every piece straight between its places, see :func:`_exchange`), which behave the same on
+gloo and NCCL: the code the CPU tests run is the code that runs on GPUs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -65,35 +66,66 @@ def even_ranges(n: int, parts: int) -> list[tuple[int, int]]:
 # all-to-all
 # --------------------------------------------------------------------------------------------
 
-def _exchange(sends: list[list[Tensor]], recv_shapes: list[list[torch.Size]], group: Group) -> list[list[Tensor]]:
-    """One ``all_to_all_single``: ``sends[r]`` goes to rank r, ``recv_shapes[s]`` come from rank s.
+class Flag(Protocol):
+    """One number per rank that rides an all-to-all to every rank (one tiny message per peer in the
+    same batch), so that sharing it costs no collective of its own. ``direction`` says which
+    exchange of the call carries it: ``"forward"`` or ``"backward"``."""
 
-    Each list holds one tensor per fused input; all are flattened into one buffer, so fusing q, k
-    and v costs one collective, not three.
+    direction: str
+
+    def value(self) -> float:
+        """This rank's number, read when the exchange starts."""
+        ...
+
+    def receive(self, values: list[float]) -> None:
+        """Every rank's number (rank order), once the exchange is done."""
+        ...
+
+
+def _resized(shape: Sequence[int], sizes: dict[int, int]) -> torch.Size:
+    """``shape`` with the dims of ``sizes`` set to their sizes there: ``_resized(s, {2: 5})``."""
+    return torch.Size(sizes.get(d, n) for d, n in enumerate(shape))
+
+
+def _exchange(sends: list[list[Tensor]], recvs: list[list[Tensor]], group: Group, flag: Flag | None = None) -> None:
+    """Every rank's ``sends[s][i]`` lands in rank s's ``recvs[r][i]`` (r: the sender): views of any
+    layout, the same shape on both ends. One batch of point-to-point transfers in place of an
+    ``all_to_all_single``, because its buffers cost copies: a view that is contiguous is sent from,
+    or received into, where it lies (``[1, S_s, H, D]`` slices of ``[1, S, H, D]``), so an exchange
+    copies once (not pack, then unpack); the piece a rank keeps is copied straight to its place
+    while the others travel. ``flag`` adds one one-number message per peer.
     """
-    ref = next(t for per_rank in sends for t in per_rank)
-    dtype, device = ref.dtype, ref.device
-    in_splits = [sum(t.numel() for t in per_rank) for per_rank in sends]
-    out_splits = [sum(int(torch.Size(s).numel()) for s in shapes) for shapes in recv_shapes]
-    # Pieces are strided views (a head slice of [B, S, H, D]): copy each straight into its place in
-    # the send buffer -- one copy, not a .contiguous() and then a cat.
-    send_buf = torch.empty(sum(in_splits), dtype=dtype, device=device)
-    pos = 0
-    for per_rank in sends:
-        for t in per_rank:
-            send_buf[pos:pos + t.numel()].view(t.shape).copy_(t)
-            pos += t.numel()
-    recv_buf = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    dist.all_to_all_single(recv_buf, send_buf, out_splits, in_splits, group=group)
-    out, pos = [], 0
-    for shapes in recv_shapes:
-        per_rank = []
-        for s in shapes:
-            n = int(torch.Size(s).numel())
-            per_rank.append(recv_buf[pos:pos + n].view(s))
-            pos += n
-        out.append(per_rank)
-    return out
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+    ops, landings = [], []
+    for peer in (r for r in range(p) if r != me):
+        dst = dist.get_global_rank(group, peer)
+        for t in sends[peer]:
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), dst, group=group))
+        for view in recvs[peer]:
+            if view.numel():
+                land = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype, device=view.device)
+                ops.append(dist.P2POp(dist.irecv, land, dst, group=group))
+                if land is not view:
+                    landings.append((view, land))
+    if flag is not None:
+        ref = next(t for per_rank in sends for t in per_rank)
+        mine = torch.full((1,), flag.value(), dtype=torch.float64, device=ref.device)
+        flags = torch.empty(p, dtype=torch.float64, device=ref.device)
+        for peer in (r for r in range(p) if r != me):
+            dst = dist.get_global_rank(group, peer)
+            ops += [dist.P2POp(dist.isend, mine, dst, group=group),
+                    dist.P2POp(dist.irecv, flags[peer:peer + 1], dst, group=group)]
+        flags[me] = mine[0]
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    for t, view in zip(sends[me], recvs[me], strict=True):
+        view.copy_(t)
+    for req in reqs:
+        req.wait()
+    for view, land in landings:
+        view.copy_(land)
+    if flag is not None:
+        flag.receive(flags.tolist())
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,26 +135,21 @@ class _AllToAll(torch.autograd.Function):
     from. Ranges may overlap (a KV head replicated to several ranks); adding them sums the
     gradients of the copies, which is exactly the gradient of a replication.
 
-    Several tensors with the same dtype move in one collective (fused q, k, v).
+    Several tensors move in one exchange (fused q, k, v). A :class:`Flag` rides the exchange of
+    its direction.
     """
 
     @staticmethod
-    def forward(ctx, group, scatter_dim, gather_dim, send_ranges, recv_sizes, *xs):
+    def forward(ctx, group, scatter_dim, gather_dim, send_ranges, recv_sizes, flag, *xs):
         p, me = dist.get_world_size(group), dist.get_rank(group)
-        sends = [[x.narrow(scatter_dim, *rngs[r]) for x, rngs in zip(xs, send_ranges, strict=True)]
-                 for r in range(p)]
-        recv_shapes = []
-        for s in range(p):
-            shapes = []
-            for x, rngs, sizes in zip(xs, send_ranges, recv_sizes, strict=True):
-                shape = list(x.shape)
-                shape[scatter_dim] = rngs[me][1]
-                shape[gather_dim] = sizes[s]
-                shapes.append(torch.Size(shape))
-            recv_shapes.append(shapes)
-        received = _exchange(sends, recv_shapes, group)
-        outs = [torch.cat([received[s][i] for s in range(p)], dim=gather_dim) for i in range(len(xs))]
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        sd, gd = scatter_dim, gather_dim
+        outs = [x.new_empty(_resized(x.shape, {sd: rngs[me][1], gd: sum(sizes)}))
+                for x, rngs, sizes in zip(xs, send_ranges, recv_sizes, strict=True)]
+        sends = [[x.narrow(sd, *rngs[r]) for x, rngs in zip(xs, send_ranges, strict=True)] for r in range(p)]
+        recvs = [[o.narrow(gd, sum(sizes[:s]), sizes[s]) for o, sizes in zip(outs, recv_sizes, strict=True)]
+                 for s in range(p)]
+        _exchange(sends, recvs, group, flag if flag is not None and flag.direction == "forward" else None)
+        ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.flag = group, sd, gd, flag
         ctx.send_ranges, ctx.recv_sizes = send_ranges, recv_sizes
         ctx.in_shapes = [x.shape for x in xs]
         ctx.out_shapes = [o.shape for o in outs]
@@ -131,7 +158,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        group, sd, gd = ctx.group, ctx.scatter_dim, ctx.gather_dim
+        group, sd, gd, flag = ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.flag
         p = dist.get_world_size(group)
         # An output that took no part in the loss has no gradient: it still must be exchanged.
         grads = [g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
@@ -139,27 +166,21 @@ class _AllToAll(torch.autograd.Function):
         # Slice the gradient by the rank each piece of the output came from ...
         sends = [[g.narrow(gd, sum(sizes[:s]), sizes[s]) for g, sizes in zip(grads, ctx.recv_sizes, strict=True)]
                  for s in range(p)]
-        # ... and receive, from every rank r, the gradient of the slice we sent it.
-        recv_shapes = []
-        for r in range(p):
-            shapes = []
-            for shape, rngs in zip(ctx.in_shapes, ctx.send_ranges, strict=True):
-                s_ = list(shape)
-                s_[sd] = rngs[r][1]
-                shapes.append(torch.Size(s_))
-            recv_shapes.append(shapes)
-        received = _exchange(sends, recv_shapes, group)
-        dxs = []
+        # ... and receive, from every rank r, the gradient of the slice we sent it: straight into
+        # its range when the ranges tile the dim (the usual case), else apart, to be added.
+        tiled = [_is_partition(rngs, shape[sd]) for shape, rngs in zip(ctx.in_shapes, ctx.send_ranges, strict=True)]
+        dxs = [torch.empty(shape, dtype=ctx.dtype, device=ctx.device) if t else None
+               for shape, t in zip(ctx.in_shapes, tiled, strict=True)]
+        recvs = [[dx.narrow(sd, *rngs[r]) if dx is not None else
+                  torch.empty(_resized(shape, {sd: rngs[r][1]}), dtype=ctx.dtype, device=ctx.device)
+                  for dx, shape, rngs in zip(dxs, ctx.in_shapes, ctx.send_ranges, strict=True)] for r in range(p)]
+        _exchange(sends, recvs, group, flag if flag is not None and flag.direction == "backward" else None)
         for i, (shape, rngs) in enumerate(zip(ctx.in_shapes, ctx.send_ranges, strict=True)):
-            pieces = [received[r][i] for r in range(p)]
-            if _is_partition(rngs, shape[sd]):  # the usual case: one copy, no zero-fill
-                dxs.append(torch.cat([pieces[r] for r in sorted(range(p), key=lambda r: rngs[r][0])], dim=sd))
-                continue
-            dx = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
-            for r in range(p):
-                dx.narrow(sd, *rngs[r]).add_(pieces[r])
-            dxs.append(dx)
-        return (None, None, None, None, None, *dxs)
+            if dxs[i] is None:  # replicated: the copies' gradients add up
+                dxs[i] = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+                for r in range(p):
+                    dxs[i].narrow(sd, *rngs[r]).add_(recvs[r][i])
+        return (None, None, None, None, None, None, *dxs)
 
 
 def _is_partition(ranges: Sequence[tuple[int, int]], n: int) -> bool:
@@ -174,13 +195,15 @@ def _is_partition(ranges: Sequence[tuple[int, int]], n: int) -> bool:
 
 def all_to_all_multi(xs: Sequence[Tensor], *, scatter_dim: int, gather_dim: int, group: Group,
                      send_ranges: Sequence[Sequence[tuple[int, int]]],
-                     recv_sizes: Sequence[Sequence[int]]) -> tuple[Tensor, ...]:
-    """Fused all-to-all of several tensors in one collective, with autograd.
+                     recv_sizes: Sequence[Sequence[int]], flag: Flag | None = None) -> tuple[Tensor, ...]:
+    """Fused all-to-all of several tensors in one exchange (one batch of point-to-point
+    transfers, see :func:`_exchange`), with autograd.
 
     ``send_ranges[i][r] = (start, length)``: the slice of ``xs[i]`` along ``scatter_dim`` that goes
     to rank r (ranges may overlap: replication). ``recv_sizes[i][s]``: the size along
     ``gather_dim`` of what rank s sends for ``xs[i]``. Outputs are concatenated along
-    ``gather_dim`` in rank order. All tensors must share a dtype.
+    ``gather_dim`` in rank order (contiguous tensors). All tensors must share a dtype. ``flag``: a
+    number every rank shares through the exchange of ``flag.direction`` (see :class:`Flag`).
     """
     if len({x.dtype for x in xs}) != 1:
         raise ValueError(f"fused all-to-all needs one dtype, got {[x.dtype for x in xs]}")
@@ -190,7 +213,7 @@ def all_to_all_multi(xs: Sequence[Tensor], *, scatter_dim: int, gather_dim: int,
         raise ValueError(f"scatter_dim and gather_dim must differ, both are {sd}")
     send_ranges = tuple(tuple((int(a), int(b)) for a, b in rngs) for rngs in send_ranges)
     recv_sizes = tuple(tuple(int(s) for s in sizes) for sizes in recv_sizes)
-    return _AllToAll.apply(group, sd, gd, send_ranges, recv_sizes, *xs)
+    return _AllToAll.apply(group, sd, gd, send_ranges, recv_sizes, flag, *xs)
 
 
 def all_to_all(x: Tensor, *, scatter_dim: int, gather_dim: int, group: Group,

@@ -13,7 +13,12 @@ on every rank together::
 The backward gets the same: the kernel backward runs under the guard, and :meth:`Guard.inputs`
 puts a fence at the inputs of the call, whose backward runs once every other backward step of
 the call (collectives included) is done. Cost: one tiny all-gather per call and direction (one
-per group stage), plus the host sync of reading it.
+per group stage), plus the host sync of reading it -- or nothing of its own where the call's last
+all-to-all of a direction carries every rank's failure flag (:meth:`Guard.flag`, one group): the
+fence then gathers only when some rank failed::
+
+    rank 0:  a2a -> kernel ok     -> a2a + flag 0 -> flags [0, 1]: fence --> RuntimeError "rank 1: ..."
+    rank 1:  a2a -> kernel raises -> a2a + flag 1 -> flags [0, 1]: fence --> OutOfMemoryError, chained
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Guard:
     def __init__(self, groups: Sequence[dist.ProcessGroup], what: str) -> None:
         self.groups, self.what = list(groups), what
         self.error: Exception | None = None
+        self._heard: dict[str, bool] = {}  # direction -> did any rank's flag say it failed
 
     @property
     def failed(self) -> bool:
@@ -52,9 +58,24 @@ class Guard:
             self.error = e
             return None
 
+    def flag(self, direction: str) -> _FailureFlag:
+        """This rank's failure, as a :class:`~seqpar.comm.collectives.Flag` for the last all-to-all of
+        ``direction`` (``"forward"`` or ``"backward"``) over this guard's one group. Nothing guarded
+        may run after that exchange in that direction: the fence trusts the flags it heard."""
+        if len(self.groups) != 1:
+            raise ValueError(f"{self.what}: a failure flag needs a guard of one group, this one has {len(self.groups)}")
+        return _FailureFlag(self, direction)
+
     def fence(self, direction: str) -> None:
-        """Every rank of the call raises if any rank failed (see :func:`seqpar.comm.agree.fence`)."""
+        """Every rank of the call raises if any rank failed (see :func:`seqpar.comm.agree.fence`).
+        Free when a flag of ``direction`` told every rank that none did: they all heard the same."""
         error, self.error = self.error, None
+        heard = self._heard.pop(direction, None)
+        if heard is False:  # every rank heard every flag: none failed, so none enters a fence
+            if error is not None:  # a guarded call after the flagged exchange: a bug in the caller
+                raise RuntimeError(f"seqpar: {self.what} ({direction}) failed after its failure flag was sent"
+                                   ) from error
+            return
         fence(self.groups, error, what=f"{self.what} ({direction})")
 
     def inputs(self, *xs: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -64,6 +85,20 @@ class Guard:
             return xs
         out = iter(_FenceInBackward.apply(self, *present))
         return tuple(None if x is None else next(out) for x in xs)
+
+
+class _FailureFlag:
+    """A guard's failure (1) or not (0), riding an all-to-all of one direction; what every rank
+    sent is kept for the guard's fence of that direction."""
+
+    def __init__(self, guard: Guard, direction: str) -> None:
+        self.guard, self.direction = guard, direction
+
+    def value(self) -> float:
+        return float(self.guard.failed)
+
+    def receive(self, values: list[float]) -> None:
+        self.guard._heard[self.direction] = any(values)
 
 
 def guarded(guard: Guard | None, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
