@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated: ulysses, ring, hybrid (hybrid only at P >= 4)")
     p.add_argument("--packing", type=int, nargs="?", const=512, default=0, metavar="DOC_LEN",
                    help="compare plain causal rows with rows packed with DOC_LEN-token documents (512 if no value "
-                        "is given) instead of P ranks with 1")
+                        "is given) instead of P ranks with 1; 0: off")
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per configuration (after one untimed); default 3, with --packing 1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"], help="model dtype")
