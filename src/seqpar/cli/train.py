@@ -66,6 +66,7 @@ def format_summary(s: RunSummary) -> str:
              f"({s.strategy}, {s.world} ranks on {s.device.split(':')[0]}{', FSDP2' if s.fsdp else ''}), "
              f"{s.tokens_per_step:,} tokens per step, {s.params:,} parameters"]
     lines.append(f"  data        {s.data}")
+    lines.append(f"  attention   {s.attention}; layout {s.layout}")
     if s.losses:
         (s0, l0), (s1, l1) = s.losses[0], s.losses[-1]
         lines.append(f"  loss        {l0:.4f} (step {s0}) -> {l1:.4f} (step {s1})")

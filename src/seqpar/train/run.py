@@ -127,6 +127,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = None
     if trainer.rank == 0 and cfg.progress:
+        print(f"seqpar train: attention {trainer.attention} ({job.layout} layout)", file=sys.stderr, flush=True)
         import threading
 
         from tqdm import tqdm
