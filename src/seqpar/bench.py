@@ -134,8 +134,9 @@ def bench_batch(seq_len: int, doc_len: int = 0, seed: int = 0) -> dict[str, torc
 
 
 def layout_for(strategy: str) -> str:
-    """The layout a strategy trains with: zigzag balances a ring's causal work, Ulysses needs none."""
-    return "contiguous" if strategy == "ulysses" else "zigzag"
+    """The layout a strategy trains with (as ``seqpar train``): doc-zigzag balances a ring's causal
+    work per packed document, Ulysses needs none."""
+    return "contiguous" if strategy == "ulysses" else "doc-zigzag"
 
 
 def probe_step(model: Any, opt: Any, mesh: Any, batch: dict[str, torch.Tensor], layout: str) -> int:

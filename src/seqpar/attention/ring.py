@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..comm.guard import Guard, guarded
 from .blocks import BlockPlan, RingStats, fold_sinks, merge_partials, plan_block, sinks_grad
-from .kernels import KernelArg, default_lse_kernel, lse_kernel
+from .kernels import KernelArg, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
 from .ring_comm import COMMS, RingComm
 from .shard import SeqShard, with_global_masks
@@ -195,14 +195,16 @@ def ring_attention(
             ``dropout`` must be 0.
         sinks: ``[H]`` attention-sink logits (GPT-OSS), the same on every rank; may require grad:
             each rank's gradient covers its own queries, so their sum over the ring is the total.
-        kernel: a kernel returning ``(out, lse)`` with a backward: ``"flash_cpu"`` (default on CPU
-            unless softcap is set), ``"reference"`` (default otherwise; the only one with softcap) or
-            a Kernel object.
+        kernel: a kernel returning ``(out, lse)`` with a backward: ``"auto"`` (default:
+            ``flash_cpu`` on CPU, ``cuda_flash`` on CUDA, ``tiled`` for softcap and elsewhere -- all
+            varlen, no ``S x S`` mask), any of them by name, ``"reference"`` or a Kernel object.
         key_padding_mask, segment_ids: this rank's ``[B, S_local]`` padding mask (True = real token)
             and packed-document ids (one small all-gather); or pass ``shard`` to reuse global ones.
         shard: batch-level :class:`SeqShard`; its ``positions`` say which global token each rank holds.
-        layout: ``"contiguous"`` or ``"zigzag"``; without a shard it says which tokens each rank
-            holds (:func:`seqpar.layout.layout_indices`); with one it must agree with the shard.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"doc-zigzag"`` (balanced per packed document:
+            needs the batch's ``shard``, from :func:`seqpar.shard_batch`); without a shard it says
+            which tokens each rank holds (:func:`seqpar.layout.layout_indices`); with one it must
+            agree with the shard.
             None: the shard's layout, else contiguous.
         comm: ``"p2p"`` (K/V pass from rank to rank, overlapped) or ``"allgather"`` (gathered once).
         validate: check inputs across ranks first (one small all-gather); without it ``shard`` gives
@@ -245,7 +247,7 @@ def ring_options(q: Tensor, spec: AttnSpec, *, kernel: KernelArg | None, dropout
         raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
     if shard is not None and masks_given:
         raise ValueError("pass the padding mask and segment ids either in the SeqShard or as arguments, not both")
-    return lse_kernel(kernel if kernel is not None else default_lse_kernel(q, spec))
+    return lse_kernel("auto" if kernel is None else kernel, q, spec)
 
 
 def resolve_shard(shard: SeqShard | None, seq_lens: tuple[int, ...], layout: str | None, p: int,
