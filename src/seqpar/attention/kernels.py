@@ -199,6 +199,7 @@ KERNELS: dict[str, Kernel] = {
 }
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_warned: set[str] = set()  # what was said once already
 
 
 def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> str:
@@ -210,10 +211,12 @@ def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> 
         return "flash_cpu"
     if device.type == "cuda" and dtype in _CUDA_DTYPES and options <= KERNELS["cuda_flash"].supports:
         return "cuda_flash"
+    if device.type != "cpu" and "tiled" not in _warned:
+        _warned.add("tiled")
+        warnings.warn(f"no fused attention kernel on {device.type} honours {sorted(options) or dtype}: running "
+                      "'tiled' (exact, O(S) memory, plain PyTorch per tile: slower than a fused kernel)",
+                      stacklevel=2)
     return "tiled"
-
-
-_warned: set[str] = set()
 
 
 def auto_kernel(q: Tensor, spec: AttnSpec, mask: MaskInfo | None, sk: int | None = None) -> str:
