@@ -1,7 +1,8 @@
-"""The number of collectives per Ulysses call is part of its contract: 2 all-to-alls forward (q, k, v
-fused in; out back), 2 backward, one tiny fence all-gather in each direction (a kernel failure on one
-rank raises on every rank), plus at most one metadata all-gather (none when the caller passes a
-SeqShard and validate=False) and one for a per-call padding mask."""
+"""The number of collectives per Ulysses call is part of its contract: 2 all-to-all exchanges forward
+(q, k, v fused in; out back), 2 backward, each one batch of point-to-point transfers that also
+carries the failure guard's flag (a kernel failure on one rank raises on every rank, with no fence
+collective unless a rank failed), plus at most one metadata all-gather (none when the caller passes
+a SeqShard and validate=False) and one for a per-call padding mask."""
 
 import pytest
 import torch
@@ -41,11 +42,11 @@ def counts(request):
 def test_ulysses_collective_counts(counts):
     for per_rank in counts:
         fwd, bwd = per_rank["validated"]
-        assert fwd == {"all_to_all_single": 2, "all_gather_flat": 2}
-        assert bwd == {"all_to_all_single": 2, "all_gather_flat": 1}
+        assert fwd == {"batch_isend_irecv": 2, "all_gather_flat": 1}
+        assert bwd == {"batch_isend_irecv": 2}
         fwd, bwd = per_rank["trusted"]
-        assert fwd == {"all_to_all_single": 2, "all_gather_flat": 1}
-        assert bwd == {"all_to_all_single": 2, "all_gather_flat": 1}
+        assert fwd == {"batch_isend_irecv": 2}
+        assert bwd == {"batch_isend_irecv": 2}
         fwd, bwd = per_rank["local mask"]
-        assert fwd == {"all_to_all_single": 2, "all_gather_flat": 3}
-        assert bwd == {"all_to_all_single": 2, "all_gather_flat": 1}
+        assert fwd == {"batch_isend_irecv": 2, "all_gather_flat": 2}
+        assert bwd == {"batch_isend_irecv": 2}
