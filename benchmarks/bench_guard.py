@@ -5,8 +5,9 @@ processes.
     python benchmarks/bench_guard.py            # P = 2, S = 1024 and 8192, 8 heads, causal, float32
 
 The guard (seqpar.comm.guard) makes a failure in one rank's local compute raise on every rank
-instead of hanging its peers; its price is one one-number all-gather (and reading it on the host)
-per attention call and direction. Each rank alternates the two variants step by step; the figure
+instead of hanging its peers. Ring and hybrid pay one one-number all-gather (and reading it on the
+host) per attention call and direction; Ulysses' flag rides its last exchange, so its fence runs
+only when a rank failed and the two variants should match. Each rank alternates the two variants step by step; the figure
 is the median over repeats of the slowest rank, printed as a ratio.
 """
 
