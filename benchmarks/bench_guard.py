@@ -7,8 +7,8 @@ processes.
 The guard (seqpar.comm.guard) makes a failure in one rank's local compute raise on every rank
 instead of hanging its peers. Ring and hybrid pay one one-number all-gather (and reading it on the
 host) per attention call and direction; Ulysses' flag rides its last exchange, so its fence runs
-only when a rank failed and the two variants should match. Each rank alternates the two variants step by step; the figure
-is the median over repeats of the slowest rank, printed as a ratio.
+only when a rank failed and the two variants should match. Each rank alternates the two variants
+step by step; the figure is the median over repeats of the slowest rank, printed as a ratio.
 """
 
 from __future__ import annotations
