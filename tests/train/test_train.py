@@ -157,7 +157,8 @@ def parity(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
     base = TrainConfig(data=[_data_file(tmp)], packing=True, seq_len=37, dtype="float64", progress=False,
                        save_dir=str(tmp / "unused"), model_config=json.dumps({"hidden_size": 32, "head_dim": 8,
-                                                                              "intermediate_size": 64}))
+                                                                              "intermediate_size": 64,
+                                                                              "vocab_size": 300}))
     results = {}
     for world in (2, 4):
         names = [n for n, (w, _) in PARITY.items() if w == world]

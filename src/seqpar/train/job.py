@@ -19,6 +19,7 @@ from seqpar.planner import hybrid_split, plan
 
 from .config import TrainConfig, check_config, model_overrides
 from .tasks import CopyTask
+from .tokenizer import ByteTokenizer
 
 # what must match for --resume to continue the same loss curve (--steps may grow: the schedule
 # then follows the new total; --sp and the strategy may change: checkpoints reshard)
@@ -57,6 +58,20 @@ def _model_config(cfg: TrainConfig) -> Any:
     except Exception as e:  # transformers raises OSError / ValueError / KeyError depending on what is wrong
         raise ValueError(f"--model {cfg.model!r} is not a loadable transformers checkpoint: "
                          f"{str(e).splitlines()[0]}") from None
+
+
+def _check_builtin_fields(cfg: TrainConfig) -> None:
+    """``--model-config`` may set any field of a built-in; the two the data and the length need
+    must still fit them (the defaults are the data's vocabulary and ``--seq-len``)."""
+    fields = model_overrides(cfg)
+    need = ByteTokenizer.vocab_size if cfg.data else CopyTask(cfg.seq_len, cfg.seed).vocab_size
+    if "vocab_size" in fields and int(fields["vocab_size"]) < need:
+        raise ValueError(f"--model-config vocab_size {fields['vocab_size']} is smaller than the {need} token ids the "
+                         f"data uses: use vocab_size >= {need} or leave it out")
+    pos = fields.get("max_position_embeddings")
+    if pos is not None and int(pos) < cfg.seq_len:
+        raise ValueError(f"--model-config max_position_embeddings {pos} is below --seq-len {cfg.seq_len}: raise it or "
+                         "leave it out")
 
 
 def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool = True) -> Job:
@@ -100,6 +115,8 @@ def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool =
     if cfg.seq_len < shortest:
         raise ValueError(f"--seq-len {cfg.seq_len} is too short for --sp {sp} with {strategy} ({layout} layout): "
                          f"use --seq-len >= {shortest} or a smaller --sp")
+    if cfg.model in BUILTIN_MODELS:
+        _check_builtin_fields(cfg)
     if not cfg.data:
         CopyTask(cfg.seq_len, cfg.seed)  # raises for a row too short for the task
     elif read_data:

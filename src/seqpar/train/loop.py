@@ -93,8 +93,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         if cfg.model in BUILTIN_MODELS:
             self.data = self._make_data(None)
-            model, _ = build_model(cfg.model, dtype=param_dtype, vocab_size=self.data.vocab_size,
-                                   max_position_embeddings=cfg.seq_len, **model_overrides(cfg))
+            fields = {"vocab_size": self.data.vocab_size, "max_position_embeddings": cfg.seq_len,
+                      **model_overrides(cfg)}  # --model-config may widen both (checked by prepare_job)
+            model, _ = build_model(cfg.model, dtype=param_dtype, **fields)
         else:
             model, tok = build_model(cfg.model, dtype=param_dtype)
             self.data = self._make_data(tok)
