@@ -95,7 +95,41 @@ def _counts(rank, world):
         with count_collectives() as bwd:
             o.sum().backward()
         out[name] = (dict(fwd), dict(bwd))
+    out["planning"] = _planning(rank, world, q, k, v)
     return out
+
+
+def _planning(rank, world, q, k, v):
+    """How often the ring plans its blocks and the kernel its rectangles over three "layers" of
+    one batch (the same SeqShard), forward and backward: once for the batch, not per layer."""
+    from seqpar.attention import ring as ring_mod
+    from seqpar.attention import varlen
+
+    seg = torch.repeat_interleave(torch.arange(world + 1), 5)[: 5 * world].expand(2, -1)
+    perm = layout_permutation(5 * world, world, "zigzag")
+    shard = SeqShard((5,) * world, perm, None, seg[:, perm].contiguous())
+    counts = {"plan_block": 0, "document_rects": 0}
+    real_plan, real_rects = ring_mod.plan_block, varlen._document_rects
+
+    def plan(*a):
+        counts["plan_block"] += 1
+        return real_plan(*a)
+
+    def rects(*a):
+        counts["document_rects"] += 1
+        return real_rects(*a)
+
+    ring_mod.plan_block, varlen._document_rects = plan, rects
+    try:
+        per_layer = []
+        for _ in range(3):
+            o = ring_attention(q, k, v, group=dist.group.WORLD, causal=True, kernel="flash_cpu", shard=shard,
+                               validate=False)
+            o.sum().backward()
+            per_layer.append(dict(counts))
+    finally:
+        ring_mod.plan_block, varlen._document_rects = real_plan, real_rects
+    return per_layer
 
 
 def _misuse_case(name, rank, world):
@@ -242,6 +276,15 @@ def test_collective_counts(runs, p):
         assert c["allgather"] == ({"all_gather_flat": 2}, {"all_gather_flat": 2, "reduce_scatter_flat": 1})
         fwd, _ = c["p2p validated"]
         assert fwd == {"all_gather_flat": 2, "batch_isend_irecv": p - 1}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", [2, 3, 4], ids=lambda p: f"P{p}")
+def test_blocks_are_planned_once_per_batch(runs, p):
+    for r in runs[p]:
+        first, *later = r["counts"]["planning"]
+        assert first["plan_block"] == p and first["document_rects"] > 0
+        assert all(layer == first for layer in later), r["counts"]["planning"]  # nothing planned again
 
 
 @pytest.mark.distributed

@@ -34,7 +34,7 @@ from ..comm.guard import Guard
 from .blocks import RingStats
 from .kernels import KernelArg
 from .ring import resolve_shard, ring_options, run_ring
-from .shard import SeqShard, gather_global_masks
+from .shard import SeqShard, gather_global_masks, shard_cache
 from .spec import AttnSpec, check_supported
 from .ulysses import heads_to_seq, idle_output, local_heads, seq_to_heads
 from .validate import check_attention_inputs
@@ -95,7 +95,11 @@ def hybrid_attention(
         keep, seg = gather_global_masks(key_padding_mask, segment_ids, [(ulysses_group, my_lens),
                                                                          (ring_group, ring_lens)])
     # the ring sees R ranks holding whole ring chunks; the layout permutation is the same one
-    ring_shard = SeqShard(ring_lens, sp_shard.positions, keep, seg)
+    if key_padding_mask is None and segment_ids is None:  # a batch's shard: one ring shard per batch
+        ring_shard = shard_cache(sp_shard).setdefault(("ring shard", ring_lens),
+                                                      SeqShard(ring_lens, sp_shard.positions, keep, seg))
+    else:
+        ring_shard = SeqShard(ring_lens, sp_shard.positions, keep, seg)
 
     guard = Guard([ulysses_group, ring_group], "hybrid attention")
     q, k, v, sinks = guard.inputs(q, k, v, sinks)

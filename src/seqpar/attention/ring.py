@@ -42,7 +42,7 @@ from .blocks import BlockPlan, RingStats, fold_sinks, merge_partials, plan_block
 from .kernels import KernelArg, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
 from .ring_comm import COMMS, RingComm
-from .shard import SeqShard, with_global_masks
+from .shard import SeqShard, shard_cache, with_global_masks
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported
 from .validate import shard_lengths
 
@@ -63,7 +63,16 @@ class _Ring:
     guard: Guard | None = None  # local compute under it (None: errors propagate)
 
     def mask(self, owner: int, plan: BlockPlan, me: int, device: torch.device) -> MaskInfo:
-        """The block's MaskInfo, cut to the plan's rows and columns (global positions)."""
+        """The block's MaskInfo, cut to the plan's rows and columns (global positions); built once
+        per batch (the same tensors for every layer and the backward, so the kernel's own plan of
+        the block is reused too)."""
+        key = ("ring mask", owner, me, plan.rows, plan.cols, device)
+        cache = shard_cache(self.shard)
+        if key not in cache:
+            cache[key] = self._mask(owner, plan, me, device)
+        return cache[key]
+
+    def _mask(self, owner: int, plan: BlockPlan, me: int, device: torch.device) -> MaskInfo:
         (r0, nr), (c0, nc) = plan.rows, plan.cols
         qs, ks = self.shard.local_range(me)[0] + r0, self.shard.local_range(owner)[0] + c0
         keep, seg = self.shard.key_keep, self.shard.segments
@@ -167,10 +176,14 @@ def run_ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec:
     them. With ``guard`` the local compute runs under it and the caller fences.
     """
     me = dist.get_rank(group)
-    # block planning is host-side arithmetic: one copy of the positions to the CPU per call
-    host = shard if shard.positions is None else replace(shard, positions=shard.positions.cpu())
-    q_pos = host.positions_of(me)
-    plans = [plan_block(spec, q_pos, host.positions_of(r)) for r in range(len(shard.seq_lens))]
+    # block planning is host-side arithmetic: once per batch (the shard), not per layer
+    key = ("ring plans", me, spec.causal, spec.window, spec.chunk)
+    cache = shard_cache(shard)
+    if key not in cache:
+        host = shard if shard.positions is None else replace(shard, positions=shard.positions.cpu())
+        q_pos = host.positions_of(me)
+        cache[key] = [plan_block(spec, q_pos, host.positions_of(r)) for r in range(len(shard.seq_lens))]
+    plans = cache[key]
     ring = _Ring(COMMS[comm](group), kernel, replace(spec, sinks=None), shard, plans, max(shard.seq_lens), guard)
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec.sinks, ring, me, stats)
     return out.transpose(1, 2).contiguous()  # [B, S_local, H, Dv]

@@ -8,8 +8,10 @@ it and issue no collective of their own for it.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,19 @@ class SeqShard:
         a = offset + start
         b = offset + (length if n is None else start + n)
         return self.positions[a:b] if self.positions is not None else torch.arange(a, b)
+
+
+_CACHES: dict[int, dict[Any, Any]] = {}
+
+
+def shard_cache(shard: SeqShard) -> dict[Any, Any]:
+    """A dict that lives as long as ``shard`` (one batch): what the layers of a batch would
+    otherwise recompute per call -- ring block plans, block masks -- is kept here once."""
+    cache = _CACHES.get(id(shard))
+    if cache is None:
+        cache = _CACHES[id(shard)] = {}
+        weakref.finalize(shard, _CACHES.pop, id(shard), None)
+    return cache
 
 
 def gather_seq_shard(group: dist.ProcessGroup, *, local_len: int, batch_size: int,
