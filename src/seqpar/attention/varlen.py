@@ -21,13 +21,17 @@ tile's worth of scores, whatever the block's length. Pure: no communication, pla
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from .blocks import plan_block
 from .spec import AttnSpec, MaskInfo, dense_mask
+
+T = TypeVar("T")
 
 TILE = 1024
 """The longest query or key run one kernel call gets (the CPU op's backward keeps a buffer that
@@ -94,24 +98,20 @@ def _tiles(spec: AttnSpec, row: int | None, q_pos: Tensor, k_pos: Tensor, q0: in
     return out
 
 
-_PLANS: dict[int, dict[tuple, tuple[list, list[Rect]]]] = {}
-"""Plans by ``id`` of the mask's first tensor; an entry goes when that tensor dies."""
+_PLANS: dict[int, dict[tuple, tuple[list, Any]]] = {}
+"""Per-batch results by ``id`` of the mask's first tensor; an entry goes when that tensor dies."""
 
 
-def document_rects(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int,
-                   tile: int = TILE) -> list[Rect]:
-    """The rectangles of a ``(queries x keys)`` block that something sees (see the module doc),
-    tiled to at most ``tile x tile``. Tensors of ``mask`` may live on any device.
-
-    Planned once per batch: the plan is kept while the mask's tensors live (the layers of a model
-    and the backward share one SeqShard's tensors), so later calls read it back without touching
-    the tensors -- no host synchronization after a batch's first layer."""
-    mask = mask or MaskInfo()
+def per_batch(mask: MaskInfo, key: tuple, compute: Callable[[], T]) -> T:
+    """``compute()``, once per batch: kept while the tensors of ``mask`` live (the layers of a
+    model and the backward share one SeqShard's tensors) and read back when the same tensors come
+    again with the same ``key`` -- without touching them, so no host synchronization after a
+    batch's first layer. A mask without tensors is computed every time (nothing to sync)."""
     tensors = [mask.q_pos, mask.k_pos, mask.key_keep, mask.q_seg, mask.k_seg]
     anchor = next((t for t in tensors if t is not None), None)
     if anchor is None:
-        return _document_rects(spec, mask, sq, sk, batch, tile)
-    key = (spec.causal, spec.window, spec.chunk, sq, sk, batch, tile, tuple(t is None for t in tensors))
+        return compute()
+    key = (*key, tuple(t is None for t in tensors))
     plans = _PLANS.get(id(anchor))
     if plans is None:
         plans = _PLANS[id(anchor)] = {}
@@ -120,9 +120,19 @@ def document_rects(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batc
     if hit is not None and all((r is None and t is None) or (r is not None and r() is t)
                                for r, t in zip(hit[0], tensors, strict=True)):
         return hit[1]
-    rects = _document_rects(spec, mask, sq, sk, batch, tile)
-    plans[key] = ([None if t is None else weakref.ref(t) for t in tensors], rects)
-    return rects
+    value = compute()
+    plans[key] = ([None if t is None else weakref.ref(t) for t in tensors], value)
+    return value
+
+
+def document_rects(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int,
+                   tile: int = TILE) -> list[Rect]:
+    """The rectangles of a ``(queries x keys)`` block that something sees (see the module doc),
+    tiled to at most ``tile x tile``. Tensors of ``mask`` may live on any device. Planned once
+    per batch (:func:`per_batch`)."""
+    mask = mask or MaskInfo()
+    return per_batch(mask, ("rects", spec.causal, spec.window, spec.chunk, sq, sk, batch, tile),
+                     lambda: _document_rects(spec, mask, sq, sk, batch, tile))
 
 
 def _document_rects(spec: AttnSpec, mask: MaskInfo, sq: int, sk: int, batch: int, tile: int) -> list[Rect]:
@@ -174,6 +184,11 @@ def mask_flag(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: t
         return None
     if sq == 0 or sk == 0:
         return False
+    return per_batch(mask, ("flag", spec.causal, spec.window, spec.chunk, sq, sk),
+                     lambda: _mask_flag(spec, mask, sq, sk, device))
+
+
+def _mask_flag(spec: AttnSpec, mask: MaskInfo, sq: int, sk: int, device: torch.device) -> bool | None:
     q_pos, k_pos = mask.positions(sq, sk, device)
     spec = _without_wide_window(_without_whole_chunk(spec, q_pos, k_pos), q_pos, k_pos)
     if spec.window is None and spec.chunk is None:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..attention.kernels import KERNELS, attend, lse_kernel_for
 from ..attention.layout import inverse_permutation
 from ..attention.spec import AttnSpec, LocalKernel, MaskInfo, dense_mask
-from ..attention.varlen import mask_flag, plan_mask
+from ..attention.varlen import mask_flag, per_batch, plan_mask
 from ..batch.sharding import LocalBatch
 
 
@@ -83,8 +83,8 @@ class ModelKernel(LocalKernel):
         """A permuted layout (zigzag) put back in token order: ``(mask, perm, inverse)``. The
         model's function then sees the sequence exactly as without SP (same key order in its
         reductions, and sdpa keeps its is_causal fast path)."""
-        if mask.q_pos is None or mask.k_pos is None or not (mask.q_pos is mask.k_pos or
-                                                           torch.equal(mask.q_pos, mask.k_pos)):
+        if mask.q_pos is None or mask.k_pos is None or not (mask.q_pos is mask.k_pos or per_batch(
+                mask, ("same positions",), lambda: torch.equal(mask.q_pos, mask.k_pos))):
             return mask, None, None
         key = ("order", mask.q_pos.data_ptr())
         cache = self.batch.mask_cache
