@@ -23,6 +23,7 @@ raises at the fence that ends the call in each direction.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -52,13 +53,29 @@ def head_ranges(n_heads: int, n_kv_heads: int, parts: int) -> tuple[list[tuple[i
     return q_ranges, kv_ranges
 
 
-def kv_index(q_range: tuple[int, int], kv_range: tuple[int, int], group: int) -> Tensor | None:
+def kv_index(q_range: tuple[int, int], kv_range: tuple[int, int], group: int,
+             device: torch.device | None = None) -> Tensor | None:
     """For a rank's query heads, which of its received KV heads each one reads; None when the
-    plain ``repeat_interleave`` pattern of GQA kernels already matches."""
+    plain ``repeat_interleave`` pattern of GQA kernels already matches. Pure arithmetic on ints;
+    the index tensor is made once per device and shape, not per layer."""
+    idx = _kv_positions(q_range, kv_range, group)
+    if idx is None:
+        return None
+    key = (idx, device)
+    if key not in _KV_INDEX:
+        _KV_INDEX[key] = torch.tensor(idx, device=device)
+    return _KV_INDEX[key]
+
+
+_KV_INDEX: dict[tuple, Tensor] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _kv_positions(q_range: tuple[int, int], kv_range: tuple[int, int], group: int) -> tuple[int, ...] | None:
     start, n = q_range
-    idx = torch.tensor([(start + j) // group - kv_range[0] for j in range(n)])
+    idx = tuple((start + j) // group - kv_range[0] for j in range(n))
     n_kv = kv_range[1]
-    if n_kv and n % n_kv == 0 and torch.equal(idx, torch.arange(n_kv).repeat_interleave(n // n_kv)):
+    if n_kv and n % n_kv == 0 and idx == tuple(j // (n // n_kv) for j in range(n)):
         return None
     return idx
 
@@ -128,9 +145,9 @@ def heads_to_seq(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, s
         [q, k, v], scatter_dim=2, gather_dim=1, group=group,
         send_ranges=[q_ranges, kv_ranges, kv_ranges], recv_sizes=[seq_lens] * 3, flag=flag)
     if q_ranges[me][1]:
-        idx = kv_index(q_ranges[me], kv_ranges[me], n_heads // n_kv)
+        idx = kv_index(q_ranges[me], kv_ranges[me], n_heads // n_kv, kh.device)
         if idx is not None:  # uneven GQA split: give each query head its own copy of its KV head
-            kh, vh = kh.index_select(2, idx.to(kh.device)), vh.index_select(2, idx.to(vh.device))
+            kh, vh = kh.index_select(2, idx), vh.index_select(2, idx)
     return qh, kh, vh, q_ranges
 
 
