@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..attention.layout import LAYOUTS, document_cuts, layout_indices, min_seq_len
 from ..attention.shard import SeqShard
 from ..comm.agree import MISSING, check, share
+from ..comm.collectives import comm_device
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, dp_size, has_axis
 from .targets import CU_SEQLENS_KEYS, IGNORE_INDEX, cu_seqlens_problem, prepare_batch, target_count
 
@@ -190,7 +191,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     p, me = dist.get_world_size(group), dist.get_rank(group)
     ref = batch.get("input_ids") if batch.get("input_ids") is not None else batch.get("inputs_embeds")
     device = ref.device if isinstance(ref, Tensor) else torch.device("cpu")
-    _, s = _validate(batch, group, layout, num_items_in_batch, device)
+    cdev = comm_device(group)  # NCCL with a CPU batch: collectives and the SeqShard on the GPU
+    _, s = _validate(batch, group, layout, num_items_in_batch, cdev)
     # the arguments below are now known to agree across the SP ranks: raising is safe
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: choose one of {list(LAYOUTS)}")
@@ -213,9 +215,12 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     def in_layout(t: Tensor | None) -> Tensor | None:
         return None if t is None or perm is None else t.index_select(1, perm)
 
-    shard = SeqShard(seq_lens, perm,
-                     prep.key_keep if perm is None else in_layout(prep.key_keep),
-                     prep.segments if perm is None else in_layout(prep.segments))
+    def on_comm(t: Tensor | None) -> Tensor | None:  # the batch's metadata moves once, here
+        return None if t is None else t.to(cdev)
+
+    shard = SeqShard(seq_lens, on_comm(perm),
+                     on_comm(prep.key_keep if perm is None else in_layout(prep.key_keep)),
+                     on_comm(prep.segments if perm is None else in_layout(prep.segments)))
 
     def local(t: Tensor) -> Tensor:
         return t.index_select(1, idx)
@@ -248,18 +253,17 @@ def count_target_tokens(batches_or_labels: Mapping[str, Any] | Tensor | Sequence
     With loss weights, returns their sum (a float). One all-reduce over dp when dp > 1.
     """
     items = [batches_or_labels] if isinstance(batches_or_labels, (Tensor, Mapping)) else list(batches_or_labels)
-    total, weighted, device = 0.0, False, torch.device("cpu")
+    total, weighted = 0.0, False
     for item in items:
         if isinstance(item, Tensor):
             total += float((item[:, 1:] != ignore_index).sum())
-            device = item.device
             continue
         prep = prepare_batch(item, ignore_index)
-        device = prep.position_ids.device
         weighted |= prep.weights is not None
         total += target_count(prep, ignore_index)
     if mesh is not None and dp_size(as_mesh(mesh, "count_target_tokens")) > 1:
-        t = torch.tensor([total], dtype=torch.float64, device=device)
-        dist.all_reduce(t, group=axis_group(mesh, Axis.DP.value))
+        dp_group = axis_group(mesh, Axis.DP.value)
+        t = torch.tensor([total], dtype=torch.float64, device=comm_device(dp_group))
+        dist.all_reduce(t, group=dp_group)
         total = float(t.item())
     return total if weighted else int(round(total))
