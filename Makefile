@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # A CPU build of torch is enough here; on a GPU machine use `make TORCH=torch ...` (any torch >= 2.5).
 TORCH ?= torch==2.13.0
 
-.PHONY: install train test lint bench verify
+.PHONY: install train test lint bench verify gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +28,9 @@ test: install
 
 bench: install
 	$(PY) benchmarks/run_all.py
+
+# On a machine with a GPU (a CUDA build of torch: `make TORCH=torch gpu-check`): the gpu-marked
+# kernel tests against the float64 oracle, then the kernels' time and memory against dense SDPA.
+gpu-check: install
+	$(PY) -m pytest -p no:cacheprovider -m gpu tests/attention/test_lse_kernels.py
+	$(PY) benchmarks/bench_kernels.py

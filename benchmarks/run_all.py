@@ -17,6 +17,16 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _kernel_args(quick: bool) -> list[str]:
+    """bench_kernels' sizes: its defaults on a GPU, a CPU-sized run otherwise."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ["--seq", "8192,16384"] if quick else []
+    return ["--device", "cpu", "--dtype", "float32", "--seq", "2048" if quick else "2048,4096", "--doc", "512",
+            "--heads", "8", "--kv-heads", "2", "--dim", "64"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
@@ -29,6 +39,7 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_balance.py"), *(["--rows", "50"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_varlen.py"), *(["--seq", "4096,8192"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_guard.py"), *(["--seq", "1024,2048"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_kernels.py"), *_kernel_args(args.quick)],
         [sys.executable, "-m", "seqpar.cli.main", "bench", *bench_lens],
         [sys.executable, "-m", "seqpar.cli.main", "bench", "--packing", *bench_lens],
     ]
