@@ -32,6 +32,10 @@ class SeqShard:
                identity, i.e. a contiguous split). Causal masks and windows compare these.
     key_keep   [B, S] bool in layout order, False marks padding (None: no padding).
     segments   [B, S] long in layout order, packed-document id of each token (None: one document).
+
+    A SeqShard describes one batch and is read, never written: plans made from its tensors are
+    kept for the batch's later layers (:func:`shard_cache`, :func:`seqpar.attention.varlen.per_batch`),
+    so its tensors must not be changed in place -- build a new one per batch (shard_batch does).
     """
 
     seq_lens: tuple[int, ...]
