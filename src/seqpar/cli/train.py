@@ -114,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
     from seqpar.train.job import prepare_job
 
     job = prepare_job(cfg)  # ValueError -> one line from seqpar.cli.main, before any worker starts
+    import torch
+
+    if torch.cuda.is_available():  # said, not silent: local workers are gloo processes on the CPU
+        print(f"seqpar train: this host has {torch.cuda.device_count()} CUDA device(s), but without torchrun the "
+              "workers run on the CPU (gloo); for the GPUs: torchrun --nproc-per-node N -m seqpar.cli.main train "
+              "...", file=sys.stderr, flush=True)
     print(f"seqpar train: {job.world} local workers (gloo, 1 thread each), sp={job.sp} x dp={job.dp}, "
           f"{job.strategy}{' (auto: ' + job.reason + ')' if job.reason else ''}, --seq-len {cfg.seq_len}, "
           f"{cfg.steps} steps -> {os.path.abspath(cfg.save_dir)}", flush=True)
