@@ -246,3 +246,20 @@ def test_bad_arguments_raise_clear_errors():
     for cuts in ((0, 3), (3, 3), (5, 2), (8,)):
         with pytest.raises(ValueError, match=r"cuts must be increasing positions inside \(0, 8\)"):
             layout_indices(8, 2, "doc-zigzag", cuts=cuts)
+
+
+def test_chunked_documents_count_chunks_from_each_document_start():
+    """Chunks of 2 on a packed row (documents 0..4 and 5..7), in token order and through a zigzag
+    layout: the finer segments group exactly {0,1} {2,3} {4} {5,6} {7}."""
+    from seqpar.attention.shard import SeqShard, chunked_documents
+
+    seg = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]])
+    want = [[0, 1], [2, 3], [4], [5, 6], [7]]
+    for perm in (None, layout_permutation(8, 2, "zigzag")):
+        layout_seg = seg if perm is None else seg[:, perm]
+        finer = chunked_documents(SeqShard((4, 4), perm, None, layout_seg), 2).segments[0]
+        tokens = torch.arange(8) if perm is None else perm  # original index of each layout position
+        groups = {}
+        for t, g in zip(tokens.tolist(), finer.tolist(), strict=True):
+            groups.setdefault(g, []).append(t)
+        assert sorted(sorted(v) for v in groups.values()) == want

@@ -19,7 +19,7 @@ EXPECTED = {
     "jetmoe": EXACT,  # .view on the attention output
     "stablelm": EXACT, "nemotron": EXACT,  # decoder layers drop **kwargs
     "qwen2_moe": EXACT, "phimoe": EXACT,  # windows only in the model's mask
-    "llama4_text/no-temperature-tuning": EXACT + ("refused",),  # chunked: exact padded, refused packed
+    "llama4_text/no-temperature-tuning": EXACT,  # chunked: chunks counted per packed document
     "llama4_text": ("refused",),  # NoPE temperature tuning reads the local length
     "qwen3_next": ("refused",), "jamba": ("refused",), "lfm2/conv-layers": ("refused",), "falcon_h1": ("refused",),
     "lfm2": EXACT,  # its default config has attention layers only
@@ -52,7 +52,7 @@ def test_named_families_end_as_issue_9_says(zoo):
         outcomes = {r.outcome for r in rows if r.family == family}
         assert outcomes and outcomes <= set(allowed), (family, outcomes)
     chunked = {(r.batch, r.outcome in EXACT) for r in rows if r.family == "llama4_text/no-temperature-tuning"}
-    assert chunked == {("padded", True), ("packed", False)}, chunked  # exact padded, refused packed
+    assert chunked == {("padded", True), ("packed", True)}, chunked  # packed: each document's own chunks
 
 
 def test_refusals_say_what_and_why(zoo):

@@ -122,3 +122,34 @@ def with_global_masks(shard: SeqShard, key_padding_mask: Tensor | None, segment_
         return shard
     keep, seg = gather_global_masks(key_padding_mask, segment_ids, [(group, shard.seq_lens)], device)
     return SeqShard(shard.seq_lens, shard.positions, keep, seg)
+
+
+def chunked_documents(shard: SeqShard, chunk: int) -> SeqShard:
+    """``shard`` with each packed document cut into chunks of ``chunk`` tokens counted from the
+    document's start -- chunked attention (Llama 4's ``attention_chunk_size``) on packed rows as
+    each document alone would see it -- as finer segment ids, so the layer runs without ``chunk``.
+    Documents are the runs of equal segment id in the original token order (as shard_batch makes
+    them). Kept per batch and chunk size (:func:`shard_cache`)."""
+    assert shard.segments is not None, "only packed rows need their chunks counted per document"
+    key = ("chunked documents", chunk)
+    cache = shard_cache(shard)
+    if key not in cache:
+        seg = shard.segments  # [B, S] layout order
+        b, s = seg.shape
+        perm = shard.positions
+        orig = seg if perm is None else seg.index_select(1, _inverse(perm))  # [B, S] original order
+        idx = torch.arange(s, device=seg.device).expand(b, s)
+        starts = torch.ones_like(orig, dtype=torch.bool)
+        starts[:, 1:] = orig[:, 1:] != orig[:, :-1]
+        start_of = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+        piece = (idx - start_of) // chunk  # [B, S] chunk index inside the document
+        finer = orig * (s // chunk + 2) + piece
+        finer = finer if perm is None else finer.index_select(1, perm)
+        cache[key] = SeqShard(shard.seq_lens, shard.positions, shard.key_keep, finer)
+    return cache[key]
+
+
+def _inverse(perm: Tensor) -> Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv

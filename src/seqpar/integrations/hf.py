@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.dispatch import check_strategy, resolve_strategy, sp_attention
 from ..attention.kernels import KernelArg
+from ..attention.shard import chunked_documents
 from ..batch.loss import make_loss_function
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.mesh import Axis, as_mesh, axis_group
@@ -112,12 +113,11 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         opts = layer_options(module, config, kwargs)
-        if opts.chunk is not None and batch.shard.segments is not None:
-            # a packed document's chunks start at the document (what packing means), but the
-            # mask counts them from the row start: not expressible yet, so refused, not approximated
-            raise ValueError(f"{type(module).__name__} uses chunked attention (attention_chunk_size={opts.chunk}), "
-                             "which seqpar does not support on packed rows yet: feed one document per row "
-                             "(padded) instead of position_ids that restart")
+        shard, chunk = batch.shard, opts.chunk
+        if chunk is not None and shard.segments is not None:
+            # a packed document's chunks start at the document (as if it were alone), not at the
+            # row: each chunk of each document becomes a segment of its own, the layer runs unchunked
+            shard, chunk = chunked_documents(shard, chunk), None
         softcap = kwargs.get("softcap")
         kern = kernel
         if kern is None and strategy == "ulysses":
@@ -128,8 +128,8 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
             # all-to-all needs one dtype, and autocast would run attention in v's anyway
             query, key = query.to(value.dtype), key.to(value.dtype)
         out = sp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
-                           strategy=strategy, causal=causal, scale=scaling, window=opts.window, chunk=opts.chunk,
-                           softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=batch.shard,
+                           strategy=strategy, causal=causal, scale=scaling, window=opts.window, chunk=chunk,
+                           softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=shard,
                            validate=False)
         batch.attention_calls += 1
         return out, None  # [B, S/P, H, D]

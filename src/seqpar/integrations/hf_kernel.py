@@ -59,7 +59,8 @@ class ModelKernel(LocalKernel):
 
     def _mask(self, spec: AttnSpec, mask: MaskInfo, q: Tensor) -> tuple[bool, Tensor | None, Tensor | None]:
         """(is_causal flag, mask in the function's format or None, rows that see a key or None)."""
-        key = (self.kind, spec.causal, spec.window, spec.chunk, q.dtype, q.device, q.shape[2])
+        docs = None if mask.q_seg is None else id(mask.q_seg)  # chunked layers' documents differ (see hf.py)
+        key = (self.kind, spec.causal, spec.window, spec.chunk, q.dtype, q.device, q.shape[2], docs)
         cache = self.batch.mask_cache
         if key not in cache:
             s = q.shape[2]
@@ -86,7 +87,7 @@ class ModelKernel(LocalKernel):
         if mask.q_pos is None or mask.k_pos is None or not (mask.q_pos is mask.k_pos or per_batch(
                 mask, ("same positions",), lambda: torch.equal(mask.q_pos, mask.k_pos))):
             return mask, None, None
-        key = ("order", mask.q_pos.data_ptr())
+        key = ("order", mask.q_pos.data_ptr(), None if mask.q_seg is None else id(mask.q_seg))
         cache = self.batch.mask_cache
         if key not in cache:
             perm = mask.q_pos
