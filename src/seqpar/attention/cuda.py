@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .flash_cpu import pad_head_dim, tile_bias
-from .rect_kernel import RectKernel
+from .rect_kernel import RectKernel, pad_head_dim, tile_bias
 from .spec import AttnSpec
 
 TILE = 8192

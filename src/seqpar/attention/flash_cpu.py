@@ -8,27 +8,10 @@ mask, or an additive mask of the tile's own size (never the block's).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .rect_kernel import RectKernel
-from .spec import AttnSpec, position_mask
-
-
-def pad_head_dim(x: Tensor, n: int) -> Tensor:
-    """``[..., d] -> [..., n]`` with zero columns (``n >= d``)."""
-    return x if x.shape[-1] == n else F.pad(x, (0, n - x.shape[-1]))
-
-
-def tile_bias(spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype
-              ) -> tuple[Tensor | None, Tensor | None]:
-    """A ``"positions"`` tile's additive mask ``[nq, nk]`` (0 / -inf) and its rows that see a key
-    ``[nq]``; ``(None, None)`` for the other kinds of tile."""
-    if how != "positions":
-        return None, None
-    allowed = position_mask(spec, q_pos, k_pos)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill(~allowed, float("-inf"))
-    return bias, allowed.any(dim=-1)
+from .rect_kernel import RectKernel, pad_head_dim, tile_bias
+from .spec import AttnSpec
 
 
 class CpuFlashKernel(RectKernel):

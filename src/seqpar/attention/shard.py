@@ -20,6 +20,7 @@ from torch import Tensor
 from ..comm.agree import check, share
 from ..comm.collectives import comm_device, split_offsets
 from ..comm.gather import gather_padded
+from .layout import inverse_permutation
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def chunked_documents(shard: SeqShard, chunk: int) -> SeqShard:
         seg = shard.segments  # [B, S] layout order
         b, s = seg.shape
         perm = shard.positions
-        orig = seg if perm is None else seg.index_select(1, _inverse(perm))  # [B, S] original order
+        orig = seg if perm is None else seg.index_select(1, inverse_permutation(perm))  # [B, S] original order
         idx = torch.arange(s, device=seg.device).expand(b, s)
         starts = torch.ones_like(orig, dtype=torch.bool)
         starts[:, 1:] = orig[:, 1:] != orig[:, :-1]
@@ -148,8 +149,3 @@ def chunked_documents(shard: SeqShard, chunk: int) -> SeqShard:
         cache[key] = SeqShard(shard.seq_lens, shard.positions, shard.key_keep, finer)
     return cache[key]
 
-
-def _inverse(perm: Tensor) -> Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
