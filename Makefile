@@ -31,6 +31,7 @@ bench: install
 
 # On a machine with a GPU (a CUDA build of torch: `make TORCH=torch gpu-check`): the gpu-marked
 # kernel tests against the float64 oracle, then the kernels' time and memory against dense SDPA.
+# When they pass, set CUDA_FLASH_VERIFIED in src/seqpar/attention/kernels.py so "auto" uses cuda_flash.
 gpu-check: install
 	$(PY) -m pytest -p no:cacheprovider -m gpu tests/attention/test_lse_kernels.py
 	$(PY) benchmarks/bench_kernels.py

@@ -7,8 +7,9 @@ import re
 import pytest
 import torch
 
+from seqpar.attention import kernels
 from seqpar.attention.blocks import plan_block
-from seqpar.attention.kernels import KERNELS, attend, auto_kernel, default_lse_kernel, lse_kernel_for
+from seqpar.attention.kernels import KERNELS, attend, auto_kernel, lse_kernel_for
 from seqpar.attention.reference import math_attention, reference_attention
 from seqpar.attention.spec import AttnSpec, MaskInfo, position_mask
 from seqpar.attention.varlen import mask_flag, plan_mask
@@ -157,8 +158,8 @@ def test_sinks_need_an_lse_kernel_and_pick_one_by_default():
     q = torch.zeros(1, 2, 3, 4)
     spec = AttnSpec(causal=True, sinks=torch.zeros(2))
     assert "sinks" in spec.options() and spec == AttnSpec(causal=True)  # an option set, not compared by value
-    assert default_lse_kernel(q, spec) == "flash_cpu"
-    assert default_lse_kernel(q, AttnSpec(softcap=2.0, sinks=torch.zeros(2))) == "tiled"
+    assert lse_kernel_for(q.device, q.dtype, spec) == "flash_cpu"
+    assert lse_kernel_for(q.device, q.dtype, AttnSpec(softcap=2.0, sinks=torch.zeros(2))) == "tiled"
     with pytest.raises(ValueError, match=r"'sdpa' cannot honour \['sinks'\]"):
         attend(q, q, q, spec, None, KERNELS["sdpa"])
 
@@ -189,7 +190,7 @@ def test_block_is_empty():
     assert block_is_empty(AttnSpec(chunk=4), a, b) and not block_is_empty(AttnSpec(chunk=8), a, b)
 
 
-def test_auto_picks_sdpa_only_where_its_flag_suffices():
+def test_auto_picks_sdpa_only_where_its_flag_suffices(monkeypatch):
     """``auto`` on CPU: SDPA's flag for plain blocks, the varlen lse kernel for everything that
     would need a mask, softcap on ``tiled``; dropout on a masked block is sdpa_dense, said once."""
     q = torch.zeros(1, 2, 8, 4)
@@ -207,7 +208,10 @@ def test_auto_picks_sdpa_only_where_its_flag_suffices():
     with pytest.warns(UserWarning, match="sdpa_dense"):
         assert auto_kernel(q, AttnSpec(causal=True, dropout=0.1), pad) == "sdpa_dense"
     cuda = torch.device("cuda")
+    with pytest.warns(UserWarning, match="not been verified on a GPU"):  # said once, not per layer
+        assert lse_kernel_for(cuda, torch.bfloat16, AttnSpec(causal=True, window=4)) == "tiled"
+    assert lse_kernel_for(cuda, torch.float64, AttnSpec(causal=True)) == "tiled"
+    monkeypatch.setattr(kernels, "CUDA_FLASH_VERIFIED", True)
     assert lse_kernel_for(cuda, torch.bfloat16, AttnSpec(causal=True, window=4)) == "cuda_flash"
-    with pytest.warns(UserWarning, match="running 'tiled'"):  # said once, not per layer
-        assert lse_kernel_for(cuda, torch.float64, AttnSpec(causal=True)) == "tiled"
+    assert lse_kernel_for(cuda, torch.float64, AttnSpec(causal=True)) == "tiled"
     assert lse_kernel_for(cuda, torch.float16, AttnSpec(softcap=3.0)) == "tiled"

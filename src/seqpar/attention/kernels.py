@@ -8,6 +8,7 @@ The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. The re
                lse kernel below -- no code path builds an ``S x S`` mask
 ``flash_cpu``  fused CPU op per document rectangle, with lse (window, chunk)
 ``cuda_flash`` torch's FlashAttention-2 / memory-efficient CUDA ops per rectangle, with lse
+               (opt-in until verified on a GPU: :data:`CUDA_FLASH_VERIFIED`)
 ``tiled``      the reference math per tile: every option (softcap), any dtype and device, O(S) memory
 ``sdpa``       torch's SDPA with its causal flag only (any backend, dropout; no lse); a block that
                needs a mask is refused -- use ``auto``, or ``sdpa_dense`` to accept an ``S x S`` mask
@@ -67,16 +68,13 @@ class DenseSdpaKernel(LocalKernel):
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
         check_supported(self, spec)
-        gqa = q.shape[1] != k.shape[1]
         causal, allowed = plan_mask(spec, mask, q.shape[2], k.shape[2], q.device)
-        if allowed is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=spec.dropout, is_causal=causal,
-                                                  scale=spec.scale_for(q.shape[-1]), enable_gqa=gqa)
-        seen = allowed.any(dim=-1, keepdim=True)  # [B or 1, 1, Sq, 1]
+        seen = None if allowed is None else allowed.any(dim=-1, keepdim=True)  # [B or 1, 1, Sq, 1]
         # A row that sees no key would be NaN: let it see everything, then zero it.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~seen, dropout_p=spec.dropout,
-                                             scale=spec.scale_for(q.shape[-1]), enable_gqa=gqa)
-        return out * seen
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if allowed is None else allowed | ~seen,
+                                             dropout_p=spec.dropout, is_causal=causal,
+                                             scale=spec.scale_for(q.shape[-1]), enable_gqa=q.shape[1] != k.shape[1])
+        return out if seen is None else out * seen
 
 
 class AutoKernel(LocalKernel):
@@ -202,20 +200,28 @@ _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _warned: set[str] = set()  # what was said once already
 
 
+CUDA_FLASH_VERIFIED = False
+"""Whether ``cuda_flash`` has passed its gpu-marked tests on a GPU (``make gpu-check``). Until it
+has, ``auto`` does not pick it: a kernel that never ran on the hardware is opt-in
+(``kernel="cuda_flash"``), so it cannot be silently wrong by default."""
+
+
 def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> str:
     """The varlen lse kernel ``auto`` uses on ``device`` for ``spec``: ``flash_cpu`` (CPU) or
-    ``cuda_flash`` (CUDA: float16 / bfloat16 / float32) where they honour the options (sinks are
-    folded around any lse kernel), else ``tiled`` (softcap, float64 on CUDA, other devices)."""
+    ``cuda_flash`` (CUDA: float16 / bfloat16 / float32, once :data:`CUDA_FLASH_VERIFIED`) where they
+    honour the options (sinks are folded around any lse kernel), else ``tiled`` -- said once."""
     options = spec.options() - {"sinks"}
     if device.type == "cpu" and options <= KERNELS["flash_cpu"].supports:
         return "flash_cpu"
-    if device.type == "cuda" and dtype in _CUDA_DTYPES and options <= KERNELS["cuda_flash"].supports:
+    fused = device.type == "cuda" and dtype in _CUDA_DTYPES and options <= KERNELS["cuda_flash"].supports
+    if fused and CUDA_FLASH_VERIFIED:
         return "cuda_flash"
     if device.type != "cpu" and "tiled" not in _warned:
         _warned.add("tiled")
-        warnings.warn(f"no fused attention kernel on {device.type} honours {sorted(options) or dtype}: running "
-                      "'tiled' (exact, O(S) memory, plain PyTorch per tile: slower than a fused kernel)",
-                      stacklevel=2)
+        why = ("cuda_flash has not been verified on a GPU yet (make gpu-check; kernel='cuda_flash' opts in)" if fused
+               else f"no fused attention kernel on {device.type} honours {sorted(options) or dtype}")
+        warnings.warn(f"{why}: running 'tiled' (exact, O(S) memory, plain PyTorch per tile: slower than a fused "
+                      "kernel)", stacklevel=2)
     return "tiled"
 
 
@@ -258,16 +264,11 @@ def get_kernel(kernel: KernelArg) -> Kernel:
     raise ValueError(f"kernel must be a name, a Kernel object or a callable, got {type(kernel).__name__}")
 
 
-def default_lse_kernel(q: Tensor, spec: AttnSpec) -> str:
-    """The lse kernel ring and hybrid attention use by default: :func:`lse_kernel_for` q's device."""
-    return lse_kernel_for(q.device, q.dtype, spec)
-
-
 def lse_kernel(kernel: KernelArg, q: Tensor | None = None, spec: AttnSpec | None = None) -> LseKernel:
     """Like :func:`get_kernel`, but the kernel must return lse and have a backward (ring attention);
-    ``"auto"`` (with ``q`` and ``spec``) is :func:`default_lse_kernel`."""
+    ``"auto"`` (with ``q`` and ``spec``) is :func:`lse_kernel_for` q's device."""
     if isinstance(kernel, str) and kernel == "auto" and q is not None and spec is not None:
-        kernel = default_lse_kernel(q, spec)
+        kernel = lse_kernel_for(q.device, q.dtype, spec)
     k = get_kernel(kernel)
     if not isinstance(k, LseKernel):
         raise ValueError(f"ring attention needs a kernel that returns the log-sum-exp and has a backward;"
