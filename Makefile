@@ -18,7 +18,9 @@ install: $(VENV)/.installed
 train: install
 	$(VENV)/bin/seqpar train
 
+# The heavy grids (`-m heavy`: too long for `make test`) and the CLI's attention grid at P = 1..4.
 verify: install
+	$(PY) -m pytest -p no:cacheprovider -m heavy
 	$(VENV)/bin/seqpar verify --nproc 4
 
 test: install

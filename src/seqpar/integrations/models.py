@@ -4,6 +4,8 @@ The built-in configs are small enough for CPU tests (hidden 32, 2 layers) and ea
 attention feature: ``tiny-llama`` (GQA), ``tiny-qwen3`` (q/k norm), ``tiny-mistral`` (sliding
 window shorter than the test sequences), ``tiny-gemma2`` (attention-logit softcap, alternating
 sliding / full layers, final-logit softcap; eager attention, as transformers needs for softcap).
+``small-llama3`` has a realistic shape for memory work (Llama 3 proportions: vocabulary 32x the
+hidden size, MLP 3.5x, GQA 4:1; hidden 256, 4 layers, 8,192-token vocabulary, about 6.5M parameters).
 
 :func:`decoder_config` is the one place that finds the decoder's config inside a model's config
 (``config`` itself, or ``config.text_config`` for a multimodal model).
@@ -18,11 +20,18 @@ from typing import Any
 import torch
 from torch import nn
 
-BUILTIN_MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2"]
+BUILTIN_MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "small-llama3"]
 
 _COMMON: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                max_position_embeddings=1024, attention_dropout=0.0, tie_word_embeddings=False)
+
+# Llama 3's proportions at a size a CPU trains: vocabulary / hidden = 32 (Llama-3-8B: 128,256 / 4,096),
+# MLP 3.5x, 4 query heads per KV head, RoPE theta 500,000, untied head.
+_SMALL_LLAMA3: dict[str, Any] = dict(vocab_size=8192, hidden_size=256, intermediate_size=896, num_hidden_layers=4,
+                                     num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                                     max_position_embeddings=131072, rope_theta=500000.0, attention_dropout=0.0,
+                                     tie_word_embeddings=False)
 
 
 def builtin_config(name: str, **overrides: Any) -> Any:
@@ -38,6 +47,8 @@ def builtin_config(name: str, **overrides: Any) -> Any:
     if name == "tiny-gemma2":
         return tf.Gemma2Config(**{**_COMMON, "sliding_window": 5, "attn_logit_softcapping": 2.0,
                                   "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 8, **overrides})
+    if name == "small-llama3":
+        return tf.LlamaConfig(**{**_SMALL_LLAMA3, **overrides})
     raise ValueError(f"unknown built-in model {name!r}: choose one of {BUILTIN_MODELS} or a local checkpoint path")
 
 

@@ -38,8 +38,9 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     """Options of ``seqpar train`` (see ``seqpar train --help``)."""
 
-    model: str = _opt("tiny-llama", "a built-in config name (tiny-llama, tiny-qwen3, tiny-mistral, tiny-gemma2; "
-                      "sized by --model-config) or a local transformers checkpoint directory (its tokenizer too)")
+    model: str = _opt("tiny-llama", "a built-in config name (tiny-llama, tiny-qwen3, tiny-mistral, tiny-gemma2, "
+                      "small-llama3; sized by --model-config) or a local transformers checkpoint directory "
+                      "(its tokenizer too)")
     model_config: str = _opt("", "JSON object of config fields for a built-in model, applied over the training "
                              f"size {json.dumps(TRAIN_SIZE)}", metavar="JSON", shown="{}")
     data: list[str] | None = _opt(None, "text files (one document each) or JSONL files (one JSON object per line "
