@@ -22,6 +22,7 @@ from .comm.gather import gather_seq, split_seq
 from .comm.mesh import init_mesh
 from .integrations.fsdp import apply_ddp, apply_fsdp
 from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize
+from .integrations.memory import memory_switches, reduce_memory, restore_memory, token_stats
 from .planner import Plan, plan
 
 __version__ = "0.1.0"
@@ -38,15 +39,19 @@ __all__ = [
     "gather_seq",
     "hybrid_attention",
     "init_mesh",
+    "memory_switches",
     "parallelize",
     "parallelized",
     "plan",
+    "reduce_memory",
+    "restore_memory",
     "reference_attention",
     "ring_attention",
     "shard_batch",
     "sp_attention",
     "split_seq",
     "sync_gradients",
+    "token_stats",
     "ulysses_attention",
     "unparallelize",
 ]

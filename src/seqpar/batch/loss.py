@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..attention.layout import inverse_permutation
 from ..attention.shard import SeqShard
 from ..comm.gather import gather_seq
+from ..comm.guard import check_failures, pending_failure
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
 from .sharding import BATCH_KWARG, LocalBatch
 from .targets import IGNORE_INDEX
@@ -40,9 +41,16 @@ class _GlobalTokenMean(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_sum: Tensor, group: dist.ProcessGroup | None, denominator: float,
                 grad_scale: float) -> Tensor:
+        # the batch's attention failures ride the same all-reduce: no loss from a failed forward
+        failed = pending_failure()  # None: no attention call to check
         total = local_sum.detach().clone()
+        if failed is not None:
+            total = torch.stack([total, total.new_tensor(failed)])  # [loss sum, ranks that failed]
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
+        if failed is not None:
+            check_failures(group, any_failed=bool(total[1].item()))  # the batch's one host read
+            total = total[0]
         ctx.grad_scale = grad_scale
         return total / denominator
 
@@ -79,27 +87,37 @@ def make_loss_function(mesh: DeviceMesh) -> Callable[..., Tensor]:
     def seqpar_causal_lm_loss(logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
                               num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
                               shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
-        batch = kwargs.get(BATCH_KWARG)
-        if not isinstance(batch, LocalBatch):
-            raise ValueError("a seqpar-parallelized model computes its loss from a sharded batch: call "
-                             "model(**seqpar.shard_batch(batch, mesh)), or seqpar.unparallelize(model) first")
-        if batch.attention_calls == 0:
-            raise ValueError("the model's attention never went through seqpar (it does not use "
-                             "transformers' AttentionInterface?): its loss would use local attention only")
-        targets = shift_labels if shift_labels is not None else labels
-        if targets is None or targets.shape != logits.shape[:2]:
-            raise ValueError(f"labels must be the [batch, local_seq_len] = {list(logits.shape[:2])} targets "
-                             "shard_batch returns")
+        batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
+                                                          tuple(logits.shape[:2]))
         per_token = token_losses(logits, targets, ignore_index)
         if batch.loss_weights is not None:
             per_token = per_token * batch.loss_weights.to(per_token)
-        denominator = None
-        if num_items_in_batch is not None and batch.num_items_in_batch is None:
-            denominator = float(num_items_in_batch.item() if isinstance(num_items_in_batch, Tensor)
-                                else num_items_in_batch)
         return sp_token_mean(per_token.sum(), batch, group, denominator)
 
     return seqpar_causal_lm_loss
+
+
+def sharded_loss_inputs(kwargs: dict[str, Any], labels: Tensor | None, shift_labels: Tensor | None,
+                        num_items_in_batch: Any, shape: tuple[int, ...]) -> tuple[LocalBatch, Tensor, float | None]:
+    """What a seqpar loss function reads from transformers' call: ``(the LocalBatch, the local
+    targets [B, S_local], the denominator override or None)``. ``shape``: ``[B, S_local]`` of the
+    model's output. Raises ValueError for a batch that did not come from shard_batch, a model whose
+    attention bypassed seqpar, or targets of the wrong shape (the same on every rank)."""
+    batch = kwargs.get(BATCH_KWARG)
+    if not isinstance(batch, LocalBatch):
+        raise ValueError("a seqpar-parallelized model computes its loss from a sharded batch: call "
+                         "model(**seqpar.shard_batch(batch, mesh)), or seqpar.unparallelize(model) first")
+    if batch.attention_calls == 0:
+        raise ValueError("the model's attention never went through seqpar (it does not use "
+                         "transformers' AttentionInterface?): its loss would use local attention only")
+    targets = shift_labels if shift_labels is not None else labels
+    if targets is None or tuple(targets.shape) != shape:
+        raise ValueError(f"labels must be the [batch, local_seq_len] = {list(shape)} targets shard_batch returns")
+    denominator = None
+    if num_items_in_batch is not None and batch.num_items_in_batch is None:
+        denominator = float(num_items_in_batch.item() if isinstance(num_items_in_batch, Tensor)
+                            else num_items_in_batch)
+    return batch, targets, denominator
 
 
 def gather_log_probs(logits: Tensor, labels: Tensor | dict[str, Any], mesh: DeviceMesh, *,
@@ -120,6 +138,7 @@ def gather_log_probs(logits: Tensor, labels: Tensor | dict[str, Any], mesh: Devi
     if isinstance(shard, LocalBatch):
         shard = shard.shard
     group = axis_group(as_mesh(mesh, "gather_log_probs"), Axis.SP.value)
+    check_failures(group)  # no log-probabilities from a failed forward (free when nothing to check)
     cdtype = torch.promote_types(logits.dtype, torch.float32)
     logp = torch.log_softmax(logits.to(cdtype), dim=-1)
     valid = labels != ignore_index

@@ -50,6 +50,7 @@ from .hf_kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
 from .mixers import check_token_mixers
 from .models import decoder_config
+from .token_mixers import unwrap_token_mixers, wrap_token_mixers
 
 _ATTR = "_seqpar_parallel"  # our own attribute on the model: how to undo parallelize
 _names = itertools.count()
@@ -192,6 +193,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
                       num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
                       hook=model.register_forward_pre_hook(catch_batch, with_kwargs=True))
     model.loss_function = make_loss_function(mesh)
+    wrap_token_mixers(model, mesh, lambda: last.batch)  # Mamba, Gated DeltaNet, short convolutions
     setattr(model, _ATTR, state)
     return model
 
@@ -228,15 +230,19 @@ def _released(*args: Any, **kwargs: Any) -> Any:
 
 
 def unparallelize(model: nn.Module) -> nn.Module:
-    """Undo :func:`parallelize`: the original attention implementation and loss function come
-    back. The registered seqpar function stays registered: a deep copy of the parallelized model
-    (an EMA or DPO reference model) still uses it."""
+    """Undo :func:`parallelize` (and :func:`seqpar.reduce_memory`, if it was called): the original
+    attention implementation and loss function come back. The registered seqpar function stays
+    registered: a deep copy of the parallelized model (an EMA or DPO reference model) still uses it."""
+    from .memory import restore_memory
+
     state: _Parallel | None = getattr(model, _ATTR, None)
     if state is None:
         raise ValueError("this model is not parallelized by seqpar")
+    restore_memory(model)
     model.set_attn_implementation(state.original if state.sub_config is None else {state.sub_config: state.original})
     model.loss_function = state.loss_function
     state.hook.remove()
+    unwrap_token_mixers(model)
     delattr(model, _ATTR)
     return model
 

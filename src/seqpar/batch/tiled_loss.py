@@ -1,0 +1,220 @@
+"""The causal-LM loss from the final hidden states, in sequence tiles: no ``[S, V]`` logits tensor.
+
+With a real vocabulary the full logits and their gradient dominate a long sequence's memory (a
+32k vocabulary in float32 is 128 KiB per token, twice). Here the head (``hidden @ W^T``, its bias,
+logit scaling and final-logit softcapping) and the cross entropy run ``tile`` tokens at a time::
+
+    hidden   # [N, H]     (N = B * S_local tokens, flattened)
+      for each tile of T tokens:
+        z      = head(hidden[tile])        # [T, V]   in the model's dtype, as the model computes it
+        loss  += sum w_i * CE(z_i, t_i)    #          in float32 at least (float64 stays float64)
+        dz     = w * (softmax(z) - onehot)     # d loss / d z, chained back through softcap / scale
+        grad_h[tile] = dz @ W              # [T, H]
+        grad_W      += dz^T @ hidden[tile] # [V, H]   accumulated across tiles
+      (the tile's [T, V] tensors die here)
+
+The gradient of a scalar loss needs nothing from later tiles, so it is computed in the forward,
+inside each tile, and the backward only scales it by the incoming gradient: the same three matmuls
+as the untiled forward + backward, no second pass. Peak extra memory: a few ``[T, V]`` buffers plus
+``grad_h [N, H]`` and ``grad_W [V, H]``. Values and gradients equal :func:`seqpar.batch.loss.token_losses`
+on the model's logits to rounding.
+
+:func:`tiled_log_probs` (per-token log-probabilities, a vector whose gradient is not known in the
+forward) recomputes each tile's logits in its backward instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .targets import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Head:
+    """How a model turns its final hidden states into logits, in its own order of operations:
+    ``z = hidden @ weight^T (+ bias)``; then ``z * scale`` (Cohere's ``logit_scale``), ``z / divide``
+    (Granite's ``logits_scaling``); then ``tanh(z / softcap) * softcap`` (Gemma 2's
+    ``final_logit_softcapping``). ``weight [V, H]``, ``bias [V]`` or None."""
+
+    weight: Tensor
+    bias: Tensor | None = None
+    scale: float | None = None
+    divide: float | None = None
+    softcap: float | None = None
+
+    def logits(self, h: Tensor) -> Tensor:
+        """``h [T, H] -> z [T, V]`` in the model's dtype, and ``tanh`` of the softcap (or None)."""
+        z = torch.nn.functional.linear(h, self.weight, self.bias)
+        if self.scale is not None:
+            z = z * self.scale
+        if self.divide is not None:
+            z = z / self.divide
+        t = None
+        if self.softcap is not None:
+            t = torch.tanh(z / self.softcap)
+            z = t * self.softcap
+        return z, t
+
+    def chain(self, dz: Tensor, t: Tensor | None) -> Tensor:
+        """d loss / d (hidden @ W^T + b) from d loss / d z: back through softcap, divide, scale."""
+        if t is not None:
+            dz = dz * (1 - t.to(dz.dtype) ** 2)  # d(c * tanh(u / c)) / du = 1 - tanh^2
+        if self.divide is not None:
+            dz = dz / self.divide
+        if self.scale is not None:
+            dz = dz * self.scale
+        return dz
+
+
+def check_tile(tile: int, option: str) -> None:
+    """Raise ValueError unless ``tile`` is a positive int (``option`` names the argument to change)."""
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
+        raise ValueError(f"{option}={tile!r}: a tile is a positive number of tokens (e.g. {option}=1024)")
+
+
+def _tiles(n: int, tile: int) -> list[tuple[int, int]]:
+    return [(a, min(a + tile, n)) for a in range(0, n, tile)]
+
+
+def _tile_terms(head: Head, h: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One tile: ``(per-token CE [T], logits z [T, V] in compute dtype, valid [T], tanh or None)``."""
+    z, t = head.logits(h)
+    zc = z.to(torch.promote_types(z.dtype, torch.float32))  # token_losses' compute dtype
+    valid = target != ignore_index
+    picked = zc.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
+    ce = (torch.logsumexp(zc, dim=1) - picked) * valid
+    if weight is not None:
+        ce = ce * weight.to(ce.dtype)
+    return ce, zc, valid, t
+
+
+class _TiledLoss(torch.autograd.Function):
+    """Forward: ``sum_i w_i * CE_i`` over all tokens, tile by tile, each tile's gradient w.r.t. the
+    hidden states, weight and bias computed in the tile (see the module doc). Backward: those
+    gradients times the incoming scalar gradient -- the loss is linear in its incoming gradient, so
+    precomputing ``d sum / d inputs`` is exact; nothing is recomputed."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: Head, targets: Tensor,
+                token_weights: Tensor | None, tile: int, ignore_index: int, grads: bool) -> Tensor:
+        # hidden [N, H], targets [N], token_weights [N] or None; grads: whether autograd records this call
+        need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        need_b = grads and bias is not None and ctx.needs_input_grad[2]
+        cdtype = torch.promote_types(hidden.dtype, torch.float32)
+        total = hidden.new_zeros((), dtype=cdtype)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None  # [V, H]
+        grad_b = torch.zeros(bias.shape, dtype=cdtype, device=bias.device) if need_b else None
+        for a, b in _tiles(hidden.shape[0], tile):
+            h = hidden[a:b]  # [T, H]
+            w = None if token_weights is None else token_weights[a:b]
+            ce, zc, valid, t = _tile_terms(head, h, targets[a:b], w, ignore_index)
+            total += ce.sum()
+            if not (need_h or need_w or need_b):
+                continue
+            dz = torch.softmax(zc, dim=1)  # [T, V]: d CE / d z = softmax - onehot
+            dz.scatter_add_(1, targets[a:b].clamp(min=0)[:, None], dz.new_full((b - a, 1), -1.0))
+            scale = valid.to(cdtype) if w is None else valid * w.to(cdtype)
+            dz = head.chain(dz * scale[:, None], t).to(hidden.dtype)  # the model's dtype, as autograd would
+            if need_h:
+                grad_h[a:b] = dz @ weight
+            if need_w:
+                grad_w += (dz.t() @ h).to(cdtype)
+            if need_b:
+                grad_b += dz.sum(0).to(cdtype)
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                     None if grad_b is None else grad_b.to(bias.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        gh, gw, gb = ctx.grads
+        del ctx.grads
+        scale = grad.to(gh.dtype if gh is not None else gw.dtype if gw is not None else gb.dtype)
+        return (None if gh is None else gh * scale, None if gw is None else gw * scale,
+                None if gb is None else gb * scale, None, None, None, None, None, None)
+
+
+def tiled_loss_sum(hidden: Tensor, head: Head, targets: Tensor, *, token_weights: Tensor | None = None,
+                   tile: int = 1024, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """``sum_i w_i * CE(head(hidden_i), targets_i)`` as a differentiable scalar, ``tile`` tokens at a
+    time (see the module doc). ``hidden [B, S, H]``, ``targets [B, S]`` (already shifted; ``ignore_index``
+    contributes 0), ``token_weights [B, S]`` or None. The sum is in float32 at least. Raises
+    ValueError for a non-positive tile."""
+    check_tile(tile, "loss_tile")
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    weights = None if token_weights is None else token_weights.reshape(-1).to(flat.device)
+    return _TiledLoss.apply(flat, head.weight, head.bias, head, targets.reshape(-1).to(flat.device), weights,
+                            tile, ignore_index, torch.is_grad_enabled())
+
+
+@torch.no_grad()
+def tiled_token_stats(hidden: Tensor, head: Head, targets: Tensor, *, tile: int = 1024,
+                      ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
+    """Evaluation without the logits: ``(per-token CE [B, S], correct [B, S] bool)`` where
+    ``correct`` says the argmax of the logits is the target (False where ignored), ``tile`` tokens
+    at a time, no gradient. ``hidden [B, S, H]``, ``targets [B, S]`` already shifted."""
+    check_tile(tile, "loss_tile")
+    flat, tflat = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).to(hidden.device)
+    ces, hits = [], []
+    for a, b in _tiles(flat.shape[0], tile):
+        ce, zc, valid, _ = _tile_terms(head, flat[a:b], tflat[a:b], None, ignore_index)
+        ces.append(ce)
+        hits.append((zc.argmax(1) == tflat[a:b]) & valid)
+    if not ces:
+        return flat.new_zeros(targets.shape), torch.zeros(targets.shape, dtype=torch.bool, device=flat.device)
+    return torch.cat(ces).view(targets.shape), torch.cat(hits).view(targets.shape)
+
+
+class _TiledLogProbs(torch.autograd.Function):
+    """Forward: the log-probability of each target, tile by tile. Backward: the incoming gradient is
+    per token, so the tiles' logits are recomputed: ``d logp_i / d z = onehot - softmax``, chained
+    back through the head, into ``hidden`` and the weight (accumulated across tiles)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: Head, targets: Tensor,
+                tile: int, ignore_index: int) -> Tensor:
+        out = torch.cat([-ce for ce, *_ in (_tile_terms(head, hidden[a:b], targets[a:b], None, ignore_index)
+                                            for a, b in _tiles(hidden.shape[0], tile))]) \
+            if hidden.shape[0] else hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        ctx.save_for_backward(hidden, targets)
+        ctx.head, ctx.tile, ctx.ignore_index = head, tile, ignore_index
+        return out  # [N]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        hidden, targets = ctx.saved_tensors
+        head, weight, bias = ctx.head, ctx.head.weight, ctx.head.bias
+        cdtype = torch.promote_types(hidden.dtype, torch.float32)
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=cdtype, device=bias.device)
+        for a, b in _tiles(hidden.shape[0], ctx.tile):
+            h = hidden[a:b]
+            _, zc, valid, t = _tile_terms(head, h, targets[a:b], None, ctx.ignore_index)
+            dz = torch.softmax(zc, dim=1)  # d(-logp)/dz = softmax - onehot
+            dz.scatter_add_(1, targets[a:b].clamp(min=0)[:, None], dz.new_full((b - a, 1), -1.0))
+            dz = head.chain(dz * (-grad[a:b].to(cdtype) * valid)[:, None], t).to(hidden.dtype)
+            grad_h[a:b] = dz @ weight
+            grad_w += (dz.t() @ h).to(cdtype)
+            if grad_b is not None:
+                grad_b += dz.sum(0).to(cdtype)
+        return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
+                None, None, None, None)
+
+
+def tiled_log_probs(hidden: Tensor, head: Head, targets: Tensor, *, tile: int = 1024,
+                    ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """Per-token ``log p(target)`` ``[B, S]`` (0 where ignored), differentiable, without the
+    ``[S, V]`` logits: each tile's logits are recomputed in the backward. ``hidden [B, S, H]``,
+    ``targets [B, S]`` already shifted."""
+    check_tile(tile, "loss_tile")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = _TiledLogProbs.apply(flat, head.weight, head.bias, head, targets.reshape(-1).to(flat.device), tile,
+                               ignore_index)
+    return out.view(targets.shape)

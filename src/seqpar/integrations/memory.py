@@ -1,0 +1,343 @@
+"""The longest sequence per rank in one call: ``seqpar.reduce_memory(model, mesh)``.
+
+Three switches, each exact (float64 parity with the plain model), each undone by
+:func:`restore_memory` (which :func:`seqpar.unparallelize` calls)::
+
+    model(**local)                      forward pre-hook: the batch's shard lengths; logits_to_keep=1 with labels
+      decoder                           forward hook: its last hidden state  # [B, S_local, H]
+        layer i    checkpoint="layers"  non-reentrant checkpoint; "offload": its input in pinned host memory
+          mlp      tiled_mlp            sequence tiles, recomputed per tile in backward (.tiling)
+      lm_head                           runs on the last token only (what .logits holds)
+      loss_function  tiled_loss         head + cross entropy in tiles from the hidden state (seqpar.batch.tiled_loss)
+
+Only public points of transformers are used: hooks on modules the model owns, the ``logits_to_keep``
+argument of its forward, ``model.loss_function``, and an instance ``forward`` on its MLP and decoder
+layer modules (parameter names and ``state_dict`` unchanged).
+
+**What ``.logits`` holds with tiled_loss**: when ``labels`` are passed (and no ``logits_to_keep``),
+the logits of each row's last local token only, ``[B, 1, V]`` -- no ``[S, V]`` tensor is made. Without
+labels the model returns its full logits as usual. Per-token losses and argmax accuracy without the
+logits: :func:`token_stats`.
+
+The head must be exactly reproducible: an ``nn.Linear`` (bias allowed), with the final-logit
+softcapping (Gemma 2/3), ``logit_scale`` (Cohere) and ``logits_scaling`` (Granite) the model has. On
+the first call with labels the model's own last-token logits are compared with the tiled head's;
+any other transformation of the logits is refused there (ValueError on every SP rank), never
+approximated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..batch.loss import sharded_loss_inputs, sp_token_mean
+from ..batch.sharding import BATCH_KWARG, LocalBatch
+from ..batch.targets import IGNORE_INDEX
+from ..batch.tiled_loss import Head, check_tile, tiled_loss_sum, tiled_token_stats
+from ..comm.agree import check, share
+from ..comm.mesh import Axis, axis_group
+from .tiling import TileContext, checkpoint_layer, is_per_token_mlp, tile_mlp, untile
+
+CHECKPOINT_MODES = ("none", "layers", "offload")
+DEFAULT_LOSS_TILE = 1024
+"""Tokens per loss tile: a [1024, V] float32 tile is 128 MiB at a 32k vocabulary, 512 MiB at 128k."""
+DEFAULT_MLP_TILE = 2048
+"""Tokens per MLP tile: bounds a gated MLP's intermediates to [B, 2048, 3 x intermediate]."""
+_ATTR = "_seqpar_memory"
+_HEAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@dataclass
+class _Memory:
+    tiled_loss: bool
+    tiled_mlp: bool
+    checkpoint: str
+    loss_tile: int
+    mlp_tile: int
+    mesh: DeviceMesh | None
+    context: TileContext
+    loss_function: Any  # the model's loss function before reduce_memory
+    mlps: list[nn.Module]
+    layers: list[nn.Module]
+    offload: str  # what checkpoint="offload" does on this device, in words
+    hooks: list[Any] = field(default_factory=list)
+    hidden: Tensor | None = None  # the decoder's last hidden state of the running call
+    head_checked: bool = False
+
+
+def _head(model: nn.Module) -> Head:
+    """The model's head as a :class:`Head`, read now (under FSDP2 the unsharded weight). Raises
+    ValueError for a head seqpar cannot reproduce exactly."""
+    lin = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(lin) is not nn.Linear:
+        raise ValueError(f"tiled_loss: {type(model).__name__}'s output head is {type(lin).__name__}, not an "
+                         "nn.Linear seqpar can tile exactly: use tiled_loss=False")
+    config = model.config
+    kind = str(getattr(config, "model_type", ""))
+    scale = getattr(model, "logit_scale", None) if kind.startswith("cohere") else None
+    divide = getattr(config, "logits_scaling", None) if kind.startswith("granite") else None
+    return Head(lin.weight, lin.bias, scale=None if scale is None else float(scale),
+                divide=None if divide is None else float(divide),
+                softcap=getattr(config, "final_logit_softcapping", None) or None)
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        raise ValueError(f"tiled_loss: {type(model).__name__} has no separate decoder module (get_decoder()) whose "
+                         "hidden states feed the head: use tiled_loss=False")
+    return decoder
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    names = {n for n in (getattr(model, "_no_split_modules", None) or []) if isinstance(n, str)}
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
+
+
+def _mlps(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    mlps = [getattr(layer, "mlp", None) for layer in layers]
+    if not layers or any(m is None for m in mlps):
+        raise ValueError(f"tiled_mlp: no MLP found in {type(model).__name__}'s decoder layers (layer.mlp): "
+                         "use tiled_mlp=False")
+    refused = sorted({type(m).__name__ for m in mlps if not is_per_token_mlp(m)})
+    if refused:
+        raise ValueError(f"tiled_mlp: {', '.join(refused)} is not a module seqpar knows to be per-token (accepted: "
+                         "gated MLPs such as LlamaMLP, Qwen3MLP, Gemma2MLP; not MoE blocks): use tiled_mlp=False")
+    return mlps
+
+
+def _offload_mode(model: nn.Module) -> str:
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        return "no-op on the CPU (the saved inputs already live in host memory): plain layer checkpoints"
+    try:
+        torch.empty(1, pin_memory=True)
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint='offload' needs pinned host memory, which this {device.type} host cannot "
+                         f"give ({e}): use checkpoint='layers'") from None
+    return f"layer inputs parked in pinned host memory, copied asynchronously on the {device.type} stream"
+
+
+def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_loss: bool = True,
+                  tiled_mlp: bool = True, checkpoint: str = "layers", loss_tile: int = DEFAULT_LOSS_TILE,
+                  mlp_tile: int = DEFAULT_MLP_TILE) -> nn.Module:
+    """Turn on the memory switches of a transformers causal LM (in place; returns the model).
+
+    Call after :func:`seqpar.parallelize` (``mesh``: the same mesh) or on a plain model (``mesh``
+    None), before :func:`seqpar.apply_fsdp`. ``tiled_loss``: loss from the hidden states in tiles
+    of ``loss_tile`` tokens (``.logits`` then holds the last token only, see the module doc).
+    ``tiled_mlp``: each decoder layer's MLP in tiles of ``mlp_tile`` tokens, recomputed in backward.
+    ``checkpoint``: "none", "layers" (non-reentrant per decoder layer) or "offload" (also parks
+    each layer's input in pinned host memory; on the CPU the same as "layers").
+
+    Raises ValueError (deterministic, so the same on every rank, before any collective) for a tile
+    that is not a positive int, an unknown checkpoint mode, offload without pinned memory, a head or
+    MLP that cannot be tiled exactly, a parallelized model without its mesh, or a second call.
+    """
+    from .hf import _ATTR as PARALLEL
+
+    check_tile(loss_tile, "loss_tile")
+    check_tile(mlp_tile, "mlp_tile")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint={checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("reduce_memory was already called on this model: call seqpar.restore_memory(model) first")
+    if getattr(model, PARALLEL, None) is not None and mesh is None:
+        raise ValueError("this model is parallelized: pass reduce_memory the mesh it was parallelized with")
+    flag = next((f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)),
+                "is_gradient_checkpointing")
+    if checkpoint != "none" and getattr(model, flag, False):
+        raise ValueError("the model already uses transformers' gradient checkpointing: disable it "
+                         "(model.gradient_checkpointing_disable()) or pass checkpoint='none'")
+    layers = _layers(model)
+    if checkpoint != "none" and not layers:
+        raise ValueError(f"checkpoint={checkpoint!r}: no decoder layers found in {type(model).__name__} "
+                         "(its _no_split_modules): use checkpoint='none'")
+    mlps = _mlps(model, layers) if tiled_mlp else []
+    if tiled_loss:
+        _head(model)
+        _decoder(model)
+        if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+            raise ValueError(f"tiled_loss: {type(model).__name__}.forward takes no logits_to_keep, so its head would "
+                             "make the full logits anyway: use tiled_loss=False")
+    offload = _offload_mode(model) if checkpoint == "offload" else ""
+    state = _Memory(tiled_loss, tiled_mlp, checkpoint, loss_tile, mlp_tile, mesh, TileContext(),
+                    getattr(model, "loss_function", None), mlps, layers if checkpoint != "none" else [], offload)
+    for mlp in state.mlps:
+        tile_mlp(mlp, mlp_tile, state.context)
+    for layer in state.layers:
+        checkpoint_layer(layer, checkpoint == "offload", state.context)
+    state.hooks.append(model.register_forward_pre_hook(_pre_hook(state), with_kwargs=True))
+    if tiled_loss:
+        state.hooks.append(_decoder(model).register_forward_hook(_catch_hidden(state)))
+        model.loss_function = _tiled_loss_function(model, state)
+    setattr(model, _ATTR, state)
+    return model
+
+
+def _pre_hook(state: _Memory):
+    def before_forward(_module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        batch = kwargs.get(BATCH_KWARG)
+        state.context.longest = max(batch.shard.seq_lens) if isinstance(batch, LocalBatch) else None
+        state.hidden = None
+        labelled = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        if state.tiled_loss and labelled and not kwargs.get("logits_to_keep"):
+            kwargs = {**kwargs, "logits_to_keep": 1}  # the head runs on the last token only
+        return args, kwargs
+
+    return before_forward
+
+
+def _catch_hidden(state: _Memory):
+    def after_decoder(_module: nn.Module, _args: Any, output: Any) -> None:
+        state.hidden = _last_hidden(output)
+
+    return after_decoder
+
+
+def _last_hidden(output: Any) -> Tensor:
+    hidden = getattr(output, "last_hidden_state", None)
+    return hidden if hidden is not None else output[0]  # [B, S_local, H]
+
+
+def _check_head(model: nn.Module, state: _Memory, head: Head, hidden: Tensor, logits: Tensor,
+                group: Any) -> None:
+    """Once per model: the model's own logits of its kept last tokens against the tiled head's."""
+    k = logits.shape[1] if logits.dim() == 3 else 0
+    problem = None
+    if 0 < k <= hidden.shape[1]:
+        with torch.no_grad():
+            mine, _ = head.logits(hidden[:, -k:].reshape(-1, hidden.shape[-1]))
+            theirs = logits.detach().reshape(mine.shape).to(mine.dtype)
+            tol = _HEAD_TOL.get(mine.dtype, 3e-2) * max(1.0, float(theirs.abs().max()))
+            diff = float((mine - theirs).abs().max())
+        if diff > tol:
+            problem = (f"{type(model).__name__}'s logits are not its head's output as seqpar reproduces it (differ "
+                       f"by {diff:.3g}): the model transforms them in a way tiled_loss does not know; use "
+                       "tiled_loss=False")
+    if group is not None:
+        check(share({}, group, problem=problem), what="tiled_loss head")
+    elif problem:
+        raise ValueError(problem)
+    state.head_checked = True
+
+
+def _tiled_loss_function(model: nn.Module, state: _Memory):
+    group = axis_group(state.mesh, Axis.SP.value) if state.mesh is not None else None
+
+    def seqpar_tiled_causal_lm_loss(logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
+                                    num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
+                                    shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+        hidden, state.hidden = state.hidden, None
+        if hidden is None:
+            raise ValueError("tiled_loss: the decoder's hidden states were not seen in this call (was the model "
+                             "called through its forward?)")
+        head = _head(model)
+        sharded = isinstance(kwargs.get(BATCH_KWARG), LocalBatch)
+        if sharded and group is None:
+            raise ValueError("a sharded batch reached a model whose reduce_memory got no mesh: pass the mesh")
+        if sharded:
+            batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
+                                                              tuple(hidden.shape[:2]))
+            weights = batch.loss_weights
+        else:
+            targets, weights = _shifted(labels, shift_labels, ignore_index), None
+        if not state.head_checked:
+            _check_head(model, state, head, hidden, logits, group if sharded else None)
+        local = tiled_loss_sum(hidden, head, targets, token_weights=weights, tile=state.loss_tile,
+                               ignore_index=ignore_index)
+        if sharded:
+            return sp_token_mean(local, batch, group, denominator)
+        # transformers' reduction: the mean over the targets, or the sum over num_items_in_batch
+        n = num_items_in_batch if num_items_in_batch is not None else (targets != ignore_index).sum()
+        return local / max(float(n.item() if isinstance(n, Tensor) else n), 1.0)
+
+    return seqpar_tiled_causal_lm_loss
+
+
+def _shifted(labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int) -> Tensor:
+    """transformers' causal-LM targets: the label of the next token, ignore_index after the last."""
+    if shift_labels is not None:
+        return shift_labels
+    if labels is None:
+        raise ValueError("tiled_loss needs labels (or shift_labels)")
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """Per-token results of :func:`token_stats`: ``losses [B, S_local]`` (0 where ignored),
+    ``correct [B, S_local]`` (argmax == target), ``valid [B, S_local]`` (a target exists)."""
+
+    losses: Tensor
+    correct: Tensor
+    valid: Tensor
+
+
+@torch.no_grad()
+def token_stats(model: nn.Module, batch: dict[str, Any], *, tile: int | None = None) -> TokenStats:
+    """Evaluate ``model`` on ``batch`` (a local batch of :func:`seqpar.shard_batch`, or a plain
+    batch with ``labels``) without making its logits: per-token losses and argmax hits, ``tile``
+    tokens at a time (default: the model's loss_tile, else :data:`DEFAULT_LOSS_TILE`). Sum them over
+    the SP ranks for totals. Raises ValueError without labels."""
+    state: _Memory | None = getattr(model, _ATTR, None)
+    labels = batch.get("labels")
+    if labels is None:
+        raise ValueError("token_stats needs the batch's labels")
+    sharded = isinstance(batch.get(BATCH_KWARG), LocalBatch)
+    targets = labels if sharded else _shifted(labels, None, IGNORE_INDEX)
+    captured: list[Tensor] = []
+    hook = _decoder(model).register_forward_hook(lambda _m, _a, out: captured.append(_last_hidden(out)))
+    try:
+        model(**{k: v for k, v in batch.items() if k not in ("labels", "loss_weights")}, logits_to_keep=1)
+    finally:
+        hook.remove()
+    tile = tile or (state.loss_tile if state is not None else DEFAULT_LOSS_TILE)
+    losses, correct = tiled_token_stats(captured[-1], _head(model), targets, tile=tile)
+    return TokenStats(losses, correct, targets != IGNORE_INDEX)
+
+
+def restore_memory(model: nn.Module) -> nn.Module:
+    """Undo :func:`reduce_memory` (called by :func:`seqpar.unparallelize`; a no-op on a model without
+    the switches). Returns the model."""
+    state: _Memory | None = getattr(model, _ATTR, None)
+    if state is None:
+        return model
+    for handle in state.hooks:
+        handle.remove()
+    for module in (*state.mlps, *state.layers):
+        untile(module)
+    if state.tiled_loss:
+        model.loss_function = state.loss_function
+    delattr(model, _ATTR)
+    return model
+
+
+def memory_switches(model: nn.Module) -> dict[str, Any]:
+    """What :func:`reduce_memory` turned on for ``model``, for printing (all off when not called)."""
+    state: _Memory | None = getattr(model, _ATTR, None)
+    if state is None:
+        return {"tiled_loss": False, "tiled_mlp": False, "checkpoint": "none"}
+    out: dict[str, Any] = {"tiled_loss": state.tiled_loss, "tiled_mlp": state.tiled_mlp,
+                           "checkpoint": state.checkpoint}
+    if state.tiled_loss:
+        head = _head(model)
+        extras = [f"{k}={getattr(head, k)}" for k in ("scale", "divide", "softcap") if getattr(head, k) is not None]
+        out["loss_tile"] = state.loss_tile
+        out["head"] = " ".join([f"Linear {head.weight.shape[1]}->{head.weight.shape[0]}",
+                                "with bias" if head.bias is not None else "no bias", *extras])
+        out["logits"] = "last token only when labels are passed (token_stats for per-token results)"
+    if state.tiled_mlp:
+        out["mlp_tile"] = state.mlp_tile
+        out["mlp"] = f"{len(state.mlps)} x {type(state.mlps[0]).__name__}"
+    if state.checkpoint != "none":
+        out["layers"] = f"{len(state.layers)} x {type(state.layers[0]).__name__}"
+    if state.checkpoint == "offload":
+        out["offload"] = state.offload
+    return out

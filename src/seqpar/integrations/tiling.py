@@ -1,0 +1,168 @@
+"""The per-module pieces of :func:`seqpar.reduce_memory`: a per-token MLP run in sequence tiles, and a
+decoder layer checkpointed (optionally with its input parked in host memory).
+
+Both are installed as an instance ``forward`` bound to the module (``types.MethodType``), so the
+model's parameter names, ``state_dict`` and FSDP2's per-layer hooks stay as they are, a deep copy
+rebinds to the copy, and deleting the attribute restores the class's forward.
+
+Tiled MLP (one autograd Function: "tiles without grad in forward, each tile recomputed with grad
+in backward")::
+
+    x    # [B, S_local, H]
+    forward:  y[:, tile] = mlp(x[:, tile])  for n tiles, under no_grad: only x is saved
+    backward: per tile, y_t = mlp(x[:, tile]) again with grad, autograd.grad(y_t, (x_t, params), g_t)
+              -> one tile's intermediates ([B, T, 3.5 H] for a gated MLP) alive at a time
+
+The tile count ``n = ceil(longest local shard / tile)`` is the same on every SP rank (the shard
+lengths of the batch are known everywhere), so a rank with a shorter shard runs empty tiles rather
+than fewer calls: a module holding a collective never waits on a peer that skipped one.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+PER_TOKEN_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
+                            "CohereMLP", "GraniteMLP", "Olmo2MLP", "Phi3MLP"})
+"""MLP classes accepted for tiling: gated MLPs of linear layers and an activation, token by token
+(their forward is ``down(act(gate(x)) * up(x))`` or the fused gate_up form). MoE blocks are not
+accepted: their routers feed load-balancing statistics over the whole sequence."""
+
+class TileContext:
+    """The longest local shard of the batch running now (None: not sequence-parallel, tile the local
+    length), shared by a model's tiled MLPs; a checkpointed layer restores it for its recompute."""
+
+    def __init__(self) -> None:
+        self.longest: int | None = None
+        self.tiles_run: collections.deque[int] = collections.deque(maxlen=256)  # latest tile counts (for tests)
+
+    @contextlib.contextmanager
+    def using(self, longest: int | None) -> Iterator[None]:
+        saved, self.longest = self.longest, longest
+        try:
+            yield
+        finally:
+            self.longest = saved
+
+
+def is_per_token_mlp(mlp: nn.Module) -> bool:
+    """True for an accepted MLP class (:data:`PER_TOKEN_MLPS`) made of linear layers and a
+    parameter-free activation only."""
+    if type(mlp).__name__ not in PER_TOKEN_MLPS or next(mlp.buffers(), None) is not None:
+        return False
+    return all(isinstance(m, nn.Linear) or not any(True for _ in m.parameters(recurse=False))
+               for m in mlp.modules() if m is not mlp)
+
+
+def agreed_tiles(local_len: int, longest: int | None, tile: int) -> int:
+    """How many tiles every rank runs: ``ceil(longest shard / tile)`` (at least 1)."""
+    return max(1, math.ceil(max(local_len, longest or 0) / tile))
+
+
+class _TiledMLP(torch.autograd.Function):
+    """Forward: the MLP tile by tile without grad, keeping only its input. Backward: each tile
+    recomputed with grad and differentiated at once, parameter gradients summed over the tiles --
+    the recompute is what keeps a single tile's intermediates alive instead of all of them."""
+
+    @staticmethod
+    def forward(ctx, mlp: nn.Module, n: int, tile: int, x: Tensor, *params: Tensor) -> Tensor:
+        run = type(mlp).forward
+        out = torch.cat([run(mlp, x[:, i * tile:(i + 1) * tile]) for i in range(n)], dim=1)  # [B, S, H]
+        ctx.mlp, ctx.n, ctx.tile = mlp, n, tile
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (x,) = ctx.saved_tensors
+        params = [p for p in ctx.mlp.parameters()]
+        wanted = [p for p in params if p.requires_grad]
+        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[3] else None
+        grads: list[Tensor | None] = [None] * len(wanted)
+        run = type(ctx.mlp).forward
+        for i in range(ctx.n):
+            sl = slice(i * ctx.tile, (i + 1) * ctx.tile)
+            with torch.enable_grad():
+                xt = x[:, sl].detach().requires_grad_(grad_x is not None)
+                yt = run(ctx.mlp, xt)
+                inputs = ([xt] if grad_x is not None else []) + wanted
+                got = torch.autograd.grad(yt, inputs, grad[:, sl], allow_unused=True) if inputs else ()
+            if grad_x is not None:
+                grad_x[:, sl] = got[0]
+                got = got[1:]
+            grads = [g if acc is None else acc if g is None else acc + g for acc, g in zip(grads, got, strict=True)]
+        by_param = dict(zip(map(id, wanted), grads, strict=True))
+        return (None, None, None, grad_x, *(by_param.get(id(p)) for p in params))
+
+
+def _tiled_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
+    tile, context = self._seqpar_mlp_tile
+    if x.dim() != 3:
+        raise ValueError(f"{type(self).__name__} got a {x.dim()}-D input; tiled_mlp splits [batch, seq, hidden] "
+                         "along the sequence: use tiled_mlp=False for this model")
+    n = agreed_tiles(x.shape[1], context.longest, tile)
+    context.tiles_run.append(n)
+    if not torch.is_grad_enabled():
+        run = type(self).forward
+        return torch.cat([run(self, x[:, i * tile:(i + 1) * tile]) for i in range(n)], dim=1)
+    return _TiledMLP.apply(self, n, tile, x, *self.parameters())
+
+
+def tile_mlp(mlp: nn.Module, tile: int, context: TileContext) -> None:
+    """Run ``mlp`` in sequence tiles of ``tile`` tokens (in place; :func:`untile` undoes it)."""
+    mlp._seqpar_mlp_tile = (tile, context)
+    mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
+
+
+class _ToHost(torch.autograd.Function):
+    """Forward: copy the layer's input into pinned host memory (asynchronous on the device's stream).
+    Backward: the gradient goes back to the device -- the copy is the identity on values."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.device = x.device
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        return host
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.to(ctx.device, non_blocking=True)
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    offload, context = self._seqpar_checkpoint
+    run = type(self).forward
+    if not torch.is_grad_enabled() or not args:
+        return run(self, *args, **kwargs)
+    longest = context.longest  # the recompute runs in the backward, maybe after other batches' forwards
+    x = args[0]  # hidden_states [B, S_local, H]
+    park = offload and x.device.type != "cpu"  # on the CPU the input already lives in host memory
+
+    def layer(h: Tensor, *rest: Any, **kw: Any) -> Any:
+        with context.using(longest):
+            return run(self, h.to(x.device, non_blocking=True) if park else h, *rest, **kw)
+
+    # non-reentrant: the recompute repeats the layer's collectives in the same order on every rank
+    return checkpoint(layer, _ToHost.apply(x) if park else x, *args[1:], use_reentrant=False, **kwargs)
+
+
+def checkpoint_layer(layer: nn.Module, offload: bool, context: TileContext) -> None:
+    """Checkpoint ``layer`` (non-reentrant); ``offload``: keep its saved input in pinned host memory."""
+    layer._seqpar_checkpoint = (offload, context)
+    layer.forward = types.MethodType(_checkpointed_forward, layer)
+
+
+def untile(module: nn.Module) -> None:
+    """Undo :func:`tile_mlp` or :func:`checkpoint_layer` on ``module``."""
+    for attr in ("forward", "_seqpar_mlp_tile", "_seqpar_checkpoint"):
+        module.__dict__.pop(attr, None)
