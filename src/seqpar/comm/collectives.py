@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .mesh import uses_nccl
+
 Group = dist.ProcessGroup
 
 # torch 2.13 renamed these (the old names warn); keep both working.
@@ -36,7 +38,7 @@ def reduce_scatter_flat(output: Tensor, input: Tensor, *, group: Group | None = 
 
 def comm_device(group: Group) -> torch.device:
     """The device a collective of ``group`` needs its tensors on: CUDA for NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend(group)).lower():
+    if uses_nccl(group):  # "nccl", "cpu:gloo,cuda:nccl" or a bare init_process_group() ("undefined")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

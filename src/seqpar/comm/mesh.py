@@ -25,12 +25,34 @@ class Axis(str, Enum):
     RING = "ring"
 
 
+def backend_names(group: dist.ProcessGroup | None = None) -> str:
+    """What ``group`` (default: the world) runs, as torch says it: its backend (``"nccl"``,
+    ``"gloo"``; ``"undefined"`` for a bare ``init_process_group()``) and its per-device backend
+    config (``"cpu:gloo,cuda:nccl"``), comma-joined and lower case."""
+    names = [str(dist.get_backend(group))]
+    get_config = getattr(dist, "get_backend_config", None)  # torch >= 2.6
+    if get_config is not None:
+        try:
+            names.append(str(get_config(group)))
+        except (ValueError, RuntimeError, KeyError):  # a group torch recorded without a config
+            pass
+    return ",".join(names).lower()
+
+
+def uses_nccl(group: dist.ProcessGroup | None = None) -> bool:
+    """True when ``group`` moves CUDA tensors with NCCL: backend ``"nccl"``, a mixed
+    ``"cpu:gloo,cuda:nccl"``, or a bare ``init_process_group()`` on a CUDA build (whose
+    ``get_backend()`` is ``"undefined"``; its config names NCCL). Equality with ``"nccl"`` misses
+    the last two."""
+    return "nccl" in backend_names(group)
+
+
 def default_device_type() -> str:
-    """``"cuda"`` when CUDA is there and the default process group has NCCL among its backends
-    (``"nccl"``, ``"cpu:gloo,cuda:nccl"``, a group from a bare ``init_process_group()``), else ``"cpu"``."""
+    """``"cuda"`` when CUDA is there and the default process group uses NCCL (:func:`uses_nccl`),
+    else ``"cpu"``."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower() else "cpu"
+    return "cuda" if torch.cuda.is_available() and uses_nccl() else "cpu"
 
 
 def init_mesh(*, sp: int, dp: int | None = None, ulysses: int | None = None, ring: int | None = None,
