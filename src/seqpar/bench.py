@@ -31,6 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .planner.memory import SWITCHES_OFF, MemorySwitches
+
+SIZINGS = ("train", "builtin")
+
 
 @dataclass(frozen=True)
 class BenchCase:
@@ -43,6 +47,8 @@ class BenchCase:
     dtype: str = "float32"
     seed: int = 0
     doc_len: int = 0  # > 0: the row packs documents of doc_len tokens (position ids restart); 0: one causal row
+    switches: MemorySwitches = SWITCHES_OFF  # seqpar.reduce_memory's switches, applied after parallelize
+    sizing: str = "train"  # "train": model_config over seqpar train's size; "builtin": over the built-in's own
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,19 +92,38 @@ def _peak_rss_mib(reset_ok: bool) -> float:
 # one measurement
 # --------------------------------------------------------------------------------------------
 
+def model_fields(case: BenchCase) -> dict[str, Any]:
+    """The config fields a case builds its built-in model with: ``model_config`` over seqpar train's
+    size and the copy task's vocabulary (``sizing="train"``), or over the built-in's own config
+    (``"builtin"``, e.g. small-llama3's 8,192-token vocabulary). Either way ``model_config`` may set
+    ``vocab_size`` (checked by :func:`check_cases` to cover the task's token ids)."""
+    import json
+
+    from seqpar.train.config import TrainConfig, model_overrides
+    from seqpar.train.tasks import CopyTask
+
+    fields: dict[str, Any] = {"max_position_embeddings": case.seq_len}
+    if case.sizing == "train":
+        fields["vocab_size"] = CopyTask(max(case.seq_len, CopyTask.min_seq_len)).vocab_size
+        return {**fields, **model_overrides(TrainConfig(model=case.model, model_config=case.model_config))}
+    model_overrides(TrainConfig(model_config=case.model_config))  # the same JSON checks
+    return {**fields, **(json.loads(case.model_config) if case.model_config else {})}
+
+
 def _build(case: BenchCase, mesh: Any, device: torch.device) -> tuple[Any, Any]:
     import seqpar
     from seqpar.integrations.models import build_model
-    from seqpar.train.config import DTYPES, TrainConfig, model_overrides
-    from seqpar.train.tasks import CopyTask
+    from seqpar.train.config import DTYPES
 
-    dtype = DTYPES[case.dtype]
     torch.manual_seed(case.seed)
-    overrides = model_overrides(TrainConfig(model=case.model, model_config=case.model_config))
-    model, _ = build_model(case.model, dtype=dtype, vocab_size=CopyTask(case.seq_len).vocab_size,
-                           max_position_embeddings=case.seq_len, **overrides)
+    model, _ = build_model(case.model, dtype=DTYPES[case.dtype], **model_fields(case))
     model.to(device)
     seqpar.parallelize(model, mesh, strategy=case.strategy)
+    if case.switches.any:
+        reduce_memory = getattr(seqpar, "reduce_memory", None)
+        if reduce_memory is None:
+            raise ValueError("this seqpar has no reduce_memory: run without the memory switches")
+        reduce_memory(model, mesh, **case.switches.kwargs())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -182,16 +207,192 @@ def measure(case: BenchCase, mesh: Any, device: torch.device) -> dict[str, float
     return {"mem_mib": live, "rss_mib": max(0.0, _peak_rss_mib(reset_ok) - base), "step_s": step_s}
 
 
+# --------------------------------------------------------------------------------------------
+# the peak of one step from a fresh process, under a memory cap (seqpar bench --max-seq)
+# --------------------------------------------------------------------------------------------
+
+_TINY = '{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": 128}'
+OVER_CAP_EXIT = 86  # a worker's exit code when its watchdog stopped it above the cap
+
+
+class _RssWatchdog:
+    """A thread that ends this process (exit code :data:`OVER_CAP_EXIT`) once its resident set
+    exceeds ``limit_bytes``: a step far over the cap stops instead of taking the machine's memory.
+    It samples every ``interval`` seconds, so a short spike can slip between samples; the verdict
+    is the kernel's exact peak (VmHWM) read after the step, and this is the brake."""
+
+    def __init__(self, limit_bytes: int, interval: float = 0.002) -> None:
+        import threading
+
+        self.limit_pages = limit_bytes // os.sysconf("SC_PAGE_SIZE")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        with open("/proc/self/statm") as f:
+            while not self._stop.wait(interval):
+                f.seek(0)
+                if int(f.read().split()[1]) > self.limit_pages:
+                    os._exit(OVER_CAP_EXIT)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _warm_runtime(case: BenchCase, mesh: Any, device: torch.device) -> None:
+    """Load every code path a step runs (transformers' modules, kernels, AdamW) on a tiny model of
+    the same family, so the baseline taken after it holds the runtime and not the model."""
+    from dataclasses import replace
+
+    tiny = replace(case, model_config=_TINY, sizing="builtin", seq_len=max(16, 4 * case.nproc))
+    model, opt = prepare(tiny, mesh, device)
+    del model, opt
+    gc.collect()
+
+
+def step_peak(case: BenchCase, mesh: Any, cap_bytes: int | None = None) -> dict[str, float]:
+    """Peak resident memory of training, from this fresh process's runtime baseline (torch, the
+    process group, the code paths warmed up) to the end of one full step at ``case.seq_len``: the
+    model's weights, a warm-up step's AdamW states, then the step's activations and gradients.
+    With ``cap_bytes`` a watchdog stops the process past the cap (see :class:`_RssWatchdog`).
+    Returns MiB: ``peak_mib`` (VmHWM - baseline), ``base_mib``, and ``step_s`` of the measured step."""
+    from seqpar.testing.memory import MIB
+
+    device = torch.device("cpu")
+    _warm_runtime(case, mesh, device)
+    base = _rss_mib()
+    reset_ok = _reset_peak_rss()
+    dog = _RssWatchdog(int(base * MIB) + cap_bytes) if cap_bytes is not None else None
+    try:
+        model, opt = prepare(case, mesh, device)
+        batch = bench_batch(case.seq_len, case.doc_len, case.seed)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _step(model, opt, mesh, batch, layout_for(case.strategy))
+        step_s = time.perf_counter() - t0
+    finally:
+        if dog is not None:
+            dog.stop()
+    return {"peak_mib": _peak_rss_mib(reset_ok) - base, "base_mib": base, "step_s": step_s}
+
+
+def estimate(case: BenchCase, loss_tile: int = 1024, mlp_tile: int = 1024) -> Any:
+    """The planner's :class:`seqpar.planner.memory.StepMemory` for ``case``'s model, strategy and
+    switches on its most loaded rank (``loss_tile`` / ``mlp_tile``: the library's defaults, used
+    where the case gives none)."""
+    from seqpar.integrations.models import builtin_config
+    from seqpar.planner.cost import largest_shard
+    from seqpar.planner.memory import step_memory
+    from seqpar.train.config import DTYPES
+
+    cfg = builtin_config(case.model, **model_fields(case))
+    u, r = (1, case.nproc) if case.strategy == "ring" else (case.nproc, 1)
+    if case.strategy == "hybrid":
+        from seqpar.planner import hybrid_split
+
+        u, r = hybrid_split(case.nproc, cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return step_memory(tokens=largest_shard(case.seq_len, u, r, zigzag=r > 1), hidden_size=cfg.hidden_size,
+                       intermediate_size=cfg.intermediate_size, layers=cfg.num_hidden_layers,
+                       heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                       vocab_size=cfg.vocab_size, dtype_bytes=DTYPES[case.dtype].itemsize,
+                       tied=bool(cfg.tie_word_embeddings), switches=case.switches, loss_tile=loss_tile,
+                       mlp_tile=mlp_tile)
+
+
+def peak_worker(rank: int, world: int, case: BenchCase, cap_bytes: int | None) -> dict[str, float]:
+    """:func:`step_peak` on one of ``world`` fresh local processes."""
+    return step_peak(case, mesh_for(case, "cpu"), cap_bytes)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One run of :func:`try_step`: ``fits`` when every rank's peak stayed within the cap."""
+
+    seq_len: int
+    fits: bool
+    peak_mib: float  # max over the ranks (nan where the watchdog stopped a rank)
+    step_s: float
+    stopped: bool  # a watchdog (or the kernel's OOM killer) ended a rank
+
+
+def try_step(case: BenchCase, cap_bytes: int | None, timeout: float = 900.0) -> Trial:
+    """One full training step of ``case`` on fresh processes under ``cap_bytes`` per rank."""
+    from seqpar.comm.launch import WorkerError, run_distributed
+
+    try:
+        per_rank = run_distributed(peak_worker, case.nproc, case, cap_bytes, timeout=timeout, pg_timeout=timeout,
+                                   env={"OMP_NUM_THREADS": "1"})
+    except WorkerError as e:
+        killed = [f for f in e.errors.values() if f.kind == "died" and f.exit_code in (OVER_CAP_EXIT, -9)]
+        if cap_bytes is None or not killed:
+            raise
+        return Trial(case.seq_len, False, float("nan"), float("nan"), True)
+    peak = max(r["peak_mib"] for r in per_rank)
+    fits = cap_bytes is None or peak * 2**20 <= cap_bytes
+    return Trial(case.seq_len, fits, peak, max(r["step_s"] for r in per_rank), False)
+
+
+def max_seq(case: BenchCase, cap_bytes: int, *, start: int, granularity: int, precision: float = 0.125,
+            limit: int = 1 << 24, timeout: float = 900.0, log: Any = None) -> tuple[int, list[Trial]]:
+    """The longest multiple of ``granularity`` tokens whose full step fits ``cap_bytes`` per rank,
+    found by running: from ``start``, double (or halve) until one length fits and one does not,
+    then bisect until the gap is below ``precision`` of the fitting length (or one granule).
+    Returns ``(longest fitting length or 0, every trial in order)``; ``limit`` bounds the growth."""
+    def run(n: int) -> Trial:
+        t = try_step(replace(case, seq_len=n), cap_bytes, timeout)
+        trials.append(t)
+        if log is not None:
+            log(t)
+        return t
+
+    from dataclasses import replace
+
+    trials: list[Trial] = []
+    g = granularity
+    n = max(g, start // g * g)
+    lo, hi = 0, None  # longest that fits, shortest that does not
+    if run(n).fits:
+        lo = n
+        while hi is None and 2 * lo <= limit:
+            hi_try = 2 * lo
+            if run(hi_try).fits:
+                lo = hi_try
+            else:
+                hi = hi_try
+        if hi is None:
+            return lo, trials
+    else:
+        hi = n
+        while lo == 0 and hi > g:
+            n = max(g, hi // 2 // g * g)
+            if run(n).fits:
+                lo = n
+            else:
+                hi = n
+        if lo == 0:
+            return 0, trials
+    while hi - lo > max(g, precision * lo):
+        mid = (lo + hi) // 2 // g * g
+        if run(mid).fits:
+            lo = mid
+        else:
+            hi = mid
+    return lo, trials
+
+
 def mesh_for(case: BenchCase, device_type: str) -> Any:
     """The mesh a case runs on: ``sp = nproc`` (hybrid: split into ulysses x ring), the rest dp."""
     import seqpar
 
     kw: dict[str, int] = {"sp": case.nproc, "dp": dist.get_world_size() // case.nproc}
     if case.strategy == "hybrid":
+        from seqpar.integrations.models import builtin_config
         from seqpar.planner import hybrid_split
-        from seqpar.train.config import TrainConfig, model_overrides
 
-        heads = model_overrides(TrainConfig(model_config=case.model_config))["num_attention_heads"]
+        heads = builtin_config(case.model, **model_fields(case)).num_attention_heads
         kw["ulysses"], kw["ring"] = hybrid_split(case.nproc, heads)
     return seqpar.init_mesh(**kw, device_type=device_type)
 
@@ -207,7 +408,7 @@ def run_case(case: BenchCase, timeout: float = 900.0) -> dict[str, Any]:
 
     per_rank = run_distributed(bench_worker, case.nproc, case, timeout=timeout, pg_timeout=timeout,
                                env={"OMP_NUM_THREADS": "1"})
-    return {**asdict(case), "mem_mib": max(r["mem_mib"] for r in per_rank),
+    return {**asdict(case), "switches": case.switches.label, "mem_mib": max(r["mem_mib"] for r in per_rank),
             "mem_mib_per_rank": [round(r["mem_mib"], 1) for r in per_rank],
             "rss_mib": max(r["rss_mib"] for r in per_rank),
             "step_s": max(r["step_s"] for r in per_rank), "measure": "live tensors"}
@@ -278,7 +479,8 @@ def packing_cases(model: str, model_config: str, seq_lens: list[int], nprocs: li
 
 def check_cases(all_cases: list[BenchCase]) -> None:
     """Bad input before any process starts: ValueError naming the option."""
-    from seqpar.integrations.models import BUILTIN_MODELS
+    from seqpar.integrations.models import BUILTIN_MODELS, builtin_config
+    from seqpar.train.tasks import CopyTask
 
     for c in all_cases:
         if c.model not in BUILTIN_MODELS:
@@ -287,6 +489,13 @@ def check_cases(all_cases: list[BenchCase]) -> None:
         if c.seq_len < max(8, 2 * c.nproc):
             raise ValueError(f"--seq-lens {c.seq_len} is too short for {c.nproc} ranks: use >= "
                              f"{max(8, 2 * c.nproc)}")
+        if c.sizing not in SIZINGS:
+            raise ValueError(f"sizing {c.sizing!r}: choose one of {SIZINGS}")
+        need = CopyTask(max(c.seq_len, CopyTask.min_seq_len)).vocab_size
+        vocab = model_fields(c).get("vocab_size") or builtin_config(c.model).vocab_size
+        if vocab < need:
+            raise ValueError(f"--model-config vocab_size {vocab} is smaller than the {need} token ids of the bench's "
+                             f"copy task: use vocab_size >= {need}")
         if c.doc_len and not 2 <= c.doc_len < c.seq_len:
             raise ValueError(f"--packing {c.doc_len}: a packed row needs documents of 2 to seq_len - 1 tokens; "
                              f"use a smaller --packing or longer --seq-lens than {c.seq_len}")
@@ -317,7 +526,8 @@ def torchrun_rows(all_cases: list[BenchCase]) -> list[dict[str, Any]] | None:
             out = [torch.zeros_like(table) for _ in range(world)]
             dist.all_gather(out, table)
             mems = [float(t[0]) for t in out]
-            rows.append({**asdict(case), "mem_mib": max(mems), "mem_mib_per_rank": [round(m, 1) for m in mems],
+            rows.append({**asdict(case), "switches": case.switches.label, "mem_mib": max(mems),
+                         "mem_mib_per_rank": [round(m, 1) for m in mems],
                          "step_s": max(float(t[1]) for t in out), "measure": "CUDA allocator peak"})
     finally:
         dist.destroy_process_group()

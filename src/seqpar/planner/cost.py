@@ -70,7 +70,7 @@ def estimate(dp: int, u: int, r: int, *, heads: int, kv_heads: int, head_dim: in
     ring_bytes = batch * b * 2 * (r - 1) * tokens * sum(kv_used) * d
     inter = ulysses_bytes * _ulysses_off_node(u, n) + ring_bytes * _ring_off_node(u, r, n)
 
-    t = _largest_shard(seq_len, u, r, zigzag=causal and r > 1)
+    t = largest_shard(seq_len, u, r, zigzag=causal and r > 1)
     saved = t * (4 * hidden_size + heads * d + 4 * intermediate_size) * b \
         + u * t * ((2 * q_max + 2 * kv_max) * d * b + 4 * q_max)
     running = u * t * (2 * q_max + 2 * kv_max) * d * b
@@ -89,7 +89,7 @@ def _kv_heads_used(q_range: tuple[int, int], kv_range: tuple[int, int], group: i
     return kv_range[1] if kv_index(q_range, kv_range, group) is None else q_range[1]
 
 
-def _largest_shard(seq_len: int, u: int, r: int, *, zigzag: bool) -> int:
+def largest_shard(seq_len: int, u: int, r: int, *, zigzag: bool) -> int:
     """Most tokens on one rank, as :mod:`seqpar.attention.layout` splits them."""
     if not zigzag:
         return -(-seq_len // (u * r))

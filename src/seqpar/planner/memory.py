@@ -1,0 +1,153 @@
+"""The planner's memory model: bytes per rank of one training step of a decoder-only causal LM
+(Llama-shaped: RMSNorm, RoPE, gated MLP), sequence-parallel, with or without the memory switches of
+:func:`seqpar.reduce_memory`. Pure arithmetic, no communication.
+
+Notation: ``T`` tokens on this rank (the largest shard), ``h`` hidden, ``I`` MLP width, ``q = H*d``
+query width, ``g = H_kv*d`` KV width, ``V`` vocabulary, ``L`` layers, ``b`` bytes per element,
+``U`` the ulysses degree (the attention kernel sees ``U*T`` tokens of ``q/U`` heads), ``n`` the
+parameter count, ``F`` the ranks FSDP shards over (1: replicated)::
+
+    weights = n*b/F     gradients = n*b/F     optimizer = 2*n*4/F    (AdamW: exp_avg, exp_avg_sq)
+
+    per layer, except the MLP        a = T*b*(4h + 3q + 2g) + 4*T*H     norms, rope'd q/k, v, kernel out,
+                                                                       o-proj input; the kernel's fp32 lse
+    MLP intermediates                m = 5*T*I*b                        gate, up, act, product, a gradient
+    logits                           l = 3*T*V*4                        fp32 logits, log-softmax, a gradient
+    outside the layers               o = 4*T*h*b                        embedding out, final norm, gradient
+
+    activations = l + o + L*(a + m)
+
+The coefficients are counts of the tensors transformers' Llama keeps, checked against the live-tensor
+probe (:class:`seqpar.testing.memory.LiveMemory`) for hidden, MLP width, KV heads, layers and
+vocabulary varied one at a time (within 2%). Switches (each replaces a term by its tile)::
+
+    tiled_mlp   m -> 5*min(T, mlp_tile)*I*b       (the tile is recomputed in backward)
+    tiled_loss  l -> 3*min(T, loss_tile)*V*4      (the lm_head weight gradient is counted with gradients)
+    checkpoint  L*(a + m) -> L*T*h*b + a + m      (layer inputs kept; one layer rebuilt at a time)
+    offload     L*T*h*b leaves the device         (counted in ``offloaded``: host memory)
+
+Peak of a step = weights + optimizer + gradients + activations: the steady state of training
+(optimizer states exist from the first step on), gradients counted whole at the activation peak
+(an upper bound: they appear while activations are freed). On a CPU rank the offloaded bytes stay
+in the same memory, so ``device_peak(on_cpu=True)`` adds them back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHECKPOINT_MODES = ("none", "layers", "offload")
+LOGIT_COPIES = 3  # fp32 [T, V] alive at once: logits, log-softmax, a gradient (measured: 3.0)
+MLP_COPIES = 5  # [T, I]: gate, up, act(gate), their product, a gradient in flight (measured: 4.9)
+ADAM_STATES = 2
+
+
+@dataclass(frozen=True)
+class MemorySwitches:
+    """Which of :func:`seqpar.reduce_memory`'s switches are on (a plain description, for the planner
+    and for ``seqpar bench``). Tiles are in tokens; ``None`` means the library's default."""
+
+    tiled_loss: bool = False
+    tiled_mlp: bool = False
+    checkpoint: str = "none"
+    loss_tile: int | None = None
+    mlp_tile: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint={self.checkpoint!r}: choose one of {', '.join(CHECKPOINT_MODES)}")
+        for name in ("loss_tile", "mlp_tile"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive number of tokens, got {v!r}")
+
+    @property
+    def any(self) -> bool:
+        return self.tiled_loss or self.tiled_mlp or self.checkpoint != "none"
+
+    @property
+    def label(self) -> str:
+        """``"off"`` or e.g. ``"loss+mlp+offload"``."""
+        parts = [n for n, on in (("loss", self.tiled_loss), ("mlp", self.tiled_mlp)) if on]
+        if self.checkpoint != "none":
+            parts.append(self.checkpoint)
+        return "+".join(parts) or "off"
+
+    def kwargs(self) -> dict[str, object]:
+        """Keyword arguments for ``seqpar.reduce_memory`` (tiles only where given)."""
+        kw: dict[str, object] = dict(tiled_loss=self.tiled_loss, tiled_mlp=self.tiled_mlp, checkpoint=self.checkpoint)
+        kw.update({k: v for k, v in (("loss_tile", self.loss_tile), ("mlp_tile", self.mlp_tile)) if v is not None})
+        return kw
+
+
+SWITCHES_OFF = MemorySwitches()
+SWITCHES_ON = MemorySwitches(tiled_loss=True, tiled_mlp=True, checkpoint="layers")
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Estimated bytes per rank of one training step (see the module doc for the formulas)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    logits: int  # fp32 logits and their gradient (one tile of them with tiled_loss)
+    mlp: int  # MLP intermediates alive at once (every layer's; one layer's or one tile's with the switches)
+    layers: int  # the rest the decoder layers keep for the backward (checkpointed: their inputs)
+    other: int  # outside the layers: embedding output, final norm, the gradient flowing back
+    offloaded: int  # saved layer inputs moved to host memory (checkpoint="offload")
+
+    @property
+    def activations(self) -> int:
+        return self.logits + self.mlp + self.layers + self.other
+
+    @property
+    def total(self) -> int:
+        """Peak device bytes: weights, optimizer states, gradients and activations together."""
+        return self.weights + self.optimizer + self.gradients + self.activations
+
+    def device_peak(self, on_cpu: bool = False) -> int:
+        """:attr:`total`, plus the offloaded bytes where host and device memory are the same (CPU)."""
+        return self.total + (self.offloaded if on_cpu else 0)
+
+
+def parameter_count(*, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int,
+                    head_dim: int, vocab_size: int, tied: bool = False) -> int:
+    """Parameters of a Llama-shaped causal LM (no biases): embeddings, lm_head unless tied, per layer
+    q/k/v/o projections, the gated MLP and two RMSNorms, and the final norm."""
+    h, q, g = hidden_size, heads * head_dim, kv_heads * head_dim
+    per_layer = h * q + 2 * h * g + q * h + 3 * h * intermediate_size + 2 * h
+    return vocab_size * h * (1 if tied else 2) + layers * per_layer + h
+
+
+def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int,
+                head_dim: int, vocab_size: int, dtype_bytes: int = 4, tied: bool = False,
+                fsdp_shards: int = 1, switches: MemorySwitches = SWITCHES_OFF, loss_tile: int = 1024,
+                mlp_tile: int = 1024) -> StepMemory:
+    """Bytes per rank of one training step with ``tokens`` tokens on this rank (the largest shard:
+    :func:`seqpar.planner.cost.largest_shard`). ``loss_tile`` / ``mlp_tile`` are the tiles the
+    library uses when ``switches`` gives none. Raises ValueError for a non-positive size."""
+    sizes = dict(tokens=tokens, hidden_size=hidden_size, intermediate_size=intermediate_size, layers=layers,
+                 heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab_size,
+                 dtype_bytes=dtype_bytes, fsdp_shards=fsdp_shards, loss_tile=loss_tile, mlp_tile=mlp_tile)
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    t, h, i, b, d = tokens, hidden_size, intermediate_size, dtype_bytes, head_dim
+    q, g = heads * d, kv_heads * d
+    n = parameter_count(hidden_size=h, intermediate_size=i, layers=layers, heads=heads, kv_heads=kv_heads,
+                        head_dim=d, vocab_size=vocab_size, tied=tied)
+    weights = -(-n // fsdp_shards) * b
+    optimizer = ADAM_STATES * -(-n // fsdp_shards) * 4
+
+    logit_tokens = min(t, switches.loss_tile or loss_tile) if switches.tiled_loss else t
+    logits = LOGIT_COPIES * logit_tokens * vocab_size * 4
+    mlp_tokens = min(t, switches.mlp_tile or mlp_tile) if switches.tiled_mlp else t
+    mlp_one = MLP_COPIES * mlp_tokens * i * b  # one layer's MLP intermediates
+    rest_one = t * (4 * h + 3 * q + 2 * g) * b + 4 * t * heads  # the rest of one layer; the kernel's fp32 lse
+    other = 4 * t * h * b
+    if switches.checkpoint == "none":
+        return StepMemory(weights, weights, optimizer, logits, layers * mlp_one, layers * rest_one, other, 0)
+    inputs = layers * t * h * b  # each layer's input, kept for the recompute
+    offloaded = inputs if switches.checkpoint == "offload" else 0
+    return StepMemory(weights, weights, optimizer, logits, mlp_one, rest_one + inputs - offloaded, other, offloaded)
