@@ -173,32 +173,41 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
         tile_mlp(mlp, mlp_tile, state.context)
     for layer in state.layers:
         checkpoint_layer(layer, checkpoint == "offload", state.context)
-    state.hooks.append(model.register_forward_pre_hook(_pre_hook(state), with_kwargs=True))
+    state.hooks.append(model.register_forward_pre_hook(_BeforeForward(state), with_kwargs=True))
     if tiled_loss:
-        state.hooks.append(_decoder(model).register_forward_hook(_catch_hidden(state)))
-        model.loss_function = _tiled_loss_function(model, state)
+        state.hooks.append(_decoder(model).register_forward_hook(_CatchHidden(state)))
+        model.loss_function = _TiledLossFunction(model, state)
     setattr(model, _ATTR, state)
     return model
 
 
-def _pre_hook(state: _Memory):
-    def before_forward(_module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+class _BeforeForward:
+    """The model's forward pre-hook: the batch's shard lengths for the MLP tiles, and
+    ``logits_to_keep=1`` when labels are passed (the head then runs on the last token only). A
+    callable object, not a closure, so that a deep copy of the model hooks its own state."""
+
+    def __init__(self, state: _Memory) -> None:
+        self.state = state
+
+    def __call__(self, _module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        state = self.state
         batch = kwargs.get(BATCH_KWARG)
         state.context.longest = max(batch.shard.seq_lens) if isinstance(batch, LocalBatch) else None
         state.hidden = None
         labelled = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
         if state.tiled_loss and labelled and not kwargs.get("logits_to_keep"):
-            kwargs = {**kwargs, "logits_to_keep": 1}  # the head runs on the last token only
+            kwargs = {**kwargs, "logits_to_keep": 1}
         return args, kwargs
 
-    return before_forward
 
+class _CatchHidden:
+    """The decoder's forward hook: keeps its last hidden state for the loss of the same call."""
 
-def _catch_hidden(state: _Memory):
-    def after_decoder(_module: nn.Module, _args: Any, output: Any) -> None:
-        state.hidden = _last_hidden(output)
+    def __init__(self, state: _Memory) -> None:
+        self.state = state
 
-    return after_decoder
+    def __call__(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        self.state.hidden = _last_hidden(output)
 
 
 def _last_hidden(output: Any) -> Tensor:
@@ -228,20 +237,28 @@ def _check_head(model: nn.Module, state: _Memory, head: Head, hidden: Tensor, lo
     state.head_checked = True
 
 
-def _tiled_loss_function(model: nn.Module, state: _Memory):
-    group = axis_group(state.mesh, Axis.SP.value) if state.mesh is not None else None
+class _TiledLossFunction:
+    """``model.loss_function`` with tiled_loss: the loss from the decoder's hidden state (caught by
+    :class:`_CatchHidden` in the same call), not from the logits it is handed (the last token's).
+    Sharded batches get seqpar's exact global token mean (:func:`seqpar.batch.loss.sp_token_mean`),
+    plain ones transformers' mean (or sum over ``num_items_in_batch``), in float32 at least."""
 
-    def seqpar_tiled_causal_lm_loss(logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
-                                    num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
-                                    shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+    def __init__(self, model: nn.Module, state: _Memory) -> None:
+        self.model, self.state = model, state
+
+    def __call__(self, logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
+                 num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
+                 shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+        model, state = self.model, self.state
         hidden, state.hidden = state.hidden, None
         if hidden is None:
             raise ValueError("tiled_loss: the decoder's hidden states were not seen in this call (was the model "
                              "called through its forward?)")
         head = _head(model)
         sharded = isinstance(kwargs.get(BATCH_KWARG), LocalBatch)
-        if sharded and group is None:
+        if sharded and state.mesh is None:
             raise ValueError("a sharded batch reached a model whose reduce_memory got no mesh: pass the mesh")
+        group = axis_group(state.mesh, Axis.SP.value) if sharded else None
         if sharded:
             batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
                                                               tuple(hidden.shape[:2]))
@@ -249,7 +266,7 @@ def _tiled_loss_function(model: nn.Module, state: _Memory):
         else:
             targets, weights = _shifted(labels, shift_labels, ignore_index), None
         if not state.head_checked:
-            _check_head(model, state, head, hidden, logits, group if sharded else None)
+            _check_head(model, state, head, hidden, logits, group)
         local = tiled_loss_sum(hidden, head, targets, token_weights=weights, tile=state.loss_tile,
                                ignore_index=ignore_index)
         if sharded:
@@ -257,8 +274,6 @@ def _tiled_loss_function(model: nn.Module, state: _Memory):
         # transformers' reduction: the mean over the targets, or the sum over num_items_in_batch
         n = num_items_in_batch if num_items_in_batch is not None else (targets != ignore_index).sum()
         return local / max(float(n.item() if isinstance(n, Tensor) else n), 1.0)
-
-    return seqpar_tiled_causal_lm_loss
 
 
 def _shifted(labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int) -> Tensor:
