@@ -1,15 +1,19 @@
 """Which token mixers a model has that seqpar cannot make exact (yet): refused at ``parallelize``.
 
-seqpar makes *attention* exact across ranks. A decoder that mixes tokens along the sequence by other
-means -- a convolution over time (Mamba, short convolutions, Gated DeltaNet), a linear-attention or
-recurrent layer, chunked or indexed (sparse) attention -- would run those on each rank's shard
-alone, from a zero state, and give a plausible but wrong loss. Such a model is refused with the
-module and the reason instead. Pure: reads the model's config and modules, no communication::
+seqpar makes attention exact across ranks, and the state-space, linear-attention and short-
+convolution mixers of :data:`.token_mixers.HANDLED_MIXERS` (Mamba, Mamba2, Gated DeltaNet, LFM2;
+:mod:`.token_mixers`). A decoder that mixes tokens along the sequence by any other means -- an
+unknown convolution over time or recurrent layer, lightning or indexed (sparse) attention -- would
+run it on each rank's shard alone, from a zero state, and give a plausible but wrong loss. Such a
+model is refused with the module and the reason instead. Pure: reads the model's config and
+modules, no communication::
 
     config.layer_types     "full_attention", "sliding_attention", "chunked_attention": handled
-                           (:mod:`.layer_spec`); "mlp", "moe": per token; anything else
-                           ("linear_attention", "conv", "hybrid", "indexed_attention", ...): refused
-    decoder modules        an nn.Conv1d anywhere in the decoder (over the sequence): refused
+                           (:mod:`.layer_spec`); "mlp", "moe": per token; any other kind
+                           ("linear_attention", "conv", "mamba", "hybrid", "indexed_attention", ...):
+                           handled only where that decoder layer holds a handled token mixer
+    decoder modules        an nn.Conv1d or recurrent nn.RNN / nn.LSTM / nn.GRU outside a handled
+                           token mixer (over the sequence): refused
     attention_chunk_size   without "chunked_attention" layer types: which layers are chunked is
                            unknown, refused
 
@@ -31,6 +35,7 @@ import inspect
 from torch import nn
 
 from .models import decoder_config
+from .token_mixers import HANDLED_MIXERS, mixer_approach
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 PER_TOKEN_LAYER_TYPES = frozenset({"mlp", "moe"})
@@ -42,9 +47,13 @@ def unsupported_mixers(model: nn.Module) -> list[str]:
     config = decoder_config(model.config)[0]
     reasons = []
     kinds = {k for k in (getattr(config, "layer_types", None) or ()) if isinstance(k, str)}
-    odd = sorted(kinds - ATTENTION_LAYER_TYPES - PER_TOKEN_LAYER_TYPES)
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else model
+    odd = _unhandled_layer_types(config, decoder, kinds - ATTENTION_LAYER_TYPES - PER_TOKEN_LAYER_TYPES)
     if odd:
-        reasons.append(f"config.layer_types has {odd} layers (seqpar handles {sorted(ATTENTION_LAYER_TYPES)})")
+        reasons.append(f"config.layer_types has {sorted(odd)} layers (seqpar handles {sorted(ATTENTION_LAYER_TYPES)}"
+                       f" and layers whose token mixer is one of {sorted(HANDLED_MIXERS)}); "
+                       + "; ".join(f"{k!r}: {v}" for k, v in sorted(odd.items())))
     if getattr(config, "attention_chunk_size", None) and "chunked_attention" not in kinds:
         reasons.append(f"attention_chunk_size={config.attention_chunk_size} (chunked attention) without "
                        "config.layer_types saying which layers are chunked")
@@ -53,17 +62,37 @@ def unsupported_mixers(model: nn.Module) -> list[str]:
         reasons.append("attn_temperature_tuning=True: the NoPE layers scale queries by their index in the "
                        "local shard (arange of the local length), not by the global position seqpar feeds; "
                        "a config with attn_temperature_tuning=False is a different model, not a fix")
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else model
     reasons += _positional(model, decoder)
     convs: dict[str, str] = {}  # class of the module that owns the convolution -> its first path
+    handled = [name for name, m in decoder.named_modules() if mixer_approach(m) is not None]
     for name, module in decoder.named_modules():
+        if any(name == h or name.startswith(h + ".") for h in handled):
+            continue  # inside a token mixer seqpar handles (its own convolution)
         for child_name, child in module.named_children():
-            if isinstance(child, nn.Conv1d):
-                convs.setdefault(type(module).__name__, f"{name}.{child_name}" if name else child_name)
+            if isinstance(child, (nn.Conv1d, nn.RNNBase)):
+                path = f"{name}.{child_name}" if name else child_name
+                convs.setdefault(type(module).__name__, f"{path}: nn.{type(child).__name__}")
     for owner, path in sorted(convs.items()):
-        reasons.append(f"{owner} convolves over the sequence ({path}: nn.Conv1d)")
+        verb = "runs a recurrence" if "nn.Conv1d" not in path else "convolves"
+        reasons.append(f"{owner} {verb} over the sequence ({path}), which is not a token mixer seqpar handles")
     return reasons
+
+
+def _unhandled_layer_types(config: object, decoder: nn.Module, odd: set[str]) -> dict[str, str]:
+    """The non-attention layer kinds of ``config.layer_types`` whose layers do not all hold a
+    handled token mixer, each with what the first such layer holds instead."""
+    if not odd:
+        return {}
+    types = list(getattr(config, "layer_types", None) or ())
+    layers = next((m for m in decoder.modules() if isinstance(m, nn.ModuleList) and len(m) == len(types)), None)
+    if layers is None:
+        return {k: "seqpar cannot find the decoder layers these types describe" for k in odd}
+    out: dict[str, str] = {}
+    for i, (kind, layer) in enumerate(zip(types, layers, strict=True)):
+        if kind in odd and kind not in out and not any(mixer_approach(m) for m in layer.modules()):
+            names = sorted({type(c).__name__ for c in layer.children()})
+            out[kind] = f"layer {i} ({type(layer).__name__}: {', '.join(names)}) has no token mixer seqpar handles"
+    return out
 
 
 def _positional(model: nn.Module, decoder: nn.Module) -> list[str]:
@@ -91,4 +120,6 @@ def check_token_mixers(model: nn.Module) -> None:
             "read their position in it) in a way seqpar does not shard exactly; each rank would run them on its "
             "shard alone and get silently wrong losses and gradients:\n  " + "\n  ".join(reasons)
             + "\n  seqpar supports models whose token mixers are all self-attention (full, sliding-window or "
-            "chunked) fed by position ids; for this one train without sequence parallelism (sp=1) for now.")
+            "chunked) fed by position ids, or the state-space / linear-attention / short-convolution mixers of "
+            "seqpar.integrations.token_mixers.HANDLED_MIXERS; for this one train without sequence parallelism "
+            "(sp=1) for now.")

@@ -63,6 +63,8 @@ TINY: dict[str, int | float] = dict(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_conv_kernel_dim=2, linear_num_heads=4, linear_head_dim=8,
     mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16, state_size=8,
+    mamba_expand=1, mamba_d_ssm=32, mamba_num_heads=4, mamba_head_dim=8, n_mamba_heads=4, mamba_headdim=8,
+    n_groups=1, ssm_state_size=8,
     time_step_rank=4, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
     num_layers_per_stack=1, H_cycles=2, L_cycles=1,
     router_jitter_noise=0.0, sliding_window=5, sliding_window_size=5, attention_chunk_size=6,
@@ -88,6 +90,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama4_text/no-temperature-tuning": ("llama4_text", {"attn_temperature_tuning": False}),
     # LFM2's default config is all attention; its short-convolution layers must be refused
     "lfm2/conv-layers": ("lfm2", {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}),
+    # hybrids whose default layer pattern has no attention layer within the first few: one Mamba
+    # layer, then one attention layer
+    "jamba/attention-layers": ("jamba", {"attn_layer_period": 2, "attn_layer_offset": 1}),
+    "bamba/attention-layers": ("bamba", {"attn_layer_indices": [1]}),
+    "granitemoehybrid/attention-layers": ("granitemoehybrid", {"layer_types": ["mamba", "attention"]}),
+    "zamba2/hybrid-layers": ("zamba2", {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1],
+                                                "attention_hidden_size": 64}),  # attention over [h, embeddings]
 }
 """Families run a second time with a config switch that reaches a path the default does not."""
 

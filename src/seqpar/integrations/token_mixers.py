@@ -1,0 +1,259 @@
+"""Exact sequence parallelism for token mixers that are not attention: state-space (Mamba, Mamba2),
+linear-attention (Gated DeltaNet) and short-convolution (LFM2) layers of hybrid models.
+
+Each of these is causal and runs along the whole sequence (a convolution over time, a recurrence
+or a chunked scan), so on a shard alone it would start from a zero state at every rank but the
+first. seqpar wraps the model's own module (an instance ``forward`` that shadows the class's, the
+class's own code and kernels still doing the work; :func:`unwrap_token_mixers` removes it) and
+feeds it what it would see unsharded. Two approaches, chosen per call:
+
+``"halo"`` (scalable) -- for a mixer that is per-token except for a causal convolution of width
+``k`` (LFM2's short convolution): rank r receives the last ``k - 1`` inputs of rank r - 1
+(:func:`seqpar.comm.halo.halo_exchange`; their gradient goes back in backward), runs the module on
+``[halo, shard]`` and drops the halo's outputs. One point-to-point exchange each way per layer,
+``k - 1`` tokens; the mixer's compute is not repeated. Contiguous layout with shards of at least
+``k - 1`` tokens; otherwise the gather approach runs.
+
+``"gather"`` (exact, not scalable) -- for the recurrent mixers (Gated DeltaNet, Mamba, Mamba2),
+whose state would have to cross ranks inside the model's kernels: every rank all-gathers the
+layer's input sequence, runs the module on the whole sequence, keeps its own slice; backward
+reduce-scatters the input gradient. The mixer's compute is repeated on all P ranks and its input
+is held whole for that layer (attention stays sharded)::
+
+    hidden_states  # [B, S/P, D]  this rank's shard, layout order
+    gather_seq     # [B, S, D]    layout order; backward: reduce-scatter (each rank used it all)
+    original order (inverse layout permutation: zigzag and doc-zigzag work too)
+    module.forward # [B, S, D']   the model's own code: whole rows with the padding mask, or each
+                   #              packed document alone (its state starts at the document)
+    layout order, this rank's slice   # [B, S/P, D']
+
+Packed rows: each document runs alone, as the models' own varlen paths (``cu_seq_lens`` /
+``seq_idx``) and seqpar's reference define packing. Padding: whole rows get the padding mask the
+model's own mixer takes (halo: the padding mask of the window).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..attention.layout import inverse_permutation
+from ..attention.shard import SeqShard, shard_cache
+from ..batch.sharding import BATCH_KWARG, LocalBatch
+from ..comm.gather import gather_seq
+from ..comm.halo import halo_exchange
+from ..comm.mesh import Axis, axis_group
+
+GATHER, HALO = "gather", "halo"
+
+HANDLED_MIXERS: dict[str, str] = {
+    # Gated DeltaNet: causal conv1d, then the chunked gated delta rule per head
+    "Qwen3NextGatedDeltaNet": GATHER, "Qwen3_5GatedDeltaNet": GATHER, "OlmoHybridGatedDeltaNet": GATHER,
+    "KimiLinearDeltaAttention": GATHER,
+    # Mamba2 (SSD): causal conv1d, then the chunked scan per head
+    "BambaMixer": GATHER, "FalconH1Mixer": GATHER, "NemotronHMamba2Mixer": GATHER, "Zamba2MambaMixer": GATHER,
+    "GraniteMoeHybridMambaLayer": GATHER, "Mamba2Mixer": GATHER,
+    # Mamba (S6): causal conv1d, then the selective scan
+    "JambaMambaMixer": GATHER, "MambaMixer": GATHER, "FalconMambaMixer": GATHER,
+    # LFM2: in_proj per token, a causal depthwise convolution of L_cache taps, out_proj per token
+    "Lfm2ShortConv": HALO, "Lfm2MoeShortConv": HALO,
+}
+"""Token-mixer classes seqpar makes exact, and how. Each was read: its ``forward(hidden_states,
+cache=None, attention_mask=None, **kwargs)`` is causal, treats batch rows independently, and takes
+``kwargs`` only for packing metadata or kernels (dropped: seqpar runs documents apart)."""
+
+_ATTR = "_seqpar_token_mixers"  # on the model: the wrapped modules, to unwrap
+
+
+def mixer_approach(module: nn.Module) -> str | None:
+    """``"gather"`` / ``"halo"`` for a token mixer seqpar handles (:data:`HANDLED_MIXERS`), else None."""
+    return HANDLED_MIXERS.get(type(module).__name__)
+
+
+def _halo_width(module: nn.Module) -> int:
+    """``k - 1`` for the module's causal convolution of width ``k`` (LFM2: ``conv.kernel_size``)."""
+    conv = getattr(module, "conv", None)
+    return int(conv.kernel_size[0]) - 1 if isinstance(conv, nn.Conv1d) else -1
+
+
+def token_mixers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every handled token mixer in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if mixer_approach(m) is not None]
+
+
+def describe_token_mixers(model: nn.Module) -> str:
+    """In words: which non-attention token mixers ``model`` has and how seqpar runs them ("" if none)."""
+    counts: dict[tuple[str, str], int] = {}
+    for _, m in token_mixers(model):
+        key = (type(m).__name__, mixer_approach(m) or "")
+        counts[key] = counts.get(key, 0) + 1
+    how = {GATHER: "gathered: every rank runs the layer on the whole sequence (exact; its compute is repeated "
+                   "P times and its input is held whole)",
+           HALO: "halo: each rank runs its shard plus the previous rank's last kernel-1 inputs (exact, scalable; "
+                 "gathered under a permuted layout)"}
+    return "; ".join(f"{n} x{c} {how[a]}" for (n, a), c in sorted(counts.items()))
+
+
+def _runs(shard: SeqShard) -> list[list[tuple[int, int]]] | None:
+    """Per row, the ``(start, end)`` of each packed document's real tokens in original order, or
+    None when no row is packed (whole rows run with the padding mask). Kept per batch."""
+    if shard.segments is None:
+        return None
+    cache = shard_cache(shard)
+    if "mixer runs" not in cache:
+        seg, keep = shard.segments, shard.key_keep
+        if shard.positions is not None:
+            inv = inverse_permutation(shard.positions)
+            seg = seg.index_select(1, inv)
+            keep = None if keep is None else keep.index_select(1, inv)
+        seg = seg.cpu().tolist()
+        keep = None if keep is None else keep.cpu().tolist()
+        rows = []
+        for b, ids in enumerate(seg):
+            runs: list[tuple[int, int]] = []
+            for i, d in enumerate(ids):
+                real = keep is None or keep[b][i]
+                if real and runs and runs[-1][1] == i and ids[runs[-1][0]] == d:
+                    runs[-1] = (runs[-1][0], i + 1)
+                elif real:
+                    runs.append((i, i + 1))
+            rows.append(runs)
+        cache["mixer runs"] = rows
+    return cache["mixer runs"]
+
+
+def _run_rows(forward: Callable[..., Tensor], x: Tensor, keep: Tensor | None,
+              runs: list[list[tuple[int, int]]] | None) -> Tensor:
+    """The module's own forward on ``x [B, W, D]`` (original order): whole rows with the padding
+    mask ``keep [B, W]``, or, for packed rows, each document alone (zeros at padding)."""
+    if runs is None:
+        return _tensor(forward(x, attention_mask=None if keep is None else keep.to(torch.long)))
+    rows = []
+    for b, row_runs in enumerate(runs):
+        pieces, pos = [], 0
+        for a, e in row_runs:
+            out = _tensor(forward(x[b:b + 1, a:e]))  # [1, e - a, D']
+            if a > pos:
+                pieces.append(out.new_zeros((1, a - pos, out.shape[-1])))
+            pieces.append(out)
+            pos = e
+        rows.append(pieces)
+    width = next((p.shape[-1] for pieces in rows for p in pieces), None)
+    if width is None:  # nothing but padding: the outputs are never read, their shape still matters
+        return _tensor(forward(x)) * 0
+    full = []
+    for pieces in rows:
+        n = sum(p.shape[1] for p in pieces)
+        if n < x.shape[1]:
+            pieces.append(x.new_zeros((1, x.shape[1] - n, width)))
+        full.append(torch.cat(pieces, dim=1))
+    return torch.cat(full, dim=0)  # [B, W, D']
+
+
+def _tensor(out: Any) -> Tensor:
+    if not isinstance(out, Tensor):
+        raise ValueError(f"seqpar expected a token mixer to return one tensor, got {type(out).__name__}")
+    return out
+
+
+def _gathered(forward: Callable[..., Tensor], x: Tensor, batch: LocalBatch, group: dist.ProcessGroup) -> Tensor:
+    """The gather approach (see the module doc): ``x [B, S/P, D]`` -> ``[B, S/P, D']``."""
+    shard = batch.shard
+    whole = gather_seq(x, dim=1, group=group, sizes=shard.seq_lens)  # [B, S, D] layout order
+    perm = shard.positions
+    keep = shard.key_keep
+    if perm is not None:
+        inv = inverse_permutation(perm).to(x.device)
+        whole = whole.index_select(1, inv)  # original order
+        keep = None if keep is None else keep.index_select(1, inv.to(keep.device))
+    out = _run_rows(forward, whole, None if keep is None else keep.to(x.device), _runs(shard))  # [B, S, D']
+    if perm is not None:
+        out = out.index_select(1, perm.to(x.device))
+    start, n = shard.local_range(batch.sp_rank)
+    return out.narrow(1, start, n)
+
+
+def _halo(forward: Callable[..., Tensor], x: Tensor, batch: LocalBatch, group: dist.ProcessGroup,
+          width: int) -> Tensor:
+    """The halo approach (see the module doc): ``x [B, S/P, D]`` -> ``[B, S/P, D']``."""
+    shard = batch.shard
+    start, n = shard.local_range(batch.sp_rank)
+    halo = halo_exchange(x, width, dim=1, group=group)  # [B, h, D], h = width (0 on rank 0)
+    h = halo.shape[1]
+    window = torch.cat([halo, x], dim=1)  # [B, h + S/P, D] = tokens start - h .. start + n
+    cols = slice(start - h, start + n)
+    keep = None if shard.key_keep is None else shard.key_keep[:, cols].to(x.device)
+    runs = _runs(shard)
+    if runs is not None:  # the documents' pieces inside the window, in window coordinates
+        runs = [[(max(a, start - h) - (start - h), min(e, start + n) - (start - h)) for a, e in row
+                 if a < start + n and e > start - h] for row in runs]
+    out = _run_rows(forward, window, keep, runs)  # [B, h + S/P, D']
+    return out[:, h:]
+
+
+def _halo_fits(batch: LocalBatch, width: int) -> bool:
+    """The halo needs a contiguous layout and every shard (but the last) at least ``width`` long."""
+    return batch.shard.positions is None and min(batch.shard.seq_lens[:-1], default=width) >= width
+
+
+def wrap_token_mixers(model: nn.Module, mesh: DeviceMesh, last_batch: Callable[[], LocalBatch | None]) -> int:
+    """Make every handled token mixer of ``model`` exact under sequence parallelism over the
+    ``"sp"`` axis of ``mesh`` (in place; :func:`unwrap_token_mixers` undoes it). ``last_batch``
+    returns the LocalBatch of the model's current call (caught by parallelize's pre-hook).
+    Returns how many modules were wrapped."""
+    group = axis_group(mesh, Axis.SP.value)
+    forward = _sequence_parallel_forward(group, last_batch)
+    wrapped = []
+    for _, module in token_mixers(model):
+        # a bound method: a deep copy of the model (an EMA or reference model) binds its own module
+        module.forward = types.MethodType(forward, module)
+        wrapped.append(module)
+    setattr(model, _ATTR, wrapped)
+    return len(wrapped)
+
+
+def _sequence_parallel_forward(group: dist.ProcessGroup,
+                               last_batch: Callable[[], LocalBatch | None]) -> Callable[..., Tensor]:
+    """The ``forward`` seqpar binds to a handled token mixer (see the module doc)."""
+
+    def forward(module: nn.Module, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
+                **kwargs: Any) -> Tensor:
+        # hidden_states [B, S/P, D]: this rank's shard
+        batch = kwargs.get(BATCH_KWARG) or last_batch()
+        if not isinstance(batch, LocalBatch):
+            raise ValueError("this model is sequence-parallel (seqpar.parallelize): feed it "
+                             "model(**seqpar.shard_batch(batch, mesh)), or call seqpar.unparallelize(model)")
+        if cache is not None:
+            raise ValueError(f"{type(module).__name__} got a cache: sequence-parallel training runs with "
+                             "use_cache=False (as shard_batch sets it)")
+        if hidden_states.shape[1] != batch.local_len:
+            raise ValueError(f"the batch was sharded with {batch.local_len} tokens on this rank, but "
+                             f"{type(module).__name__} runs over {hidden_states.shape[1]}: shard the batch with the "
+                             "mesh the model was parallelized with")
+        batch.attention_calls += 1  # a layer that read the batch (the loss checks that some did)
+        original = type(module).forward
+
+        def own(x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+            return original(module, x, None, attention_mask)
+
+        width = _halo_width(module)
+        if mixer_approach(module) == HALO and width >= 0 and _halo_fits(batch, width):
+            return _halo(own, hidden_states, batch, group, width)
+        return _gathered(own, hidden_states, batch, group)
+
+    return forward
+
+
+def unwrap_token_mixers(model: nn.Module) -> None:
+    """Undo :func:`wrap_token_mixers` (nothing to do when it wrapped nothing)."""
+    for module in getattr(model, _ATTR, ()):
+        if "forward" in vars(module):
+            del module.forward
+    if hasattr(model, _ATTR):
+        delattr(model, _ATTR)
