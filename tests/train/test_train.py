@@ -11,7 +11,7 @@ import torch
 from seqpar.comm.launch import run_distributed
 from seqpar.train import TrainConfig
 from seqpar.train.checkpoint import complete_checkpoints, load_model_weights, read_trainer_state
-from seqpar.train.config import model_overrides
+from seqpar.train.config import builtin_fields
 from seqpar.train.job import prepare_job
 from seqpar.train.launcher import run_local
 from seqpar.train.loop import Trainer
@@ -82,8 +82,7 @@ def test_checkpoints_written_and_loadable(runs):
     from seqpar.integrations.models import build_model
 
     cfg = runs["smoke_cfg"]
-    model, _ = build_model(cfg.model, vocab_size=CopyTask(64).vocab_size, max_position_embeddings=64,
-                           **model_overrides(cfg))
+    model, _ = build_model(cfg.model, **builtin_fields(cfg, CopyTask(64).vocab_size))
     before = model.model.embed_tokens.weight.clone()
     load_model_weights(found[-1][1], model)
     assert not torch.equal(before, model.model.embed_tokens.weight)
@@ -131,7 +130,7 @@ def _first_step(rank, world, cfgs):
     for cfg in cfgs:
         trainer = Trainer(prepare_job(cfg, world))
         share, n = trainer.forward_backward(0)
-        loss, _ = _gather_stats(trainer, share)
+        loss, _, _ = _gather_stats(trainer, share)
         grads = {}
         for name, p in trainer.model.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

@@ -80,15 +80,14 @@ def _finish(proc, everything, limit=20.0):
 
 def _check_last_checkpoint_loads(save_dir):
     from seqpar.integrations.models import build_model
-    from seqpar.train.config import TrainConfig, model_overrides
+    from seqpar.train.config import TrainConfig, builtin_fields
     from seqpar.train.tasks import CopyTask
 
     step, path = complete_checkpoints(str(save_dir))[-1]
     state = read_trainer_state(path)
     assert state["step"] == step
     cfg = TrainConfig(**state["config"])
-    model, _ = build_model(cfg.model, vocab_size=CopyTask(cfg.seq_len).vocab_size,
-                           max_position_embeddings=cfg.seq_len, **model_overrides(cfg))
+    model, _ = build_model(cfg.model, **builtin_fields(cfg, CopyTask(cfg.seq_len).vocab_size))
     load_model_weights(path, model)
     return path
 

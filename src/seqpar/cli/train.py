@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", **kw)
             continue
-        kind = {"dp": int, "nproc": int, "data": str}.get(name, type(default))
+        kind = {"dp": int, "nproc": int, "data": str, "timeout": float}.get(name, type(default))
         for extra in ("choices", "nargs", "metavar"):
             if extra in meta:
                 kw[extra] = meta[extra]
@@ -63,7 +63,7 @@ def format_summary(s: RunSummary) -> str:
     this_run = f" ({len(s.losses)} in this run)" if s.resumed_from else ""
     lines = [f"seqpar train: {s.steps} steps{this_run} in {_duration(s.train_time_s)} "
              f"(+{s.setup_s:.0f}s setup, {s.eval_s:.0f}s eval) -- sp={s.sp} x dp={s.dp} "
-             f"({s.strategy}, {s.world} ranks on {s.device.split(':')[0]}{', FSDP2' if s.fsdp else ''}), "
+             f"({s.strategy}, {s.world} ranks on {s.device.split(':')[0]}{', FSDP2' if s.fsdp else ''}, {s.dtype}), "
              f"{s.tokens_per_step:,} tokens per step, {s.params:,} parameters"]
     lines.append(f"  data        {s.data}")
     lines.append(f"  attention   {s.attention}; layout {s.layout}")
@@ -78,10 +78,13 @@ def format_summary(s: RunSummary) -> str:
         if first:
             acc += f"; before training {100 * first.accuracy:.1f}%"
         lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} answers; loss {ev.loss:.4f}")
-    if s.peak_mem_mib:
-        kind = "CUDA allocator peak" if s.device.startswith("cuda") else "peak RSS"
+    if s.peak_mem_mib and s.device.startswith("cuda"):
+        mem = ", ".join(f"rank {r}: {a:,.0f} / {b:,.0f} MiB" for r, (a, b) in
+                        enumerate(zip(s.peak_mem_mib, s.peak_reserved_mib, strict=True)))
+        lines.append(f"  peak memory {mem} (CUDA allocated / reserved, steps only: reset after setup)")
+    elif s.peak_mem_mib:
         mem = ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(s.peak_mem_mib))
-        lines.append(f"  peak memory {mem} ({kind})")
+        lines.append(f"  peak memory {mem} (peak RSS of the process, setup included)")
     lines.append(f"  metrics     {s.metrics} (one JSON line per step)")
     if s.checkpoint:
         lines.append(f"  checkpoint  {s.checkpoint} (torch.distributed.checkpoint; --resume continues)")

@@ -125,6 +125,16 @@ def materialize(model: nn.Module, device: torch.device | str, *, init_dtype: tor
     return model
 
 
+def meta_model(path: str, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of the checkpoint directory ``path`` built on the meta device from its config (no
+    weights read), as :func:`seqpar.integrations.models.build_model` would load it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra: dict[str, Any] = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype, **extra)
+
+
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor] | None) -> None:
     """Load a full (unsharded) state dict that only rank 0 holds into a sharded or plain ``model``
     on every rank (a collective): each tensor is broadcast from rank 0 in turn and every rank keeps

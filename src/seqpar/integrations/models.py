@@ -87,13 +87,17 @@ def build_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, attn_i
     if attn_implementation is not None:
         extra["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **extra, **config_overrides)
-    tokenizer = None
-    if any(os.path.exists(os.path.join(name_or_path, f))
-           for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
-        from transformers import AutoTokenizer
+    return model, load_tokenizer(name_or_path)
 
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    return model, tokenizer
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer saved in the checkpoint directory ``path``, or None if it has none."""
+    if not any(os.path.exists(os.path.join(path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def decoder_config(config: Any) -> tuple[Any, str | None]:

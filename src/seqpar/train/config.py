@@ -27,6 +27,12 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 TRAIN_SIZE: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=4, head_dim=32,
                                   rope_theta=1000.0)
+SIZED_FOR_TRAIN = ("tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2")
+"""Built-ins that :data:`TRAIN_SIZE` resizes; ``small-llama3`` keeps its realistic shape (issue 11)."""
+
+CPU_TIMEOUT, CUDA_TIMEOUT = 300.0, 1800.0
+"""Default --timeout: gloo on the CPU fails fast; under NCCL a rank may wait for rank 0 reading a large
+checkpoint (sharded loading) or writing one, and steps at 1M tokens take minutes."""
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -62,9 +68,9 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
     micro_batch: int = _opt(1, "rows per rank per forward (one dp rank's rows; its SP ranks share them)")
     grad_accum: int = _opt(1, "micro-batches per optimizer step")
-    dtype: str = _opt("float32", "compute dtype: float32, bfloat16 (FSDP2 mixed precision, fp32 master weights) "
-                      "or float64",
-                      choices=tuple(DTYPES))
+    dtype: str = _opt("auto", "compute dtype: float32, bfloat16 (FSDP2 mixed precision, fp32 master weights), "
+                      "float64, or auto (bfloat16 on CUDA, float32 on the CPU)",
+                      choices=("auto", *DTYPES))
     save_dir: str = _opt(os.path.join("runs", "seqpar-train"), "where metrics.jsonl and checkpoints/ go; a "
                          "fresh run replaces an earlier one there")
     save_every: int = _opt(100, "checkpoint every N steps (and always at the end); 0: only at the end")
@@ -75,7 +81,10 @@ class TrainConfig:
     fsdp: str = _opt("auto", "FSDP2 over the dp x sp ranks: on, off, or auto (on with CUDA or bfloat16)",
                      choices=("auto", "on", "off"))
     nproc: int | None = _opt(None, "local worker processes when not under torchrun", shown="sp x dp, or sp")
-    timeout: float = _opt(300.0, "seconds a collective may wait before the job counts as hung")
+    timeout: float | None = _opt(None, "seconds a collective may wait before the job counts as hung: the process "
+                                 "group's timeout (NCCL's watchdog), which must outlast the longest wait of one rank "
+                                 "for another -- rank 0 reading a checkpoint, a checkpoint save, the first step",
+                                 shown=f"{CPU_TIMEOUT:.0f} on the CPU, {CUDA_TIMEOUT:.0f} with CUDA")
     progress: bool = _opt(True, "progress bar on rank 0 (--no-progress to turn it off)")
 
     def replace(self, **changes: Any) -> TrainConfig:
@@ -130,7 +139,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 def _coerce(name: str, value: Any, where: str) -> Any:
     """A config-file value as the field's type (ints, floats, bools, strings, a list of files)."""
     default = FIELDS[name].default
-    kind = {"data": list, "dp": int, "nproc": int}.get(name, type(default))
+    kind = {"data": list, "dp": int, "nproc": int, "timeout": float}.get(name, type(default))
     bad = ValueError(f"{where}: {name.replace('_', '-')} = {value!r} should be {kind.__name__}")
     if kind is list:
         if isinstance(value, str):
@@ -170,7 +179,32 @@ def model_overrides(cfg: TrainConfig) -> dict[str, Any]:
                              f"{e}") from None
         if not isinstance(extra, dict):
             raise ValueError("--model-config must be a JSON object, e.g. '{\"num_hidden_layers\": 4}'")
-    return {**TRAIN_SIZE, **extra}
+    return {**(TRAIN_SIZE if cfg.model in SIZED_FOR_TRAIN else {}), **extra}
+
+
+def builtin_fields(cfg: TrainConfig, data_vocab: int) -> dict[str, Any]:
+    """Every config field ``seqpar train`` gives a built-in model: :func:`model_overrides`, the
+    vocabulary (the larger of the model's own and the ``data_vocab`` token ids the data uses, unless
+    ``--model-config`` sets it) and ``max_position_embeddings`` = ``--seq-len`` (unless set)."""
+    from seqpar.integrations.models import builtin_config
+
+    own = int(builtin_config(cfg.model).vocab_size)
+    return {"vocab_size": max(own, data_vocab), "max_position_embeddings": cfg.seq_len, **model_overrides(cfg)}
+
+
+def resolve_dtype(cfg: TrainConfig, device_type: str) -> str:
+    """The --dtype name a run uses: ``auto`` is bfloat16 on CUDA (through FSDP2's mixed precision:
+    float32 with ``--fsdp off``), float32 on the CPU."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "bfloat16" if device_type == "cuda" and cfg.fsdp != "off" else "float32"
+
+
+def collective_timeout(cfg: TrainConfig, device_type: str) -> float:
+    """Seconds for the process group's timeout: --timeout, or its default for the device."""
+    if cfg.timeout is not None:
+        return cfg.timeout
+    return CUDA_TIMEOUT if device_type == "cuda" else CPU_TIMEOUT
 
 
 def world_layout(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
@@ -211,12 +245,12 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.grad_clip < 0 or cfg.weight_decay < 0:
         raise ValueError("--grad-clip and --weight-decay must be >= 0")
-    if cfg.timeout <= 0:
+    if cfg.timeout is not None and cfg.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout}")
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {list(STRATEGIES)}")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"unknown --dtype {cfg.dtype!r}: choose one of {list(DTYPES)}")
+    if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {cfg.dtype!r}: choose one of {['auto', *DTYPES]}")
     if cfg.strategy == "hybrid" and sp < 4:
         raise ValueError(f"--strategy hybrid needs --sp >= 4 (ring x ulysses, each >= 2), got --sp {sp}: "
                          "use ulysses or ring")

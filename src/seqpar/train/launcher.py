@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from seqpar.comm.launch import Failure, WorkerError, run_distributed
 
-from .config import TrainConfig
+from .config import TrainConfig, collective_timeout
 from .job import Job, prepare_job
 from .run import RunSummary, local_worker, run_training
 
@@ -49,7 +49,7 @@ def run_local(job: Job, *, stop_after: int | None = None) -> RunSummary:
     """
     try:
         results = run_distributed(local_worker, job.world, job.cfg, stop_after, timeout=10.0**7,
-                                  pg_timeout=job.cfg.timeout, env={"OMP_NUM_THREADS": "1"})
+                                  pg_timeout=collective_timeout(job.cfg, "cpu"), env={"OMP_NUM_THREADS": "1"})
     except WorkerError as e:
         for rank in sorted(e.errors):
             if e.errors[rank].bad_input:  # the same message on every rank: say it once
@@ -84,7 +84,8 @@ def run_torchrun(cfg: TrainConfig) -> RunSummary | None:
         torch.cuda.set_device(kw["device_id"])
     else:
         torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout), **kw)
+    timeout = collective_timeout(cfg, "cuda" if backend == "nccl" else "cpu")  # NCCL's watchdog too
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kw)
     try:
         summary = run_training(job)
         dist.barrier()

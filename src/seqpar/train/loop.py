@@ -29,9 +29,10 @@ from torch import Tensor
 import seqpar
 from seqpar.batch.loss import token_losses
 from seqpar.comm.mesh import axis_group, default_device_type
-from seqpar.integrations.models import BUILTIN_MODELS, build_model
+from seqpar.integrations.materialize import load_full_state_dict, materialize, meta_model
+from seqpar.integrations.models import BUILTIN_MODELS, build_model, load_tokenizer
 
-from .config import DTYPES, TrainConfig, model_overrides
+from .config import DTYPES, TrainConfig, builtin_fields, resolve_dtype
 from .data import TaskData, TextData, make_rows, read_documents, row_index, stack
 from .job import Job
 from .tasks import EVAL, IGNORE, CopyTask, answer_accuracy
@@ -47,18 +48,29 @@ class EvalResult:
     targets: int
 
 
-def peak_memory_mib(device: torch.device) -> float:
-    """This process's peak memory so far: the CUDA allocator's peak, or the peak RSS on CPU."""
+def peak_memory_mib(device: torch.device) -> tuple[float, float]:
+    """This process's peak memory: ``(allocated, reserved)`` by the CUDA caching allocator since the
+    last :func:`reset_peak_memory` (reserved is what the GPU really gives the process, NCCL's own
+    buffers excepted), or ``(peak RSS, peak RSS)`` on the CPU (since the process started)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return torch.cuda.max_memory_allocated(device) / 2**20, torch.cuda.max_memory_reserved(device) / 2**20
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux (bytes on macOS)
-    return kib / (2**20 if sys.platform == "darwin" else 2**10)
+    rss = kib / (2**20 if sys.platform == "darwin" else 2**10)
+    return rss, rss
 
 
-def use_fsdp(cfg: TrainConfig, device_type: str) -> bool:
-    """FSDP2 when asked, and by default with CUDA or bfloat16 (its mixed precision keeps fp32
-    master weights; autocast would hand attention q/k in fp32 and v in bf16)."""
-    return cfg.fsdp == "on" or (cfg.fsdp == "auto" and (device_type == "cuda" or cfg.dtype == "bfloat16"))
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the CUDA peaks afresh (after setup: loading and sharding are not the step's memory).
+    The CPU's peak RSS cannot be reset; it counts from the process start."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def use_fsdp(cfg: TrainConfig, device_type: str, dtype: str) -> bool:
+    """FSDP2 when asked, and by default with CUDA or bfloat16 (``dtype``: the resolved --dtype; its
+    mixed precision keeps fp32 master weights; autocast would hand attention q/k in fp32 and v in
+    bf16)."""
+    return cfg.fsdp == "on" or (cfg.fsdp == "auto" and (device_type == "cuda" or dtype == "bfloat16"))
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -72,7 +84,16 @@ def lr_lambda(cfg: TrainConfig):
 
 
 class Trainer:
-    """Model, data, optimizer and mesh of one rank. Needs an initialized process group."""
+    """Model, data, optimizer and mesh of one rank. Needs an initialized process group.
+
+    The model is built on the meta device, parallelized, sharded (FSDP2) and only then given its
+    weights (:mod:`seqpar.integrations.materialize`): a built-in's initialisation is drawn module by
+    module, this rank keeping its shard -- the same bits as the unsharded model's for the seed, on
+    any number of ranks; a checkpoint (``--model PATH``) is read by rank 0 alone and broadcast tensor
+    by tensor. So no rank > 0 ever holds the whole model. Without FSDP every rank keeps a full
+    replica (plain gradient sync needs one): the built-in is initialized the same way, in place on
+    the device; a checkpoint is read by every rank.
+    """
 
     def __init__(self, job: Job) -> None:
         cfg = self.cfg = job.cfg
@@ -88,26 +109,13 @@ class Trainer:
         self.dp_rank = dist.get_rank(axis_group(self.mesh, "dp"))
         self.sp_rank = dist.get_rank(axis_group(self.mesh, "sp"))  # hybrid: the flattened ring x ulysses axis
 
-        dtype = DTYPES[cfg.dtype]
+        self.dtype = resolve_dtype(cfg, self.device.type)
+        dtype = DTYPES[self.dtype]
         param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        if cfg.model in BUILTIN_MODELS:
-            self.data = self._make_data(None)
-            fields = {"vocab_size": self.data.vocab_size, "max_position_embeddings": cfg.seq_len,
-                      **model_overrides(cfg)}  # --model-config may widen both (checked by prepare_job)
-            model, _ = build_model(cfg.model, dtype=param_dtype, **fields)
-        else:
-            model, tok = build_model(cfg.model, dtype=param_dtype)
-            self.data = self._make_data(tok)
-            vocab = int(model.get_input_embeddings().num_embeddings)
-            if self.data.vocab_size > vocab:
-                raise ValueError(f"the data needs {self.data.vocab_size} token ids but --model {cfg.model!r} has "
-                                 f"{vocab}: give the checkpoint its tokenizer or use a built-in model")
-        model.to(self.device)
+        self.use_fsdp = use_fsdp(cfg, self.device.type, self.dtype)
+        model, full_state = self._build_model(param_dtype)  # on the meta device (a replica: already loaded)
         self.n_params = sum(p.numel() for p in model.parameters())
         seqpar.parallelize(model, self.mesh, strategy=job.strategy)
-        self.attention = seqpar.attention_kernel(model)  # the kernel "auto" chose, in words
-        self.use_fsdp = use_fsdp(cfg, self.device.type)
         if self.use_fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -115,11 +123,47 @@ class Trainer:
             if dtype == torch.bfloat16:  # bf16 compute, fp32 master weights and gradient reduction
                 kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             seqpar.apply_fsdp(model, self.mesh, **kw)  # summed reduction as a plain SUM (gloo has no PREMUL_SUM)
+        if cfg.model in BUILTIN_MODELS:
+            torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the sharding
+            materialize(model, self.device)
+        elif self.use_fsdp:
+            materialize(model, self.device, params=False)  # buffers (RoPE); the weights come from rank 0
+            load_full_state_dict(model, full_state)
+            full_state = None
+        self.attention = seqpar.attention_kernel(model)  # the kernel "auto" chose, in words
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0
+
+    def _build_model(self, param_dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Tensor] | None]:
+        """``(model, full state dict or None)``; sets ``self.data``. A built-in, and a checkpoint
+        under FSDP, come on the meta device (rank 0 also returns the checkpoint's weights, on the
+        CPU); a checkpoint without FSDP is loaded whole on this rank's device."""
+        cfg = self.cfg
+        if cfg.model in BUILTIN_MODELS:
+            self.data = self._make_data(None)
+            with torch.device("meta"):
+                model, _ = build_model(cfg.model, dtype=param_dtype, **builtin_fields(cfg, self.data.vocab_size))
+            return model, None
+        state = None
+        if not self.use_fsdp:
+            model, tok = build_model(cfg.model, dtype=param_dtype)
+            model.to(self.device)
+        else:
+            tok = load_tokenizer(cfg.model)
+            if self.rank == 0:  # the only rank that reads the weights
+                full, _ = build_model(cfg.model, dtype=param_dtype)
+                state = full.state_dict()
+                del full
+            model = meta_model(cfg.model, dtype=param_dtype)
+        self.data = self._make_data(tok)
+        vocab = int(model.get_input_embeddings().num_embeddings)
+        if self.data.vocab_size > vocab:
+            raise ValueError(f"the data needs {self.data.vocab_size} token ids but --model {cfg.model!r} has "
+                             f"{vocab}: give the checkpoint its tokenizer or use a built-in model")
+        return model, state
 
     def _make_data(self, hf_tokenizer: Any) -> TaskData | TextData:
         cfg = self.cfg

@@ -19,7 +19,7 @@ from seqpar.comm import collectives
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .job import Job, prepare_job
-from .loop import EvalResult, Trainer, peak_memory_mib
+from .loop import EvalResult, Trainer, peak_memory_mib, reset_peak_memory
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -30,7 +30,8 @@ class RunSummary:
 
     steps: int  # optimizer steps done in total (resumed ones included)
     losses: list[tuple[int, float]]  # (step, global loss) of the steps run now
-    peak_mem_mib: list[float]  # per rank, at the last step
+    peak_mem_mib: list[float]  # per rank, at the last step: CUDA peak allocated since setup, or peak RSS
+    peak_reserved_mib: list[float]  # per rank: CUDA peak reserved since setup (= peak_mem_mib on the CPU)
     train_time_s: float
     first_eval: EvalResult | None  # before training (from the checkpoint when resumed)
     final_eval: EvalResult | None  # after the last step (None if stopped early)
@@ -51,6 +52,7 @@ class RunSummary:
     replaced_previous: bool  # a fresh run cleared an earlier run's save dir
     reason: str  # why --strategy auto chose what it chose
     attention: str  # the local attention kernel, in words (seqpar.attention_kernel)
+    dtype: str  # the compute dtype (--dtype auto resolved)
     setup_s: float
     eval_s: float
 
@@ -63,15 +65,15 @@ class RunSummary:
         return self.losses[-1][1] if self.losses else None
 
 
-def _gather_stats(trainer: Trainer, loss_share: float) -> tuple[float, list[float]]:
+def _gather_stats(trainer: Trainer, loss_share: float) -> tuple[float, list[float], list[float]]:
     """One all-gather: the step's global loss (sum of the dp ranks' shares) and every rank's peak
-    memory."""
-    row = torch.tensor([loss_share if trainer.sp_rank == 0 else 0.0, peak_memory_mib(trainer.device)],
+    memory, allocated and reserved (:func:`peak_memory_mib`)."""
+    row = torch.tensor([loss_share if trainer.sp_rank == 0 else 0.0, *peak_memory_mib(trainer.device)],
                        dtype=torch.float64, device=trainer.device)
-    table = torch.empty(trainer.world * 2, dtype=torch.float64, device=trainer.device)
+    table = torch.empty(trainer.world * 3, dtype=torch.float64, device=trainer.device)
     collectives.all_gather_flat(table, row)
-    table = table.view(trainer.world, 2)
-    return float(table[:, 0].sum()), table[:, 1].tolist()
+    table = table.view(trainer.world, 3).tolist()  # the step's one host read of its statistics
+    return sum(r[0] for r in table), [r[1] for r in table], [r[2] for r in table]
 
 
 def _prepare_save_dir(trainer: Trainer) -> tuple[str | None, bool]:
@@ -117,6 +119,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         if trainer.rank == 0:
             _truncate_metrics(metrics_path, trainer.step)
     setup_s = time.perf_counter() - t_setup
+    reset_peak_memory(trainer.device)  # the steps' peaks, not the loading's
     t_eval = time.perf_counter()
     if resume_from is None:
         first_eval = trainer.evaluate()
@@ -138,6 +141,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
     tokens_per_step = job.dp * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
     losses: list[tuple[int, float]] = []
     mem: list[float] = []
+    reserved: list[float] = []
     saved = None
     t_start = time.perf_counter()
     metrics = open(metrics_path, "a") if trainer.rank == 0 else None  # noqa: SIM115 -- closed below
@@ -147,7 +151,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             share, n_targets = trainer.forward_backward(trainer.step)
             lr = trainer.optimizer.param_groups[0]["lr"]
             grad_norm = trainer.optimizer_step()  # trainer.step: steps done, so this is step 1, 2, ...
-            loss, mem = _gather_stats(trainer, share)
+            loss, mem, reserved = _gather_stats(trainer, share)
             dt = time.perf_counter() - t0
             losses.append((trainer.step, loss))
             if not math.isfinite(loss):
@@ -156,7 +160,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
                 metrics.write(json.dumps({"step": trainer.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                           "targets": n_targets, "tokens": tokens_per_step,
                                           "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                                          "peak_mem_mib": [round(m, 1) for m in mem]}) + "\n")
+                                          "peak_mem_mib": [round(m, 1) for m in mem],
+                                          "peak_reserved_mib": [round(m, 1) for m in reserved]}) + "\n")
                 metrics.flush()
             if bar is not None:
                 bar.update(1)
@@ -178,13 +183,14 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
     if saved is None:
         saved = ckpt.latest_checkpoint(cfg.save_dir)
     return RunSummary(
-        steps=trainer.step, losses=losses, peak_mem_mib=mem, train_time_s=train_time, first_eval=first_eval,
+        steps=trainer.step, losses=losses, peak_mem_mib=mem, peak_reserved_mib=reserved, train_time_s=train_time,
+        first_eval=first_eval,
         final_eval=final_eval, chance=trainer.data.chance, data=trainer.data.describe(),
         metrics=os.path.abspath(metrics_path), checkpoint=os.path.abspath(saved) if saved else None,
         world=job.world, sp=job.sp, dp=job.dp, strategy=job.strategy, layout=job.layout, params=trainer.n_params,
         fsdp=trainer.use_fsdp, device=str(trainer.device), tokens_per_step=tokens_per_step,
         resumed_from=os.path.abspath(resume_from) if resume_from else None, replaced_previous=replaced,
-        reason=job.reason, attention=trainer.attention, setup_s=setup_s, eval_s=eval_s)
+        reason=job.reason, attention=trainer.attention, dtype=trainer.dtype, setup_s=setup_s, eval_s=eval_s)
 
 
 def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> RunSummary:
