@@ -21,6 +21,9 @@ import torch
 from torch import nn
 
 BUILTIN_MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "small-llama3"]
+# hybrids (issue 13): a Gated DeltaNet layer then an attention layer (Qwen3-Next, dense MLPs), and a
+# Mamba2 layer then an attention layer (Bamba)
+BUILTIN_MODELS += ["tiny-qwen3-next", "tiny-bamba"]
 
 _COMMON: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -49,7 +52,25 @@ def builtin_config(name: str, **overrides: Any) -> Any:
                                   "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 8, **overrides})
     if name == "small-llama3":
         return tf.LlamaConfig(**{**_SMALL_LLAMA3, **overrides})
+    if name in ("tiny-qwen3-next", "tiny-bamba"):
+        return _hybrid_config(name, **overrides)
     raise ValueError(f"unknown built-in model {name!r}: choose one of {BUILTIN_MODELS} or a local checkpoint path")
+
+
+def _hybrid_config(name: str, **overrides: Any) -> Any:
+    """The built-in hybrids: one linear-attention or Mamba2 layer, then one attention layer."""
+    import transformers as tf
+
+    hidden = int(overrides.get("hidden_size", _COMMON["hidden_size"]))
+    if name == "tiny-qwen3-next":
+        return tf.Qwen3NextConfig(**{**_COMMON, "layer_types": ["linear_attention", "full_attention"],
+                                     "mlp_only_layers": [0, 1], "linear_conv_kernel_dim": 4,
+                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                     "linear_key_head_dim": 8, "linear_value_head_dim": 8, **overrides})
+    # Mamba2 wants mamba_n_heads * mamba_d_head == mamba_expand * hidden_size
+    return tf.BambaConfig(**{**_COMMON, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": hidden // 4,
+                             "mamba_expand": 1, "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
+                             "mamba_chunk_size": 16, **overrides})
 
 
 def _default_attention(name: str) -> str:
