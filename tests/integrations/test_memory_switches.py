@@ -1,0 +1,266 @@
+"""reduce_memory under sequence parallelism (issue 11), float64 on gloo: whole models with every
+switch on (tiled loss, tiled MLP, per-layer checkpoints) against the non-SP reference (loss 1e-9,
+every parameter gradient 1e-8) for Ulysses, ring and hybrid, padded / packed / plain rows at odd
+lengths; the tiled loss against seqpar's untiled one with loss_weights and num_items_in_batch
+(1e-10 / 1e-9); FSDP2 over dp x sp; collectives counted with the checkpoints' recompute; tile counts
+agreed over uneven shards; a head it cannot reproduce refused on every rank. One spawn of 4
+processes; the P = 1..4 x strategy grid is ``heavy``."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import seqpar
+from seqpar.comm.counting import count_collectives
+from seqpar.comm.launch import run_distributed
+from seqpar.integrations.tiling import _TiledMLP, agreed_tiles
+from seqpar.testing.model_parity import (
+    GRAD_TOL,
+    LOSS_TOL,
+    ModelCase,
+    case_batch,
+    make_model,
+    reference_grads,
+    sp_meshes,
+)
+
+pytestmark = pytest.mark.distributed
+
+SWITCHES = dict(tiled_loss=True, tiled_mlp=True, checkpoint="layers", loss_tile=3, mlp_tile=2)
+DEFAULT = [(2, ModelCase(strategy="ulysses", batch="padded", seq=13)),
+           (2, ModelCase(strategy="ring", batch="packed", seq=17, layout="zigzag")),
+           (4, ModelCase(strategy="hybrid", batch="padded", seq=15)),
+           (4, ModelCase(strategy="ulysses", batch="plain", seq=13))]
+GRID = [(p, ModelCase(strategy=s, batch=b, seq=n, layout=lay))
+        for p in (1, 2, 3, 4) for s in ("ulysses", "ring", "hybrid") if s != "hybrid" or p == 4
+        for b, n, lay in (("padded", 16, "contiguous"), ("packed", 17, "zigzag"), ("plain", 13, "contiguous"))]
+
+
+def _grad_diff(model, ref_grads):
+    worst = 0.0
+    for n, q in model.named_parameters():
+        g = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
+        worst = max(worst, float((g - ref_grads[n]).abs().max()))
+    return worst
+
+
+def _parity(cases, world):
+    """Every case with every switch on against the float64 reference: (P, label, loss diff, grad diff)."""
+    rows = []
+    for p, case in cases:
+        mesh = sp_meshes(world, (p,), case.strategy)[p]
+        if mesh is None:
+            continue
+        model = make_model(case)
+        batch = case_batch(case, model.config.vocab_size)
+        ref_loss, ref_grads = reference_grads(model, batch)
+        sp = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh, strategy=case.strategy), mesh,
+                                  **SWITCHES)
+        loss = sp(**seqpar.shard_batch(batch, mesh, layout=case.layout)).loss
+        loss.backward()
+        seqpar.sync_gradients(sp, mesh)
+        seqpar.unparallelize(sp)
+        rows.append((p, case.label(), abs(float(loss.detach()) - ref_loss), _grad_diff(sp, ref_grads)))
+    return rows
+
+
+def _tiled_vs_untiled(world):
+    """seqpar's untiled loss and the tiled one on the same sharded batch with loss_weights and
+    num_items_in_batch (dp=2 x sp=2, each dp rank its own batch): (loss diff, grad diff)."""
+    mesh = seqpar.init_mesh(sp=2, dp=2, device_type="cpu")
+    dp = mesh.get_local_rank("dp")
+    model = make_model(ModelCase())
+    out = []
+    for kind, seq in (("padded", 13), ("packed", 15)):
+        batch = case_batch(ModelCase(batch=kind, seq=seq, seed=dp), model.config.vocab_size)
+        batch["loss_weights"] = torch.rand(batch["labels"].shape, generator=torch.Generator().manual_seed(dp),
+                                           dtype=torch.float64)
+        results = []
+        for tiled in (False, True):
+            m = seqpar.parallelize(copy.deepcopy(model), mesh)
+            if tiled:
+                seqpar.reduce_memory(m, mesh, **SWITCHES)
+            for n_items in (None, 29.0):
+                m.zero_grad(set_to_none=True)
+                loss = m(**seqpar.shard_batch(batch, mesh, num_items_in_batch=n_items)).loss
+                loss.backward()
+                results.append((float(loss.detach()), {n: q.grad.clone() for n, q in m.named_parameters()}))
+        for (la, ga), (lb, gb) in zip(results[:2], results[2:], strict=True):
+            out.append((abs(la - lb), max(float((ga[n] - gb[n]).abs().max()) for n in ga)))
+    return out
+
+
+def _fsdp(world):
+    """FSDP2 over dp=2 x sp=2 (lm_head sharded) with every switch on, against the reference."""
+    mesh = seqpar.init_mesh(sp=2, dp=2, device_type="cpu")
+    case = ModelCase(batch="packed", seq=13)
+    model = make_model(case)
+    batch = case_batch(case, model.config.vocab_size)
+    ref_loss, ref_grads = reference_grads(model, batch)
+    sp = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh), mesh, **SWITCHES)
+    seqpar.apply_fsdp(sp, mesh)
+    loss = sp(**seqpar.shard_batch(batch, mesh)).loss
+    loss.backward()
+    return abs(float(loss.detach()) - ref_loss), _grad_diff(sp, ref_grads)
+
+
+def _counts(world):
+    """Collectives of a forward and a backward, checkpoint="layers" vs "none" (after a first step,
+    whose one-time head check adds an all-gather): per strategy, (fwd none, bwd none, fwd ckpt, bwd ckpt)."""
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    case = ModelCase(batch="padded", seq=15)
+    model = make_model(case)
+    batch = case_batch(case, model.config.vocab_size)
+    out = {}
+    for strategy in ("ulysses", "ring"):
+        for ckpt in ("none", "layers"):
+            m = seqpar.parallelize(copy.deepcopy(model), mesh, strategy=strategy)
+            seqpar.reduce_memory(m, mesh, checkpoint=ckpt, loss_tile=4, mlp_tile=3)
+            local = seqpar.shard_batch(batch, mesh)
+            m(**local).loss.backward()
+            with count_collectives() as fwd:
+                loss = m(**local).loss
+            with count_collectives() as bwd:
+                loss.backward()
+            out[(strategy, ckpt)] = (dict(fwd), dict(bwd))
+    return out
+
+
+class _Chatty(nn.Module):
+    """A per-token module that holds a collective (as an FSDP-sharded one would): one all-reduce per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        flag = torch.ones(1, dtype=torch.float64)
+        dist.all_reduce(flag)
+        return self.lin(x) * flag / dist.get_world_size()
+
+
+def _uneven(rank, world):
+    """Uneven shards (S=9 over 2 ranks: 5 and 4 tokens), tile 4: the tile counts of every MLP call
+    agree across ranks; a module with a collective inside runs tiled forward + backward without
+    hanging and matches its untiled result."""
+    mesh = seqpar.init_mesh(sp=2, dp=2, device_type="cpu")
+    case = ModelCase(batch="plain", seq=9)
+    model = make_model(case)
+    sp = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh), mesh, tiled_mlp=True, mlp_tile=4)
+    local = seqpar.shard_batch(case_batch(case, model.config.vocab_size), mesh)
+    sp(**local).loss.backward()
+    tiles = list(sp.model.layers[0].mlp._seqpar_mlp_tile[1].tiles_run)
+    mine = local["input_ids"].shape[1]
+    chatty = _Chatty()
+    x = torch.randn(1, mine, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
+                    requires_grad=True)
+    n = agreed_tiles(mine, 5, 4)
+    with count_collectives() as calls:
+        y = _TiledMLP.apply(chatty, n, 4, x, *chatty.parameters())
+        y.sum().backward()
+    gx, gw = x.grad.clone(), chatty.lin.weight.grad.clone()
+    x.grad = chatty.lin.weight.grad = None
+    chatty(x).sum().backward()
+    diff = max(float((gx - x.grad).abs().max()), float((gw - chatty.lin.weight.grad).abs().max()))
+    return {"local": mine, "tiles": tiles, "n": n, "all_reduce": calls["all_reduce"], "diff": diff}
+
+
+def _scaled_output(_module, _args, out):
+    return out * 2.0
+
+
+def _refusal(world):
+    """A head whose logits seqpar cannot reproduce: the same ValueError on every rank."""
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    model = make_model(ModelCase())
+    model.lm_head.register_forward_hook(_scaled_output)
+    seqpar.reduce_memory(seqpar.parallelize(model, mesh), mesh)
+    try:
+        model(**seqpar.shard_batch(case_batch(ModelCase(batch="plain", seq=12), model.config.vocab_size), mesh))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def run_default(rank, world):
+    torch.set_num_threads(1)
+    return {"parity": _parity(DEFAULT, world), "tiled": _tiled_vs_untiled(world), "fsdp": _fsdp(world),
+            "counts": _counts(world), "uneven": _uneven(rank, world), "refusal": _refusal(world)}
+
+
+def run_grid(rank, world):
+    torch.set_num_threads(1)
+    return _parity(GRID, world)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(run_default, 4, timeout=600)
+
+
+def _assert_exact(rows):
+    assert rows
+    for p, label, loss_diff, grad_diff in rows:
+        assert loss_diff <= LOSS_TOL and grad_diff <= GRAD_TOL, (p, label, loss_diff, grad_diff)
+
+
+def test_every_switch_on_is_exact(results):
+    _assert_exact([row for r in results for row in r["parity"]])
+    assert {row[1].split()[3].split("/")[0] for row in results[0]["parity"]} == {"ulysses", "ring", "hybrid"}
+
+
+def test_tiled_loss_equals_seqpars_untiled_loss_with_weights_and_num_items(results):
+    rows = [row for r in results for row in r["tiled"]]
+    assert len(rows) == 4 * 4
+    assert all(loss <= 1e-10 and grad <= 1e-9 for loss, grad in rows), rows
+
+
+def test_fsdp2_with_every_switch(results):
+    for loss_diff, grad_diff in (r["fsdp"] for r in results):
+        assert loss_diff <= LOSS_TOL and grad_diff <= GRAD_TOL
+
+
+def test_checkpoint_recompute_repeats_the_layer_collectives(results):
+    counts = results[0]["counts"]
+    for strategy in ("ulysses", "ring"):
+        fwd_none, bwd_none = counts[(strategy, "none")]
+        fwd_ckpt, bwd_ckpt = counts[(strategy, "layers")]
+        assert fwd_ckpt == fwd_none  # checkpoints change nothing in the forward
+        layers = dict(fwd_none)
+        layers["all_reduce"] -= 1  # the loss's one all-reduce is outside the layers
+        layers = {k: v for k, v in layers.items() if v}
+        assert layers, fwd_none  # the layers do communicate
+        recomputed = {k: bwd_ckpt.get(k, 0) - bwd_none.get(k, 0) for k in set(bwd_ckpt) | set(bwd_none)}
+        recomputed = {k: v for k, v in recomputed.items() if v}
+        # Each layer's forward collectives again, per recompute. Today every layer is recomputed
+        # twice: the attention kernel's guarded inner backward (attention/kernels.py, _GuardedLocal)
+        # is a nested graph task, and non-reentrant checkpointing recomputes once per graph task --
+        # transformers' own gradient checkpointing shows the same 2x. 1x once that is fixed.
+        times = {v // layers.get(k, 1) for k, v in recomputed.items()}
+        assert len(times) == 1 and times <= {1, 2}, (strategy, counts)
+        assert recomputed == {k: v * times.pop() for k, v in layers.items()}, (strategy, counts)
+    assert all(r["counts"] == counts for r in results)  # every rank made the same calls
+
+
+def test_uneven_shards_agree_on_tile_counts(results):
+    rows = [r["uneven"] for r in results]
+    assert sorted({r["local"] for r in rows}) == [4, 5]  # uneven: 4 tokens on some ranks, 5 on others
+    assert all(r["tiles"] and set(r["tiles"]) == {2} for r in rows)  # ceil(5 / 4) everywhere, not 1 on 4 tokens
+    assert all(r["n"] == 2 and r["all_reduce"] == 4 for r in rows)  # 2 tiles forward + 2 recomputed, every rank
+    assert all(r["diff"] <= 1e-12 for r in rows)
+
+
+def test_unknown_head_refused_on_every_rank(results):
+    messages = [r["refusal"] for r in results]
+    assert messages[0] is not None and "tiled_loss=False" in messages[0]
+    assert all(m == messages[0] for m in messages)
+
+
+@pytest.mark.heavy
+def test_grid_every_strategy_and_size():
+    rows = run_distributed(run_grid, 4, timeout=1500)
+    _assert_exact([row for r in rows for row in r])
+    assert {p for r in rows for p, *_ in r} == {1, 2, 3, 4}
