@@ -1,0 +1,291 @@
+"""Sequence parallelism inside ``transformers.Trainer`` and ``trl.SFTTrainer``, in one line.
+
+::
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds)   # or Trainer(...), unchanged
+    seqpar.integrations.trainer.sequence_parallel(trainer, sp=2)     # the one added line
+    trainer.train()                                                  # torchrun --nproc-per-node 4 ...
+
+:func:`sequence_parallel` parallelizes ``trainer.model`` over a ``dp x sp`` mesh and turns the
+trainer into a subclass of its own class that changes what a step does, and nothing else::
+
+    data        train loader split over dp only (accelerate's batch sampler: num_processes = dp),
+                so the sp ranks of a dp group get the same batch; eval / predict loaders unsplit
+    per step    get_batch_samples: the step's micro-batches; N = seqpar.count_target_tokens(over
+                dp) -- the exact target count (transformers' own count sums the sp copies too);
+                one all-gather over all ranks checks that each SP group holds the same batches,
+                so a collator that differs across an SP group raises on every rank, before any step
+    per micro   compute_loss: model(**shard_batch(batch, mesh, num_items_in_batch=N)).loss
+                  value: this dp group's share of the step's global token mean     x dp
+                  grad:  d(this rank's token losses) / N                            x dp * sp
+    gradients   the Trainer's own DDP (or FSDP2 through accelerate) over all dp x sp ranks
+                averages, i.e. divides by dp * sp: with the x dp * sp above, it sums -- the
+                gradient contract of the seqpar loss (:mod:`seqpar.batch.loss`)
+    logging     the Trainer logs the mean over all ranks of the summed values: x dp makes it
+                the global token mean, the loss the same run without seqpar logs
+    eval        every rank runs every eval batch (its SP group shards it), the loss is the batch
+                token mean, logits are gathered back to [B, S, V]; no cross-rank gather after
+
+Why the Trainer's DDP over all ranks rather than DDP over dp plus seqpar's ``sync_gradients``:
+it is one all-reduce either way, and the Trainer keeps its no_sync accumulation, clipping and
+checkpointing untouched; the averaging it does is undone exactly by the gradient scale.
+
+accelerate's own context / sequence parallelism (``ParallelismConfig(cp_size=...)``: torch
+context_parallel, which drops the attention mask, so packed documents would attend across their
+boundaries; ``sp_size``: DeepSpeed Ulysses) is refused: it would shard the batch a second time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..attention.layout import inverse_permutation
+from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, _checksum, count_target_tokens, shard_batch
+from ..batch.targets import CU_SEQLENS_KEYS
+from ..comm.agree import Table, check, share
+from ..comm.gather import gather_seq
+from ..comm.mesh import Axis, as_mesh, axis_group, dp_size, init_mesh
+from .hf import parallelize
+
+DERIVED_KEYS = ("max_length_q", "max_length_k", "seq_idx")
+"""Keys of TRL's / transformers' padding-free collators that follow from ``cu_seq_lens_*`` (which
+``shard_batch`` checks against the position ids): dropped, seqpar derives what it needs."""
+
+_ATTR = "_seqpar_trainer"
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Forward: ``x * value_scale``; backward: ``grad * grad_scale``. The Trainer needs the loss
+    value and its gradient scaled differently (see the module docstring): one for the log, one
+    for the ranks' averaging."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, value_scale: float, grad_scale: float) -> Tensor:
+        ctx.grad_scale = grad_scale
+        return x * value_scale
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.grad_scale, None, None
+
+
+class _SeqParTrainer:
+    """What :func:`sequence_parallel` adds to a Trainer class (placed first in its MRO)."""
+
+    loss_is_scaled_for_ga = True  # the loss is normalised by N over the whole accumulation window
+
+    @property
+    def _seqpar(self) -> _State:
+        return getattr(self, _ATTR)
+
+    # ---- data ---------------------------------------------------------------------------
+
+    def get_train_dataloader(self):  # noqa: D102 -- the Trainer's, split over dp only
+        loader = super().get_train_dataloader()
+        state = self._seqpar
+        return _split_loader(loader, dp_size(state.mesh), dist.get_rank(axis_group(state.mesh, Axis.DP.value))
+                             if dp_size(state.mesh) > 1 else 0)
+
+    def get_eval_dataloader(self, eval_dataset=None):  # noqa: D102 -- every rank reads every batch
+        return _split_loader(super().get_eval_dataloader(eval_dataset), 1, 0)
+
+    def get_test_dataloader(self, test_dataset):  # noqa: D102
+        return _split_loader(super().get_test_dataloader(test_dataset), 1, 0)
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):  # noqa: D102
+        # every rank already holds every batch's loss, logits and labels: gathering over the
+        # ranks would repeat them (the Trainer resets gather_function itself at the end)
+        self.gather_function = _identity
+        return super().evaluation_loop(*args, **kwargs)
+
+    # ---- one optimizer step -------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
+        """The step's micro-batches and N, their exact target count over the dp ranks; checks
+        that every SP group holds the same batches (one all-gather over all ranks)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        state = self._seqpar
+        _check_sp_groups(batches, num_batches, state.mesh, state.world)
+        if not batches or "labels" not in batches[0]:
+            return batches, None
+        return batches, count_target_tokens([_model_batch(b) for b in batches], state.mesh)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None):
+        """The seqpar loss of this rank's shard, scaled for the Trainer's logging and averaging."""
+        state = self._seqpar
+        if num_items_in_batch is not None and not isinstance(num_items_in_batch, (int, float)):
+            num_items_in_batch = float(num_items_in_batch)
+        local = shard_batch(_model_batch(inputs), state.mesh, layout=state.layout,
+                            num_items_in_batch=num_items_in_batch or None)
+        outputs = model(**local)
+        loss = outputs.loss
+        if loss is None:
+            raise ValueError("the batch has no labels: seqpar's Trainer integration trains a causal LM on labels")
+        if model.training and num_items_in_batch:
+            # value x dp: the log's mean over all ranks is the global mean; grad x dp*sp: the
+            # DDP / FSDP average over all ranks becomes the sum the seqpar loss needs
+            loss = _ScaleGrad.apply(loss, state.world / state.sp, float(state.world))
+        if return_outputs:
+            outputs.logits = _full_logits(outputs.logits, local[BATCH_KWARG], state.mesh)
+            return loss, outputs
+        return loss
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """Loss (the batch's token mean), logits ``[B, S, V]`` and labels of a whole batch, on every rank."""
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs.get("labels")
+        with torch.no_grad():
+            local = shard_batch(_model_batch(inputs), self._seqpar.mesh, layout=self._seqpar.layout)
+            outputs = model(**local)
+        loss = outputs.loss.detach() if outputs.loss is not None else None
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, _full_logits(outputs.logits.detach(), local[BATCH_KWARG], self._seqpar.mesh), labels
+
+
+class _State:
+    def __init__(self, mesh: DeviceMesh, layout: str) -> None:
+        self.mesh, self.layout = mesh, layout
+        self.world = int(mesh.mesh.numel())
+        self.sp = self.world // dp_size(mesh)
+
+
+_classes: dict[type, type] = {}
+
+
+def sequence_parallel(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
+                      strategy: str = "ulysses", layout: str = "contiguous") -> Any:
+    """Make a constructed ``transformers.Trainer`` (or subclass: ``trl.SFTTrainer``) train, evaluate
+    and predict with sequence parallelism over ``mesh`` (or ``seqpar.init_mesh(sp=sp)``), in place.
+
+    Call it after the trainer is built and before ``train()``; the processes come from ``torchrun``
+    or ``accelerate launch`` (one per device). The dataset's rows are full sequences; each dp group
+    of ``sp`` ranks reads the same batches and shards them along the sequence. Returns the trainer.
+
+    Raises ValueError (the same on every rank, before any step) if ``sp`` does not divide the world
+    size, if the model cannot be parallelized (:func:`seqpar.parallelize`), if the mesh does not
+    span every process of the trainer, or if accelerate's own context / sequence parallelism is on.
+    """
+    if getattr(trainer, _ATTR, None) is not None:
+        raise ValueError("this trainer is already sequence-parallel (seqpar.integrations.trainer.sequence_parallel)")
+    if (mesh is None) == (sp is None):
+        raise ValueError("give sequence_parallel either mesh=seqpar.init_mesh(sp=...) or sp=N")
+    mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, "sequence_parallel")
+    state = _State(mesh, layout)
+    processes = int(trainer.accelerator.num_processes)
+    if state.world != processes:
+        raise ValueError(f"the mesh spans {state.world} ranks but the trainer runs {processes} processes: "
+                         "build the mesh over every process (seqpar.init_mesh(sp=...))")
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)
+                           or getattr(pc, "tp_enabled", False)):
+        raise ValueError("accelerate's parallelism_config enables context / sequence / tensor parallelism, which "
+                         "would shard the batch a second time (and torch context_parallel drops the attention "
+                         "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
+                         "when seqpar runs the sequence parallelism")
+    parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
+    base = type(trainer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(f"SeqPar{base.__name__}", (_SeqParTrainer, base), {})
+    trainer.__class__ = cls
+    setattr(trainer, _ATTR, state)
+    return trainer
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _model_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys ``shard_batch`` reads (others it refuses with a clear error), without the padding-free
+    collators' derived ones."""
+    return {k: v for k, v in batch.items() if k not in DERIVED_KEYS}
+
+
+def _split_loader(loader: Any, num: int, index: int) -> Any:
+    """Make an accelerate-prepared DataLoader hand out ``index``'s share of ``num`` (dp) instead
+    of the process's share of all processes -- the knob the Trainer itself turns for its
+    rank-aware BatchRebalanceSampler."""
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+
+    if isinstance(loader, DataLoaderDispatcher):
+        raise ValueError("seqpar's Trainer integration splits the data over dp itself: set "
+                         "TrainingArguments(accelerator_config={'dispatch_batches': False})")
+    sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(sampler, BatchSamplerShard):
+        sampler.num_processes, sampler.process_index = num, index
+        # one reader of the whole set (eval): no batches repeated to even out the processes
+        sampler.even_batches = sampler.even_batches and num > 1
+    elif isinstance(getattr(loader, "dataset", None), IterableDatasetShard):
+        loader.dataset.num_processes, loader.dataset.process_index = num, index
+    elif dist.get_world_size() > 1:
+        raise ValueError(f"seqpar cannot split this data loader ({type(loader).__name__}) over dp: use a "
+                         "map-style or iterable dataset through the Trainer's own get_*_dataloader")
+    return loader
+
+
+def _full_logits(logits: Tensor, batch: LocalBatch, mesh: DeviceMesh) -> Tensor:
+    """``[B, S/P, V] -> [B, S, V]`` in the original token order, on every SP rank (no autograd)."""
+    full = gather_seq(logits, dim=1, group=axis_group(mesh, Axis.SP.value), sizes=batch.shard.seq_lens,
+                      grad="slice")
+    if batch.shard.positions is not None:
+        full = full.index_select(1, inverse_permutation(batch.shard.positions).to(full.device))
+    return full
+
+
+def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: DeviceMesh, world: int) -> None:
+    """Every rank of an SP group must hold the same micro-batches; raise on every rank if not.
+
+    One all-gather of a row of facts over all ranks (not only the SP group: a failing group must
+    not leave the other dp groups waiting in the gradient all-reduce), then the same verdict on
+    every rank from the same table."""
+    facts: dict[str, float] = {"count": float(len(batches))}
+    problem = None
+    for m in range(expected):
+        b = batches[m] if m < len(batches) else None
+        ids = b.get("input_ids") if b is not None else None
+        ok = isinstance(ids, Tensor) and ids.dim() == 2
+        facts[f"{m}.batch"] = float(ids.shape[0]) if ok else -1.0
+        facts[f"{m}.seq"] = float(ids.shape[1]) if ok else -1.0
+        facts[f"{m}.ids"] = _checksum(ids) if ok else -1.0
+        unknown = set(b) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - set(DERIVED_KEYS) - {BATCH_KWARG} if b else set()
+        if b is not None and (not ok or unknown) and problem is None:
+            problem = (f"micro-batch {m} has no [batch, seq_len] input_ids" if not ok else
+                       f"the collator's batch has keys seqpar cannot shard: {sorted(unknown)} (it shards "
+                       f"{list(BATCH_KEYS)} and {list(CU_SEQLENS_KEYS)}); drop them in the collator")
+    table = share(facts, dist.group.WORLD, problem=problem)
+    check(table, what="Trainer batches")  # a malformed batch anywhere: every rank raises
+    names = {f"{m}.{k}": f"micro-batch {m}'s {what}" for m in range(expected)
+             for k, what in (("batch", "batch size"), ("seq", "sequence length"), ("ids", "content (input_ids)"))}
+    names["count"] = "number of micro-batches in the step"
+    for ranks in _sp_groups(mesh):  # every rank checks every group: the same verdict everywhere
+        check(Table([table.rows[r] for r in ranks], [None] * len(ranks)),
+              what=f"Trainer batches of the SP group of ranks {ranks}", same=list(names), describe=names.__getitem__,
+              hint="the ranks of one SP group must get the same batches: a collator with per-rank randomness, "
+                   "or a data loader sharded over every rank instead of over dp")
+
+
+def _sp_groups(mesh: DeviceMesh) -> list[list[int]]:
+    """The global ranks of every SP group of ``mesh`` (the dp axis first, the rest flattened)."""
+    ranks = mesh.mesh
+    return ranks.reshape(ranks.shape[0], -1).tolist()

@@ -1,0 +1,248 @@
+"""seqpar inside transformers' Trainer and TRL's SFTTrainer (``seqpar.integrations.trainer``).
+
+Each case trains the same script twice: in this process without seqpar (the reference), and on
+gloo workers with ``sequence_parallel(trainer, mesh)`` -- sp=2 on 2 processes, dp=2 x sp=2 on 4.
+Every logged loss and the final weights must agree to 1e-6 in float32, with gradient accumulation
+2 and micro-batches of different token counts. Resuming from a Trainer checkpoint must reproduce
+the uninterrupted run's losses; bad input must raise the same ValueError on every rank before any
+step. The workers start once per process count and run every case in one go.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from seqpar.comm.launch import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+TOL = 1e-6
+VOCAB = 128
+STEPS = 3
+MICRO = 2  # per-device micro-batch (rows) of one dp rank
+ACCUM = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the "script": data, model, trainer -- the same with and without seqpar
+# ---------------------------------------------------------------------------------------------
+
+def _rows(n: int, seed: int) -> list[dict[str, list[int]]]:
+    """``n`` tokenized rows of 9..30 tokens; labels are the ids with the first two ignored."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(9, 31, (1,), generator=g))
+        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100, -100, *ids[2:]]})
+    return rows
+
+
+class PadCollator:
+    """Right-pads a list of rows to the longest (plus ``extra`` on a given rank: the bad-input case)."""
+
+    def __init__(self, extra_on_rank: int | None = None) -> None:
+        self.extra_on_rank = extra_on_rank
+
+    def __call__(self, rows):
+        width = max(len(r["input_ids"]) for r in rows)
+        if self.extra_on_rank is not None and int(os.environ.get("RANK", 0)) == self.extra_on_rank:
+            width += 3
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _model(kind: str = "tiny-llama"):
+    from seqpar.integrations.models import build_model
+
+    torch.manual_seed(0)
+    if kind == "roberta":  # a model seqpar refuses (positions numbered from the padding index)
+        from seqpar.testing.zoo import build_tiny
+
+        return build_tiny("roberta", is_decoder=True)
+    model, _ = build_model(kind, dtype=torch.float32, vocab_size=VOCAB)
+    return model
+
+
+def _tokenizer():
+    """A word-level tokenizer over the ids (TRL needs one for pad / eos)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")),
+                                   pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def _args(out: str, batch: int, *, trl: bool = False, packing: bool = False, steps: int = STEPS, save: int = 0):
+    common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+                  gradient_accumulation_steps=ACCUM, max_steps=steps, learning_rate=3e-3, logging_steps=1,
+                  save_strategy="steps" if save else "no", save_steps=save or 500, report_to=[], use_cpu=True,
+                  seed=0, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.01)
+    if trl:
+        from trl import SFTConfig
+
+        # float32 (SFTConfig turns bf16 autocast on by default); its default activation checkpointing stays on
+        return SFTConfig(max_length=64 if packing else None, packing=packing, padding_free=packing, bf16=False,
+                         **common)
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**common)
+
+
+def train(kind: str, out: str, *, mesh=None, dp: int = 1, steps: int = STEPS, save: int = 0, resume: str | None = None,
+          collator=None, model: str = "tiny-llama") -> dict:
+    """The user's script: ``kind`` is "trainer", "sft-padded" or "sft-packed". With ``mesh`` it adds
+    the one seqpar line; without, one process reads the dp ranks' rows as one batch of ``dp`` x MICRO."""
+    from seqpar.integrations.trainer import sequence_parallel
+
+    net = _model(model)
+    batch = MICRO if mesh is not None else MICRO * dp
+    if kind == "trainer":
+        from transformers import Trainer
+
+        trainer = Trainer(model=net, args=_args(out, batch, steps=steps, save=save), train_dataset=_rows(48, 1),
+                          eval_dataset=_rows(6, 2), data_collator=collator or PadCollator())
+    else:
+        from datasets import Dataset
+        from trl import SFTTrainer
+
+        packing = kind == "sft-packed"
+        trainer = SFTTrainer(model=net, args=_args(out, batch, trl=True, packing=packing, steps=steps, save=save),
+                             train_dataset=Dataset.from_list(_rows(160 if packing else 48, 1)),
+                             processing_class=_tokenizer())
+    if mesh is not None:
+        sequence_parallel(trainer, mesh)  # the line a user adds
+    trainer.train(resume_from_checkpoint=resume)
+    result = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+              "weights": {n: p.detach().clone() for n, p in net.named_parameters()}}
+    if kind == "trainer" and not resume:
+        result["eval"] = trainer.evaluate()["eval_loss"]
+        pred = trainer.predict(_rows(3, 3))
+        result["predict"] = (torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids))
+    return result
+
+
+KINDS = ["trainer", "sft-padded", "sft-packed"]
+BAD = ["collator", "model", "sp"]
+
+
+def _bad(case: str, out: str, mesh_sp: int):
+    """Bad input: returns this rank's ValueError text (None if nothing raised) and the step reached."""
+    from transformers import Trainer
+
+    import seqpar
+    from seqpar.integrations.trainer import sequence_parallel
+
+    trainer = Trainer(model=_model("roberta" if case == "model" else "tiny-llama"), args=_args(out, MICRO),
+                      train_dataset=_rows(48, 1),
+                      data_collator=PadCollator(extra_on_rank=1 if case == "collator" else None))
+    try:
+        if case == "sp":
+            sequence_parallel(trainer, sp=3)
+        else:
+            sequence_parallel(trainer, seqpar.init_mesh(sp=mesh_sp, device_type="cpu"))
+            trainer.train()
+    except ValueError as e:
+        return str(e), trainer.state.global_step
+    return None, trainer.state.global_step
+
+
+def _worker(rank: int, world: int, out: str, kinds: list[str], bad: list[str]) -> dict:
+    import seqpar
+
+    mesh = seqpar.init_mesh(sp=2, device_type="cpu")
+    dp = world // 2
+    res: dict = {}
+    for kind in kinds:
+        res[kind] = train(kind, os.path.join(out, kind), mesh=mesh)
+    if "trainer" in kinds:  # resume from the checkpoint of step 2 of a 4-step run
+        path = os.path.join(out, "resume")
+        res["full"] = train("trainer", path, mesh=mesh, steps=4, save=2)
+        res["resumed"] = train("trainer", path, mesh=mesh, steps=4, save=2,
+                               resume=os.path.join(path, "checkpoint-2"))
+    for case in bad:
+        res[f"bad-{case}"] = _bad(case, os.path.join(out, f"bad-{case}"), 2)
+    if rank != 0:  # the weights are the same on every rank: rank 0's are compared, the others' checked equal
+        for v in res.values():
+            if isinstance(v, dict):
+                v["weights"] = {n: float(w.sum()) for n, w in v["weights"].items()}
+    res["dp"] = dp
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# the tests
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["sp2", "dp2xsp2"])
+def runs(request, tmp_path_factory):
+    """(P, every rank's results, the single-process references)."""
+    world = request.param
+    out = str(tmp_path_factory.mktemp(f"trainer{world}"))
+    results = run_distributed(_worker, world, out, KINDS, BAD, timeout=600.0)
+    dp = world // 2
+    refs = {kind: train(kind, os.path.join(out, f"ref-{kind}"), dp=dp) for kind in KINDS}
+    refs["full"] = train("trainer", os.path.join(out, "ref-full"), dp=dp, steps=4)
+    return world, results, refs
+
+
+def _close(a, b, what):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
+    err = float((a - b).abs().max()) if a.numel() else 0.0
+    assert err <= TOL, f"{what}: max difference {err:.3g} > {TOL}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parity(runs, kind):
+    world, results, refs = runs
+    ref = refs[kind]
+    assert len(ref["losses"]) == STEPS
+    for rank, res in enumerate(results):
+        _close(res[kind]["losses"], ref["losses"], f"P={world} rank {rank} {kind} logged losses")
+    for name, w in ref["weights"].items():
+        _close(results[0][kind]["weights"][name], w, f"P={world} {kind} weight {name}")
+        for rank in range(1, world):
+            _close(results[rank][kind]["weights"][name], float(w.sum()), f"P={world} rank {rank} {kind} {name}")
+    assert any(float((w - _model().state_dict()[n]).abs().max()) > 1e-3 for n, w in ref["weights"].items())
+
+
+def test_eval_and_predict(runs):
+    world, results, refs = runs
+    ref = refs["trainer"]
+    for rank, res in enumerate(results):
+        _close(res["trainer"]["eval"], ref["eval"], f"P={world} rank {rank} eval loss")
+        for got, want, what in zip(res["trainer"]["predict"], ref["predict"], ("logits", "labels"), strict=True):
+            _close(got, want, f"P={world} rank {rank} predict {what}")
+
+
+def test_resume(runs):
+    world, results, refs = runs
+    for rank, res in enumerate(results):
+        _close(res["full"]["losses"], refs["full"]["losses"], f"P={world} rank {rank} uninterrupted losses")
+        _close(res["resumed"]["losses"], refs["full"]["losses"], f"P={world} rank {rank} resumed losses")
+    for name, w in refs["full"]["weights"].items():
+        _close(results[0]["resumed"]["weights"][name], w, f"P={world} resumed weight {name}")
+
+
+@pytest.mark.parametrize("case,expect", [("collator", "sequence length"),
+                                         ("model", "cannot parallelize RobertaForCausalLM"),
+                                         ("sp", "sp=3 must divide the world size")])
+def test_bad_input(runs, case, expect):
+    world, results, _ = runs
+    messages = [res[f"bad-{case}"] for res in results]
+    for rank, (msg, step) in enumerate(messages):
+        assert msg is not None, f"P={world} rank {rank}: {case} did not raise"
+        assert expect in msg, f"P={world} rank {rank}: {msg}"
+        assert step == 0, f"P={world} rank {rank}: {case} raised after {step} steps"
+    assert len({m for m, _ in messages}) == 1, f"the ranks raised different errors: {messages}"
