@@ -34,7 +34,7 @@ from ..comm.guard import Guard
 from .blocks import RingStats
 from .kernels import KernelArg
 from .ring import resolve_shard, ring_options, run_ring
-from .shard import SeqShard, gather_global_masks, shard_cache
+from .shard import SeqShard, deferred_check, gather_global_masks, shard_cache
 from .spec import AttnSpec, check_supported
 from .ulysses import heads_to_seq, idle_output, local_heads, seq_to_heads
 from .validate import check_attention_inputs
@@ -101,7 +101,7 @@ def hybrid_attention(
     else:
         ring_shard = SeqShard(ring_lens, sp_shard.positions, keep, seg)
 
-    guard = Guard([ulysses_group, ring_group], "hybrid attention")
+    guard = Guard([ulysses_group, ring_group], "hybrid attention", batch=deferred_check(shard, q, k, v, sinks))
     q, k, v, sinks = guard.inputs(q, k, v, sinks)
     qh, kh, vh, q_ranges = heads_to_seq(q, k, v, group=ulysses_group, seq_lens=my_lens)  # [B, S/R, H/U, D]
     if q_ranges[u][1] == 0:  # more ulysses ranks than query heads: this ring group has nothing to do

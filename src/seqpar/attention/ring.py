@@ -42,7 +42,7 @@ from .blocks import BlockPlan, RingStats, fold_sinks, merge_partials, plan_block
 from .kernels import KernelArg, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
 from .ring_comm import COMMS, RingComm
-from .shard import SeqShard, shard_cache, with_global_masks
+from .shard import SeqShard, deferred_check, shard_cache, with_global_masks
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported
 from .validate import shard_lengths
 
@@ -238,9 +238,10 @@ def ring_attention(
     seq_lens = shard_lengths(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
                              segment_ids=segment_ids, shard=shard, validate=validate)
     check_supported(kern, spec)  # after the cross-rank check: the spec is the same everywhere now
+    batch = deferred_check(shard, q, k, v, sinks)
     shard = resolve_shard(shard, tuple(seq_lens), layout, p)
     shard = with_global_masks(shard, key_padding_mask, segment_ids, group)
-    guard = Guard([group], "ring attention")
+    guard = Guard([group], "ring attention", batch=batch)
     q, k, v, sinks = guard.inputs(q, k, v, sinks)
     out = run_ring(q, k, v, group=group, spec=replace(spec, sinks=sinks), kernel=kern, shard=shard, comm=comm,
                    stats=stats, guard=guard)

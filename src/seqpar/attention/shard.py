@@ -70,6 +70,22 @@ def shard_cache(shard: SeqShard) -> dict[Any, Any]:
     return cache
 
 
+def batch_token(shard: SeqShard) -> object:
+    """An object standing for the batch ``shard`` describes, alive as long as it; shards derived
+    from it (:func:`chunked_documents`) share it."""
+    return shard_cache(shard).setdefault("batch token", object())
+
+
+def deferred_check(shard: SeqShard | None, *xs: Tensor | None) -> object | None:
+    """The batch to check a call's failures once per (:class:`seqpar.comm.guard.Guard`'s ``batch``):
+    the caller passed the batch's ``shard`` and autograd will differentiate the call, so the batch's
+    loss or its backward's end is a check point every rank reaches. None otherwise: the call
+    checks itself (a call that builds its own shard, a forward without autograd)."""
+    if shard is None or not torch.is_grad_enabled() or not any(x is not None and x.requires_grad for x in xs):
+        return None
+    return batch_token(shard)
+
+
 def gather_seq_shard(group: dist.ProcessGroup, *, local_len: int, batch_size: int,
                      key_padding_mask: Tensor | None = None, segment_ids: Tensor | None = None,
                      positions: Tensor | None = None, device: torch.device | None = None) -> SeqShard:
@@ -147,5 +163,6 @@ def chunked_documents(shard: SeqShard, chunk: int) -> SeqShard:
         finer = orig * (s // chunk + 2) + piece
         finer = finer if perm is None else finer.index_select(1, perm)
         cache[key] = SeqShard(shard.seq_lens, shard.positions, shard.key_keep, finer)
+        shard_cache(cache[key])["batch token"] = batch_token(shard)
     return cache[key]
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from ..comm.collectives import Flag, all_to_all_multi, even_ranges, split_offsets
 from ..comm.guard import Guard
 from .kernels import KernelArg, attend, get_kernel
-from .shard import SeqShard, with_global_masks
+from .shard import SeqShard, deferred_check, with_global_masks
 from .spec import AttnSpec, Kernel, MaskInfo, check_supported
 from .validate import shard_lengths
 
@@ -123,10 +123,11 @@ def ulysses_attention(
     seq_lens = shard_lengths(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
                              segment_ids=segment_ids, shard=shard, validate=validate)
     check_supported(kern, spec)  # after the cross-rank check: the spec is now known to be the same everywhere
+    batch = deferred_check(shard, q, k, v, sinks)
     if shard is None:
         shard = SeqShard(seq_lens)
         shard = with_global_masks(shard, key_padding_mask, segment_ids, group)
-    return _ulysses(q, k, v, group=group, spec=spec, kernel=kern, shard=shard)
+    return _ulysses(q, k, v, group=group, spec=spec, kernel=kern, shard=shard, batch=batch)
 
 
 def heads_to_seq(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, seq_lens: list[int],
@@ -178,13 +179,13 @@ def idle_output(qh: Tensor, kh: Tensor, vh: Tensor, sinks: Tensor | None = None)
 
 
 def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: Kernel,
-             shard: SeqShard) -> Tensor:
+             shard: SeqShard, batch: object | None) -> Tensor:
     me = dist.get_rank(group)
     seq_lens = list(shard.seq_lens)
-    guard = Guard([group], "ulysses attention")
+    guard = Guard([group], "ulysses attention", batch=batch)
     q, k, v, sinks = guard.inputs(q, k, v, spec.sinks)
-    # The guard's flags ride the call's last all-to-all in each direction: no fence collective
-    # unless a rank failed.
+    # Checked per call, the guard's flags ride the call's last all-to-all in each direction: no
+    # fence collective unless a rank failed. Checked once per batch: no flag (None), nothing read.
     qh, kh, vh, q_ranges = heads_to_seq(q, k, v, group=group, seq_lens=seq_lens,
                                         flag=guard.flag("backward"))  # [B, S, H/P, D]
 
