@@ -19,7 +19,7 @@ from tiny_data import byte_tokenizer, load_rows
 from trl import SFTConfig, SFTTrainer
 
 from seqpar.integrations.models import build_model
-from seqpar.integrations.trainer import sequence_parallel
+from seqpar.integrations.trainer import parallelize_trainer
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
                      bf16=False, report_to=[], seed=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=byte_tokenizer())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        sequence_parallel(trainer, sp=opts.sp, strategy=opts.strategy)  # <- the seqpar line
+        parallelize_trainer(trainer, sp=opts.sp, strategy=opts.strategy)  # <- the seqpar line
     trainer.train()
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

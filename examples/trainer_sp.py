@@ -18,7 +18,7 @@ from tiny_data import PadCollator, load_rows
 from transformers import Trainer, TrainingArguments
 
 from seqpar.integrations.models import build_model
-from seqpar.integrations.trainer import sequence_parallel
+from seqpar.integrations.trainer import parallelize_trainer
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=args, train_dataset=rows[:-8], eval_dataset=rows[-8:],
                       data_collator=PadCollator())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        sequence_parallel(trainer, sp=opts.sp, strategy=opts.strategy)  # <- the seqpar line
+        parallelize_trainer(trainer, sp=opts.sp, strategy=opts.strategy)  # <- the seqpar line
     trainer.train()
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():

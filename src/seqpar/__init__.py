@@ -23,6 +23,7 @@ from .comm.mesh import init_mesh
 from .integrations.fsdp import apply_ddp, apply_fsdp
 from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize
 from .integrations.memory import memory_switches, reduce_memory, restore_memory, token_stats
+from .integrations.trainer import parallelize_trainer
 from .planner import Plan, plan
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "init_mesh",
     "memory_switches",
     "parallelize",
+    "parallelize_trainer",
     "parallelized",
     "plan",
     "reduce_memory",

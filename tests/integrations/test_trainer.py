@@ -1,7 +1,7 @@
 """seqpar inside transformers' Trainer and TRL's SFTTrainer (``seqpar.integrations.trainer``).
 
 Each case trains the same script twice: in this process without seqpar (the reference), and on
-gloo workers with ``sequence_parallel(trainer, mesh)`` -- sp=2 on 2 processes, dp=2 x sp=2 on 4.
+gloo workers with ``parallelize_trainer(trainer, mesh)`` -- sp=2 on 2 processes, dp=2 x sp=2 on 4.
 Every logged loss and the final weights must agree to 1e-6 in float32, with gradient accumulation
 2 and micro-batches of different token counts. Resuming from a Trainer checkpoint must reproduce
 the uninterrupted run's losses; bad input must raise the same ValueError on every rank before any
@@ -84,7 +84,7 @@ def _tokenizer():
 
 
 def _args(out: str, batch: int, *, trl: bool = False, packing: bool = False, steps: int = STEPS, save: int = 0):
-    common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+    common = dict(output_dir=out, per_device_train_batch_size=batch, per_device_eval_batch_size=MICRO,
                   gradient_accumulation_steps=ACCUM, max_steps=steps, learning_rate=3e-3, logging_steps=1,
                   save_strategy="steps" if save else "no", save_steps=save or 500, report_to=[], use_cpu=True,
                   seed=0, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.01)
@@ -103,7 +103,7 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, steps: int = STEPS, sa
           collator=None, model: str = "tiny-llama") -> dict:
     """The user's script: ``kind`` is "trainer", "sft-padded" or "sft-packed". With ``mesh`` it adds
     the one seqpar line; without, one process reads the dp ranks' rows as one batch of ``dp`` x MICRO."""
-    from seqpar.integrations.trainer import sequence_parallel
+    from seqpar.integrations.trainer import parallelize_trainer
 
     net = _model(model)
     batch = MICRO if mesh is not None else MICRO * dp
@@ -121,7 +121,7 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, steps: int = STEPS, sa
                              train_dataset=Dataset.from_list(_rows(160 if packing else 48, 1)),
                              processing_class=_tokenizer())
     if mesh is not None:
-        sequence_parallel(trainer, mesh)  # the line a user adds
+        parallelize_trainer(trainer, mesh)  # the line a user adds
     trainer.train(resume_from_checkpoint=resume)
     result = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
               "weights": {n: p.detach().clone() for n, p in net.named_parameters()}}
@@ -141,16 +141,16 @@ def _bad(case: str, out: str, mesh_sp: int):
     from transformers import Trainer
 
     import seqpar
-    from seqpar.integrations.trainer import sequence_parallel
+    from seqpar.integrations.trainer import parallelize_trainer
 
     trainer = Trainer(model=_model("roberta" if case == "model" else "tiny-llama"), args=_args(out, MICRO),
                       train_dataset=_rows(48, 1),
                       data_collator=PadCollator(extra_on_rank=1 if case == "collator" else None))
     try:
         if case == "sp":
-            sequence_parallel(trainer, sp=3)
+            parallelize_trainer(trainer, sp=3)
         else:
-            sequence_parallel(trainer, seqpar.init_mesh(sp=mesh_sp, device_type="cpu"))
+            parallelize_trainer(trainer, seqpar.init_mesh(sp=mesh_sp, device_type="cpu"))
             trainer.train()
     except ValueError as e:
         return str(e), trainer.state.global_step

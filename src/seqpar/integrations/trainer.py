@@ -3,10 +3,10 @@
 ::
 
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds)   # or Trainer(...), unchanged
-    seqpar.integrations.trainer.sequence_parallel(trainer, sp=2)     # the one added line
+    seqpar.parallelize_trainer(trainer, sp=2)                        # the one added line
     trainer.train()                                                  # torchrun --nproc-per-node 4 ...
 
-:func:`sequence_parallel` parallelizes ``trainer.model`` over a ``dp x sp`` mesh and turns the
+:func:`parallelize_trainer` parallelizes ``trainer.model`` over a ``dp x sp`` mesh and turns the
 trainer into a subclass of its own class that changes what a step does, and nothing else::
 
     data        train loader split over dp only (accelerate's batch sampler: num_processes = dp),
@@ -76,7 +76,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class _SeqParTrainer:
-    """What :func:`sequence_parallel` adds to a Trainer class (placed first in its MRO)."""
+    """What :func:`parallelize_trainer` adds to a Trainer class (placed first in its MRO)."""
 
     loss_is_scaled_for_ga = True  # the loss is normalised by N over the whole accumulation window
 
@@ -166,7 +166,7 @@ class _State:
 _classes: dict[type, type] = {}
 
 
-def sequence_parallel(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
+def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
                       strategy: str = "ulysses", layout: str = "contiguous") -> Any:
     """Make a constructed ``transformers.Trainer`` (or subclass: ``trl.SFTTrainer``) train, evaluate
     and predict with sequence parallelism over ``mesh`` (or ``seqpar.init_mesh(sp=sp)``), in place.
@@ -180,10 +180,10 @@ def sequence_parallel(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int |
     span every process of the trainer, or if accelerate's own context / sequence parallelism is on.
     """
     if getattr(trainer, _ATTR, None) is not None:
-        raise ValueError("this trainer is already sequence-parallel (seqpar.integrations.trainer.sequence_parallel)")
+        raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer)")
     if (mesh is None) == (sp is None):
-        raise ValueError("give sequence_parallel either mesh=seqpar.init_mesh(sp=...) or sp=N")
-    mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, "sequence_parallel")
+        raise ValueError("give parallelize_trainer either mesh=seqpar.init_mesh(sp=...) or sp=N")
+    mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, "parallelize_trainer")
     state = _State(mesh, layout)
     processes = int(trainer.accelerator.num_processes)
     if state.world != processes:
