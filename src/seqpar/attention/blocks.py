@@ -73,10 +73,20 @@ def merge_partials(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tu
     ``out [B, H, Sq, D]`` and ``lse [B, H, Sq]`` in the accumulation dtype (float32, float64 for
     float64 inputs); ``out_b`` may be lower precision. Rows with ``lse = -inf`` (no key seen) weigh 0.
     """
-    new = torch.logaddexp(lse, lse_b)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    merged, merged_lse = out.to(torch.promote_types(out.dtype, lse.dtype), copy=True), lse.clone()
+    merge_into(merged, merged_lse, out_b, lse_b)
+    return merged, merged_lse
+
+
+def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """:func:`merge_partials` in place: ``out``, ``lse`` (views allowed: the rows one block
+    covers) become the merged result, with no temporary the size of ``out`` (but ``out_b``'s cast
+    to the accumulation dtype when it is lower precision)."""
+    new = torch.logaddexp(lse, lse_b)  # [B, H, Sq]
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows with no key: weights 0
     w, w_b = torch.exp(lse - safe), torch.exp(lse_b - safe)  # [B, H, Sq]
-    return out * w[..., None] + out_b.to(out.dtype) * w_b[..., None], new
+    out.mul_(w[..., None]).addcmul_(out_b.to(out.dtype), w_b[..., None])
+    lse.copy_(new)
 
 
 def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

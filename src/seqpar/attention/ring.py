@@ -2,7 +2,7 @@
 
 One loop serves every variant. At step ``t`` rank ``r`` holds the K/V block of rank ``(r - t) % P``,
 attends its queries to it with a kernel that returns ``(out, lse)``, and merges the partial result
-into a running ``(out, lse)`` with :func:`merge_partials`::
+into a running ``(out, lse)`` in place (:func:`~seqpar.attention.blocks.merge_into`)::
 
     step:      0        1        2        3          (P = 4, rank 2)
     K/V from:  r2  ->   r1  ->   r0  ->   r3          block of rank (2 - t) % 4
@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.guard import Guard, guarded
-from .blocks import BlockPlan, RingStats, fold_sinks, merge_partials, plan_block, sinks_grad
+from .blocks import BlockPlan, RingStats, fold_sinks, merge_into, plan_block, sinks_grad
 from .kernels import KernelArg, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
-from .ring_comm import COMMS, RingComm
+from .ring_comm import COMMS, Grads, RingComm
 from .shard import SeqShard, deferred_check, shard_cache, with_global_masks
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported
 from .validate import shard_lengths
@@ -120,7 +120,8 @@ class _RingAttention(torch.autograd.Function):
         acc = acc_dtype(q.dtype)
         out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)  # [B, H, Sq, Dv]
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # [B, H, Sq]
-        for owner, kb, vb in ring.comm.blocks(_pad(k, ring.longest), _pad(v, ring.longest)):
+        kp, vp = _pad(k, ring.longest), _pad(v, ring.longest)  # [B, H_kv, L, D]: what travels, kept for backward
+        for owner, kb, vb in ring.comm.blocks(kp, vp):
             plan = ring.plans[owner]
             if plan is None:
                 if stats is not None:
@@ -130,7 +131,7 @@ class _RingAttention(torch.autograd.Function):
             if res is None:  # this rank failed: keep the blocks moving for the others, compute nothing
                 continue
             rows = slice(plan.rows[0], plan.rows[0] + plan.rows[1])
-            out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], *res)
+            merge_into(out[:, :, rows], lse[:, :, rows], *res)
             if stats is not None:
                 stats.blocks += 1
                 stats.visible_pairs += plan.visible
@@ -138,34 +139,35 @@ class _RingAttention(torch.autograd.Function):
         if sinks is not None:
             out, lse = fold_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.ring, ctx.me = ring, me
+        ctx.save_for_backward(q, kp, vp, out, lse, sinks)
+        ctx.ring, ctx.me, ctx.n, ctx.kv_dtypes = ring, me, k.shape[2], (k.dtype, v.dtype)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, kp, vp, out, lse, sinks = ctx.saved_tensors
         ring, me = ctx.ring, ctx.me
-        acc = lse.dtype
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        # dK/dV accumulate in float32 (float64) while they travel: P partial sums per block
-        sink = ring.comm.grad_sink()
-        for owner, kb, vb in ring.comm.blocks(_pad(k, ring.longest), _pad(v, ring.longest)):
-            dk_b = kb.new_zeros(kb.shape, dtype=acc)  # [B, H_kv, L, D]
-            dv_b = vb.new_zeros(vb.shape, dtype=acc)  # [B, H_kv, L, Dv]
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        # dK/dV accumulate in float32 (float64) while they travel: P partial sums per block, added
+        # in place into the accumulator that arrives with each block (no per-step allocation)
+        sink = ring.comm.grad_sink(kp, vp, lse.dtype)
+        grads: Grads = None
+        for t, (owner, kb, vb) in enumerate(ring.comm.blocks(kp, vp)):
+            if t > 0:  # the previous block's dK/dV leave after the K/V hop this step posted, never before it
+                sink.push(grads)
             plan = ring.plans[owner]
             g = None if plan is None else guarded(ring.guard, ring.backward_block, dout, q, kb, vb, out, lse,
                                                   owner, plan, me)
+            grads = None  # skipped or failed: the accumulator passes on unchanged
             if g is not None:
-                (r0, nr), (c0, nc) = plan.rows, plan.cols
+                (r0, nr), cols = plan.rows, plan.cols
                 dq[:, :, r0:r0 + nr] += g[0]
-                dk_b[:, :, c0:c0 + nc] = g[1]
-                dv_b[:, :, c0:c0 + nc] = g[2]
-            sink.push(dk_b, dv_b)
+                grads = (cols, g[1], g[2])  # dK, dV of the plan's columns of the block
+        sink.push(grads)
         dk, dv = sink.result()
-        n = k.shape[2]
+        n, (k_dtype, v_dtype) = ctx.n, ctx.kv_dtypes
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq.to(q.dtype), dk[:, :, :n].to(k.dtype), dv[:, :, :n].to(v.dtype), dsinks, None, None, None
+        return dq.to(q.dtype), dk[:, :, :n].to(k_dtype), dv[:, :, :n].to(v_dtype), dsinks, None, None, None
 
 
 def run_ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: LseKernel,

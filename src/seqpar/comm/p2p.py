@@ -26,9 +26,11 @@ class RingShift:
         self._reqs: list = []
         self._bufs: list[Tensor] = []
 
-    def start(self, tensors: Sequence[Tensor]) -> None:
+    def start(self, tensors: Sequence[Tensor], into: Sequence[Tensor] | None = None) -> None:
+        """Post the transfers; the previous rank's tensors land in ``into`` (buffers shaped like
+        ``tensors``, reused across steps by the caller: none is allocated here) or in new ones."""
         assert not self._reqs, "wait() for the previous transfer first"
-        self._bufs = [torch.empty_like(t) for t in tensors]
+        self._bufs = list(into) if into is not None else [torch.empty_like(t) for t in tensors]
         ops = []
         for t, buf in zip(tensors, self._bufs, strict=True):
             ops.append(dist.P2POp(dist.isend, t.contiguous(), self.dst, group=self.group))
