@@ -81,16 +81,34 @@ def _tiles(n: int, tile: int) -> list[tuple[int, int]]:
 
 
 def _tile_terms(head: Head, h: Tensor, target: Tensor, weight: Tensor | None, ignore_index: int
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """One tile: ``(per-token CE [T], logits z [T, V] in compute dtype, valid [T], tanh or None)``."""
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """One tile: ``(per-token CE [T], logits z [T, V] in compute dtype, their logsumexp [T], valid [T],
+    tanh or None)``."""
     z, t = head.logits(h)
     zc = z.to(torch.promote_types(z.dtype, torch.float32))  # token_losses' compute dtype
     valid = target != ignore_index
     picked = zc.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
-    ce = (torch.logsumexp(zc, dim=1) - picked) * valid
+    lse = torch.logsumexp(zc, dim=1)
+    ce = (lse - picked) * valid
     if weight is not None:
         ce = ce * weight.to(ce.dtype)
-    return ce, zc, valid, t
+    return ce, zc, lse, valid, t
+
+
+def _dlogits(zc: Tensor, lse: Tensor, target: Tensor, row_scale: Tensor) -> Tensor:
+    """``row_scale * (softmax(z) - onehot(target))`` ``[T, V]``, in place in ``zc`` (its last use):
+    one ``[T, V]`` buffer per tile instead of three."""
+    dz = zc.sub_(lse[:, None]).exp_()
+    dz.scatter_add_(1, target.clamp(min=0)[:, None], dz.new_full((dz.shape[0], 1), -1.0))
+    return dz.mul_(row_scale[:, None])
+
+
+def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` (``[V, T] @ [T, H]``), in place when the dtypes allow (no ``[V, H]`` temporary)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:  # a bfloat16 model's tile product, summed in float32
+        acc += (a @ b).to(acc.dtype)
 
 
 class _TiledLoss(torch.autograd.Function):
@@ -113,18 +131,17 @@ class _TiledLoss(torch.autograd.Function):
         for a, b in _tiles(hidden.shape[0], tile):
             h = hidden[a:b]  # [T, H]
             w = None if token_weights is None else token_weights[a:b]
-            ce, zc, valid, t = _tile_terms(head, h, targets[a:b], w, ignore_index)
+            ce, zc, lse, valid, t = _tile_terms(head, h, targets[a:b], w, ignore_index)
             total += ce.sum()
             if not (need_h or need_w or need_b):
                 continue
-            dz = torch.softmax(zc, dim=1)  # [T, V]: d CE / d z = softmax - onehot
-            dz.scatter_add_(1, targets[a:b].clamp(min=0)[:, None], dz.new_full((b - a, 1), -1.0))
             scale = valid.to(cdtype) if w is None else valid * w.to(cdtype)
-            dz = head.chain(dz * scale[:, None], t).to(hidden.dtype)  # the model's dtype, as autograd would
+            dz = _dlogits(zc, lse, targets[a:b], scale)  # [T, V]: d CE / d z = softmax - onehot
+            dz = head.chain(dz, t).to(hidden.dtype)  # the model's dtype, as autograd would
             if need_h:
                 grad_h[a:b] = dz @ weight
             if need_w:
-                grad_w += (dz.t() @ h).to(cdtype)
+                _accumulate(grad_w, dz.t(), h)
             if need_b:
                 grad_b += dz.sum(0).to(cdtype)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
@@ -163,7 +180,7 @@ def tiled_token_stats(hidden: Tensor, head: Head, targets: Tensor, *, tile: int 
     flat, tflat = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).to(hidden.device)
     ces, hits = [], []
     for a, b in _tiles(flat.shape[0], tile):
-        ce, zc, valid, _ = _tile_terms(head, flat[a:b], tflat[a:b], None, ignore_index)
+        ce, zc, _, valid, _ = _tile_terms(head, flat[a:b], tflat[a:b], None, ignore_index)
         ces.append(ce)
         hits.append((zc.argmax(1) == tflat[a:b]) & valid)
     if not ces:
@@ -196,12 +213,11 @@ class _TiledLogProbs(torch.autograd.Function):
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=cdtype, device=bias.device)
         for a, b in _tiles(hidden.shape[0], ctx.tile):
             h = hidden[a:b]
-            _, zc, valid, t = _tile_terms(head, h, targets[a:b], None, ctx.ignore_index)
-            dz = torch.softmax(zc, dim=1)  # d(-logp)/dz = softmax - onehot
-            dz.scatter_add_(1, targets[a:b].clamp(min=0)[:, None], dz.new_full((b - a, 1), -1.0))
-            dz = head.chain(dz * (-grad[a:b].to(cdtype) * valid)[:, None], t).to(hidden.dtype)
+            _, zc, lse, valid, t = _tile_terms(head, h, targets[a:b], None, ctx.ignore_index)
+            # d logp / dz = onehot - softmax, times the incoming per-token gradient
+            dz = head.chain(_dlogits(zc, lse, targets[a:b], -grad[a:b].to(cdtype) * valid), t).to(hidden.dtype)
             grad_h[a:b] = dz @ weight
-            grad_w += (dz.t() @ h).to(cdtype)
+            _accumulate(grad_w, dz.t(), h)
             if grad_b is not None:
                 grad_b += dz.sum(0).to(cdtype)
         return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
