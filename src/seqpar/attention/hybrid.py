@@ -18,8 +18,9 @@ P-1 times: keep ulysses inside a node and the ring across nodes.
 
 Attention sinks follow the heads (sliced to this ulysses rank's query heads, then folded in by
 the ring). The local compute runs under one :class:`~seqpar.comm.guard.Guard` for the whole
-call, fenced over the ulysses group and then the ring (two tiny all-gathers per direction), so a
-rank whose kernel raises stops every rank of the grid.
+call, fenced over the ulysses group and then the ring, so a rank whose kernel raises stops every
+rank of the grid: per call (two tiny all-gathers per direction), or once per batch for a batch's
+SeqShard under autograd (see :mod:`seqpar.comm.guard`).
 """
 
 from __future__ import annotations

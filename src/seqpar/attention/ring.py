@@ -26,7 +26,8 @@ Attention sinks are one more partial result, folded into the merged ``(out, lse)
 (:func:`seqpar.attention.blocks.fold_sinks`); the backward then uses the folded ones, and each
 rank's d sinks covers its own queries. The local compute runs under a
 :class:`~seqpar.comm.guard.Guard`: a rank whose kernel raises keeps passing blocks on without
-computing, and every rank raises at the fence after the loop (forward) or at the inputs (backward).
+computing, and every rank raises at the fence after the loop (forward) or at the inputs (backward)
+-- or, for a batch's SeqShard under autograd, at the batch's check (:mod:`seqpar.comm.guard`).
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ def ring_attention(
 
     Returns a contiguous ``[B, S_local, H, Dv]``. Raises ValueError (on every rank) for
     inconsistent inputs; an exception in one rank's kernel is raised on every rank (see
-    :mod:`seqpar.comm.guard`; one tiny all-gather per call and direction).
+    :mod:`seqpar.comm.guard`: one tiny all-gather per call and direction, or once per batch when
+    ``shard`` is the batch's and autograd is on).
     """
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, chunk=chunk, sinks=sinks)
     kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,

@@ -18,7 +18,8 @@ are sliced to the same query heads (a differentiable slice: each rank's gradient
 
 The local kernel runs under a :class:`~seqpar.comm.guard.Guard`: a rank whose kernel raises sends
 zeros through the output all-to-all (and zero gradients through the backward one), and every rank
-raises at the fence that ends the call in each direction.
+raises at the fence that ends the call in each direction -- or, for a batch's SeqShard under
+autograd, at the batch's check (:mod:`seqpar.comm.guard`).
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def ulysses_attention(
             (without it all ranks are assumed to hold ``S_local`` tokens).
 
     Returns a contiguous ``[B, S_local, H, Dv]``. Raises ValueError on every rank for inconsistent
-    inputs; an exception in one rank's kernel is raised on every rank (see :mod:`seqpar.comm.guard`;
-    one tiny all-gather per call and direction).
+    inputs; an exception in one rank's kernel is raised on every rank (see :mod:`seqpar.comm.guard`:
+    checked per call, or once per batch when ``shard`` is the batch's and autograd is on).
     """
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, chunk=chunk,
                     sinks=sinks)
