@@ -241,6 +241,22 @@ class _RssWatchdog:
         self._thread.join()
 
 
+def _exact_malloc() -> None:
+    """Make glibc hand every freed block of 1 MiB or more back to the system at once (a fixed
+    ``M_MMAP_THRESHOLD``; by default glibc raises it to 32 MiB as blocks are freed, then keeps
+    freed tiles in its heap), so that the resident peak is the peak of what the step holds."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except OSError:  # not glibc: its allocator's own behaviour is what gets measured
+        pass
+
+
 def _warm_runtime(case: BenchCase, mesh: Any, device: torch.device) -> None:
     """Load every code path a step runs (transformers' modules, kernels, AdamW) on a tiny model of
     the same family, so the baseline taken after it holds the runtime and not the model."""
@@ -261,6 +277,7 @@ def step_peak(case: BenchCase, mesh: Any, cap_bytes: int | None = None) -> dict[
     from seqpar.testing.memory import MIB
 
     device = torch.device("cpu")
+    _exact_malloc()
     _warm_runtime(case, mesh, device)
     base = _rss_mib()
     reset_ok = _reset_peak_rss()
@@ -278,10 +295,10 @@ def step_peak(case: BenchCase, mesh: Any, cap_bytes: int | None = None) -> dict[
     return {"peak_mib": _peak_rss_mib(reset_ok) - base, "base_mib": base, "step_s": step_s}
 
 
-def estimate(case: BenchCase, loss_tile: int = 1024, mlp_tile: int = 1024) -> Any:
+def estimate(case: BenchCase) -> Any:
     """The planner's :class:`seqpar.planner.memory.StepMemory` for ``case``'s model, strategy and
-    switches on its most loaded rank (``loss_tile`` / ``mlp_tile``: the library's defaults, used
-    where the case gives none)."""
+    switches on its most loaded rank (tiles the case leaves open are :func:`seqpar.reduce_memory`'s)."""
+    from seqpar.integrations.memory import DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
     from seqpar.integrations.models import builtin_config
     from seqpar.planner.cost import largest_shard
     from seqpar.planner.memory import step_memory
@@ -298,8 +315,8 @@ def estimate(case: BenchCase, loss_tile: int = 1024, mlp_tile: int = 1024) -> An
                        intermediate_size=cfg.intermediate_size, layers=cfg.num_hidden_layers,
                        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                        vocab_size=cfg.vocab_size, dtype_bytes=DTYPES[case.dtype].itemsize,
-                       tied=bool(cfg.tie_word_embeddings), switches=case.switches, loss_tile=loss_tile,
-                       mlp_tile=mlp_tile)
+                       tied=bool(cfg.tie_word_embeddings), switches=case.switches, loss_tile=DEFAULT_LOSS_TILE,
+                       mlp_tile=DEFAULT_MLP_TILE)
 
 
 def peak_worker(rank: int, world: int, case: BenchCase, cap_bytes: int | None) -> dict[str, float]:

@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any
 
+from .plan import parse_size
+
 PACKING_SEQ_LENS = [4096, 8192, 16384, 32768]
 
 
@@ -43,8 +45,10 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="peak memory and step time per rank, P ranks vs 1 (CSV + PNG)",
                        description=__doc__, formatter_class=_Help)
-    p.add_argument("--model", default="tiny-llama", help="built-in model config name (sized as in seqpar train)")
-    p.add_argument("--model-config", default="", metavar="JSON", help="JSON config fields over the training size")
+    p.add_argument("--model", default=None, help="built-in model config name; default tiny-llama sized as in "
+                   "seqpar train, with --max-seq small-llama3 at its own size")
+    p.add_argument("--model-config", default="", metavar="JSON", help="JSON config fields over the training size "
+                   "(with --max-seq: over the built-in's own config); may set vocab_size")
     p.add_argument("--seq-lens", type=_ints, default=None, metavar="N,N,...",
                    help="sequence lengths (tokens per row); default 4096,8192,16384, with --packing "
                         + ",".join(map(str, PACKING_SEQ_LENS)))
@@ -55,6 +59,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--packing", type=int, nargs="?", const=512, default=0, metavar="DOC_LEN",
                    help="compare plain causal rows with rows packed with DOC_LEN-token documents (512 if no value "
                         "is given) instead of P ranks with 1; 0: off")
+    p.add_argument("--max-seq", action="store_true",
+                   help="instead: the longest sequence whose full step fits --mem-cap per rank, for each --nproc "
+                        "(default 1,2,4) and --switches, found by running (bench_max_seq.csv / .png)")
+    p.add_argument("--mem-cap", type=parse_size, default=2 * 2**30, metavar="SIZE",
+                   help="with --max-seq: memory per rank above its runtime baseline, e.g. 2GiB or 800MiB")
+    p.add_argument("--switches", default="off,on", metavar="SET,SET",
+                   help="with --max-seq: memory switch sets to compare: off, on (tiled loss + tiled MLP + "
+                        "checkpointed layers), or parts joined by + from loss, mlp, layers, offload")
+    p.add_argument("--precision", type=float, default=0.125,
+                   help="with --max-seq: stop bisecting when the gap is below this fraction of the length")
+    p.add_argument("--limit", type=int, default=1 << 22, help="with --max-seq: the longest length tried")
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per configuration (after one untimed); default 3, with --packing 1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"], help="model dtype")
@@ -87,6 +102,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.packing < 0:
         raise ValueError(f"--packing takes a document length in tokens, got {args.packing}")
+    if args.max_seq:
+        if args.packing:
+            raise ValueError("--max-seq and --packing are separate measurements: give one of them")
+        from .max_seq import run_max_seq
+
+        return run_max_seq(args, strategies, args.nproc or [1, 2, 4])
+    args.model = args.model or "tiny-llama"
     cases, skipped = _cases(args, strategies, args.nproc or ([2] if args.packing else [2, 4]))
     if not cases:
         raise ValueError("nothing to measure: " + "; ".join(skipped))
@@ -144,7 +166,7 @@ CSV_FIELDS = ["model", "strategy", "nproc", "seq_len", "tokens_per_rank", "mem_m
 PACKING_CSV_FIELDS = ["model", "strategy", "nproc", "seq_len", "doc_len", "tokens_per_rank", "mem_mib", "mem_ratio",
                       "growth", "step_s", "time_ratio", "rss_mib", "mem_mib_per_rank", "measure", "dtype", "steps"]
 _FORMATS = {"mem_mib": ".1f", "rss_mib": ".1f", "mem_ratio": ".3f", "time_ratio": ".3f", "growth": ".3f",
-            "step_s": ".4f"}
+            "step_s": ".4f", "peak_mib": ".1f", "cap_mib": ".1f", "vs_off": ".3f", "vs_p1": ".3f"}
 
 
 def write_csv(rows: list[dict[str, Any]], path: str, fields: list[str]) -> None:
@@ -154,9 +176,12 @@ def write_csv(rows: list[dict[str, Any]], path: str, fields: list[str]) -> None:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({**r, **{k: format(r[k], f) for k, f in _FORMATS.items() if k in r},
-                        "tokens_per_rank": -(-r["seq_len"] // r["nproc"]),
-                        "mem_mib_per_rank": ";".join(str(m) for m in r["mem_mib_per_rank"])})
+            extra: dict[str, Any] = {}
+            if "seq_len" in r:
+                extra["tokens_per_rank"] = -(-r["seq_len"] // r["nproc"])
+            if "mem_mib_per_rank" in r:
+                extra["mem_mib_per_rank"] = ";".join(str(m) for m in r["mem_mib_per_rank"])
+            w.writerow({**r, **{k: format(r[k], f) for k, f in _FORMATS.items() if k in r}, **extra})
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:

@@ -39,11 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, help=f"decoder layers (default {DEFAULTS['layers']})")
     p.add_argument("--world-size", type=int, help=f"total ranks (default {DEFAULTS['world_size']})")
     p.add_argument("--devices-per-node", type=int, help=f"ranks per node (default {DEFAULTS['devices_per_node']})")
-    p.add_argument("--seq-len", type=_size, help=f"tokens per sequence, e.g. 1M or 131072 "
+    p.add_argument("--seq-len", type=parse_size, help=f"tokens per sequence, e.g. 1M or 131072 "
                                                  f"(default {DEFAULTS['seq_len']})")
     p.add_argument("--batch", type=int, default=1, help="sequences per sp group per step (default 1)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="activation dtype (default bf16)")
-    p.add_argument("--memory-budget", type=_size, default=None,
+    p.add_argument("--memory-budget", type=parse_size, default=None,
                    help="activation memory per rank, e.g. 40GiB (what is left after weights and optimizer);"
                         " without it all ranks split the sequence")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing per layer")
@@ -53,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _size(text: str) -> int:
+def parse_size(text: str) -> int:
     """``"80GiB"`` -> bytes, ``"1M"`` -> 1048576; binary for bare K/M/G/T, decimal for KB/MB/GB/TB."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:

@@ -22,7 +22,7 @@ probe (:class:`seqpar.testing.memory.LiveMemory`) for hidden, MLP width, KV head
 vocabulary varied one at a time (within 2%). Switches (each replaces a term by its tile)::
 
     tiled_mlp   m -> 5*min(T, mlp_tile)*I*b       (the tile is recomputed in backward)
-    tiled_loss  l -> 3*min(T, loss_tile)*V*4      (the lm_head weight gradient is counted with gradients)
+    tiled_loss  l -> 5*min(T, loss_tile)*V*4      (the lm_head weight gradient is counted with gradients)
     checkpoint  L*(a + m) -> L*T*h*b + a + m      (layer inputs kept; one layer rebuilt at a time)
     offload     L*T*h*b leaves the device         (counted in ``offloaded``: host memory)
 
@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 CHECKPOINT_MODES = ("none", "layers", "offload")
 LOGIT_COPIES = 3  # fp32 [T, V] alive at once: logits, log-softmax, a gradient (measured: 3.0)
+TILE_COPIES = 5  # fp32 [tile, V] at once in the tiled loss: the tile's logits, exp, softmax, scaled gradient,
+# and the previous tile's last buffer until it is rebound (measured: 4.7)
 MLP_COPIES = 5  # [T, I]: gate, up, act(gate), their product, a gradient in flight (measured: 4.9)
 ADAM_STATES = 2
 
@@ -140,8 +142,10 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
     weights = -(-n // fsdp_shards) * b
     optimizer = ADAM_STATES * -(-n // fsdp_shards) * 4
 
-    logit_tokens = min(t, switches.loss_tile or loss_tile) if switches.tiled_loss else t
-    logits = LOGIT_COPIES * logit_tokens * vocab_size * 4
+    if switches.tiled_loss:
+        logits = TILE_COPIES * min(t, switches.loss_tile or loss_tile) * vocab_size * 4
+    else:
+        logits = LOGIT_COPIES * t * vocab_size * 4
     mlp_tokens = min(t, switches.mlp_tile or mlp_tile) if switches.tiled_mlp else t
     mlp_one = MLP_COPIES * mlp_tokens * i * b  # one layer's MLP intermediates
     rest_one = t * (4 * h + 3 * q + 2 * g) * b + 4 * t * heads  # the rest of one layer; the kernel's fp32 lse
