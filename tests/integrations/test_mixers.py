@@ -1,13 +1,17 @@
 """Token mixers seqpar cannot make exact are refused, never run on shards: every causal-LM class the
 installed transformers ships is classified (built from its default config on the meta device, so
-only its structure is read), the hybrid families by name."""
+only its structure is read), the hybrid families by name; the state-space, linear-attention and
+short-convolution mixers seqpar handles (issue 13) pass; an unknown recurrent or convolution
+module in a custom model is refused by name."""
 
 import warnings
 
 import pytest
 import torch
+from torch import nn
 
 from seqpar.integrations.mixers import check_token_mixers, unsupported_mixers
+from seqpar.integrations.token_mixers import HANDLED_MIXERS, mixer_approach, token_mixers
 
 
 def _build(model_type, **overrides):
@@ -27,25 +31,75 @@ def _causal_lm_types():
 
 # family -> (config overrides that give it its non-attention layers, the module class the refusal names)
 HYBRIDS = {
+    "recurrent_gemma": ({}, "RecurrentGemmaRecurrentBlock"),  # RG-LRU: not a mixer seqpar handles
+    "minimax": ({}, "'linear_attention'"),  # lightning attention: not handled
+    "llama4_text": ({}, "attn_temperature_tuning"),  # its chunked layers are fine, its NoPE scaling is not
+    "bart": ({}, "BartForCausalLM.forward takes no position_ids"),
+    "whisper": ({}, "takes no position_ids"),
+    "roberta": ({}, "padding_idx"),
+}
+# family -> (overrides, the token-mixer class seqpar makes exact in it): these pass
+HANDLED = {
     "qwen3_next": ({}, "Qwen3NextGatedDeltaNet"),
     "qwen3_5_text": ({}, "Qwen3_5GatedDeltaNet"),
+    "olmo_hybrid": ({}, "OlmoHybridGatedDeltaNet"),
+    "kimi_linear": ({}, "KimiLinearDeltaAttention"),
     "jamba": ({}, "JambaMambaMixer"),
     "bamba": ({}, "BambaMixer"),
     "falcon_h1": ({}, "FalconH1Mixer"),
     "nemotron_h": ({}, "NemotronHMamba2Mixer"),
     "zamba2": ({}, "Zamba2MambaMixer"),
     "granitemoehybrid": ({}, "GraniteMoeHybridMambaLayer"),
-    "kimi_linear": ({}, "KimiLinearDeltaAttention"),
-    "recurrent_gemma": ({}, "RecurrentGemmaRecurrentBlock"),
     "lfm2": ({"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}, "Lfm2ShortConv"),
-    "minimax": ({}, "'linear_attention'"),
-    "llama4_text": ({}, "attn_temperature_tuning"),  # its chunked layers are fine, its NoPE scaling is not
-    "bart": ({}, "BartForCausalLM.forward takes no position_ids"),
-    "whisper": ({}, "takes no position_ids"),
-    "roberta": ({}, "padding_idx"),
 }
 ATTENTION_ONLY = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3",
                   "deepseek_v3", "gpt2", "gpt_neox", "olmo2", "cohere2", "glm4", "gpt_oss", "starcoder2"]
+
+
+@pytest.mark.parametrize("family", list(HANDLED))
+def test_handled_hybrid_families_pass(family):
+    overrides, mixer = HANDLED[family]
+    model = _build(family, **overrides)
+    assert unsupported_mixers(model) == []
+    found = {type(m).__name__ for _, m in token_mixers(model)}
+    assert found == {mixer} and mixer in HANDLED_MIXERS, found
+
+
+class _Tiny(nn.Module):
+    """A decoder layer's extra token mixer seqpar has never seen."""
+
+    def __init__(self, mixer: nn.Module) -> None:
+        super().__init__()
+        self.time_mix = mixer
+
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize("mixer, named", [(nn.GRU(32, 32, batch_first=True), "nn.GRU"),
+                                          (nn.Conv1d(32, 32, 3, groups=32), "nn.Conv1d")])
+def test_unknown_mixer_in_a_custom_model_is_refused(mixer, named):
+    """A Llama with an unknown recurrence / convolution over time in a decoder layer: refused by
+    name, even next to mixers seqpar handles (a Bamba), never run on a shard."""
+    for family, overrides in (("llama", {}), ("bamba", {})):
+        model = _build(family, **overrides)
+        model.model.layers[0].extra = _Tiny(mixer)
+        with pytest.raises(ValueError, match="cannot parallelize") as info:
+            check_token_mixers(model)
+        assert f"layers.0.extra.time_mix: {named}" in str(info.value), str(info.value)
+        assert "not a token mixer seqpar handles" in str(info.value)
+
+
+def test_a_layer_type_without_a_handled_mixer_is_refused():
+    """A Qwen3-Next whose linear-attention layer lost its Gated DeltaNet (swapped for an unknown
+    module): the layer type is no longer backed by a mixer seqpar handles."""
+    model = _build("qwen3_next")
+    layer = next(m for m in model.model.layers if hasattr(m, "linear_attn"))
+    assert mixer_approach(layer.linear_attn) == "gather"
+    layer.linear_attn = _Tiny(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="'linear_attention'") as info:
+        check_token_mixers(model)
+    assert "has no token mixer seqpar handles" in str(info.value)
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
@@ -86,9 +140,9 @@ def test_every_causal_lm_class_is_classified():
             outcome[model_type] = "refused (decoder config)"
     assert len(outcome) == len(_causal_lm_types()) > 150
     for family in HYBRIDS:
-        if outcome.get(family) != "unbuildable default config" and family != "lfm2":  # lfm2's default is all attention
+        if outcome.get(family) != "unbuildable default config":
             assert outcome[family].startswith("refused"), (family, outcome[family])
-    for family in ATTENTION_ONLY:
-        assert outcome[family] == "attention only", (family, outcome[family])
+    for family in [*ATTENTION_ONLY, *HANDLED]:  # handled token mixers count as mixers seqpar shards
+        assert outcome[family] in ("attention only", "unbuildable default config"), (family, outcome[family])
     for family in ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"):  # no attention at all
         assert outcome[family].startswith("refused"), (family, outcome[family])

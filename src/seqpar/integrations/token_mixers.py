@@ -54,15 +54,17 @@ GATHER, HALO = "gather", "halo"
 
 HANDLED_MIXERS: dict[str, str] = {
     # Gated DeltaNet: causal conv1d, then the chunked gated delta rule per head
-    "Qwen3NextGatedDeltaNet": GATHER, "Qwen3_5GatedDeltaNet": GATHER, "OlmoHybridGatedDeltaNet": GATHER,
-    "KimiLinearDeltaAttention": GATHER,
+    "Qwen3NextGatedDeltaNet": GATHER, "Qwen3_5GatedDeltaNet": GATHER, "Qwen3_5MoeGatedDeltaNet": GATHER,
+    "OlmoHybridGatedDeltaNet": GATHER,
+    # Kimi delta attention (per-channel decay): causal conv1d, then the chunked delta rule per head
+    "KimiLinearDeltaAttention": GATHER, "BailingHybridDeltaAttention": GATHER,
     # Mamba2 (SSD): causal conv1d, then the chunked scan per head
     "BambaMixer": GATHER, "FalconH1Mixer": GATHER, "NemotronHMamba2Mixer": GATHER, "Zamba2MambaMixer": GATHER,
     "GraniteMoeHybridMambaLayer": GATHER, "Mamba2Mixer": GATHER,
     # Mamba (S6): causal conv1d, then the selective scan
-    "JambaMambaMixer": GATHER, "MambaMixer": GATHER, "FalconMambaMixer": GATHER,
+    "JambaMambaMixer": GATHER, "ZambaMambaMixer": GATHER, "MambaMixer": GATHER, "FalconMambaMixer": GATHER,
     # LFM2: in_proj per token, a causal depthwise convolution of L_cache taps, out_proj per token
-    "Lfm2ShortConv": HALO, "Lfm2MoeShortConv": HALO,
+    "Lfm2ShortConv": HALO, "Lfm2MoeShortConv": HALO, "Lfm3ShortConv": HALO,
 }
 """Token-mixer classes seqpar makes exact, and how. Each was read: its ``forward(hidden_states,
 cache=None, attention_mask=None, **kwargs)`` is causal, treats batch rows independently, and takes
