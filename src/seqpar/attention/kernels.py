@@ -132,6 +132,10 @@ class _Attend(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None
 
 
+def _keep(t: Tensor) -> Tensor:
+    return t
+
+
 class _GuardedLocal(torch.autograd.Function):
     """Forward: a local kernel under the guard, its own autograd graph kept aside. Backward: that
     graph's backward under the guard (zeros on failure), so a failing rank still joins the rest of
@@ -143,7 +147,9 @@ class _GuardedLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, spec, mask, kernel, guard):
         leaves = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in (q, k, v, sinks)]
-        with torch.enable_grad():
+        # the inner graph keeps its tensors itself (q, k, v, out are held here anyway): packed by an outer
+        # non-reentrant checkpoint, they would be recomputed a second time in the inner backward's graph task
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             out = guard.call(kernel, *leaves[:3], spec=replace(spec, sinks=leaves[3]), mask=mask)
         ctx.leaves, ctx.inner, ctx.guard = leaves, out, guard
         return (out if out is not None else _placeholder(q, v)[0]).detach()
