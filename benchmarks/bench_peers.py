@@ -7,7 +7,8 @@ the same inputs, forward + backward, in one run, on local gloo processes.
 Both wrap the same local kernel (torch SDPA, causal) and take the same ``[B, S/P, H, D]`` shards, so
 the difference is the communication: seqpar moves q, k, v in one exchange (one batch of
 point-to-point transfers; 2 per call forward, 2 backward; the guard that raises a failure on every
-rank rides in them), DeepSpeed in three ``all_to_all_single`` (4 forward, 4 backward). Also timed:
+rank is checked once per batch -- here one tiny all-gather when each step's backward ends), DeepSpeed
+in three ``all_to_all_single`` (4 forward, 4 backward). Also timed:
 that local kernel alone on the gathered ``[B, S, H/P, D]`` inputs, so each variant's *overhead*
 (total minus kernel alone: communication and layout copies) can be compared. Each rank times every
 variant in turn, step by step (the order rotating each repeat); a figure is the median over
@@ -72,6 +73,7 @@ def _variants(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_d
 
 
 def _worker(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+    torch.set_num_threads(1)  # P processes on a shared machine: OpenMP threads spinning against each other time noise
     variants, leaves = _variants(rank, world, seq, heads, kv_heads, head_dim)
 
     def step(fn):

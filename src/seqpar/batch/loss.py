@@ -44,11 +44,13 @@ class _GlobalTokenMean(torch.autograd.Function):
         # the batch's attention failures ride the same all-reduce: no loss from a failed forward
         failed = pending_failure()  # None: no attention call to check
         total = local_sum.detach().clone()
-        if failed is not None:
-            total = torch.stack([total, total.new_tensor(failed)])  # [loss sum, ranks that failed]
-        if group is not None and dist.get_world_size(group) > 1:
+        if group is None or dist.get_world_size(group) == 1:
+            check_failures()  # no all-reduce to ride: over the attention calls' own groups
+        elif failed is None:
             dist.all_reduce(total, group=group)
-        if failed is not None:
+        else:
+            total = torch.stack([total, total.new_tensor(failed)])  # [loss sum, ranks that failed]
+            dist.all_reduce(total, group=group)
             check_failures(group, any_failed=bool(total[1].item()))  # the batch's one host read
             total = total[0]
         ctx.grad_scale = grad_scale

@@ -181,10 +181,8 @@ def check_failures(group: dist.ProcessGroup | None = None, *, any_failed: bool |
     stages, error = _PENDING.clear()
     if any_failed is False:
         return
-    groups = [g for st in stages for g in st] if group is None else [group]
-    if group is not None and dist.get_world_size(group) == 1:
-        groups = []
-    fence(groups, error, what=DEFERRED_WHAT)
+    own = group is None or dist.get_world_size(group) == 1  # nothing to agree over: the calls' own groups
+    fence([g for st in stages for g in st] if own else [group], error, what=DEFERRED_WHAT)
 
 
 class _FailureFlag:
