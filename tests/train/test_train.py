@@ -2,8 +2,11 @@
 reproducing the uninterrupted loss curve exactly, and parity of the first step's loss and gradients
 (float64) across sp=2, dp=2, gradient accumulation, ring attention, FSDP2 and a single process."""
 
+import ctypes
+import gc
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -125,6 +128,51 @@ def _data_file(tmp_path):
     return str(path)
 
 
+def _vm_hwm_mib():
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
+
+
+def _sharded_setup(cfg, world):
+    """Peak RSS growth (MiB) while this rank builds the Trainer, then whether its weights equal the
+    unsharded ones exactly: transformers' own init (to_empty + seed + initialize_weights) of the whole
+    model for a built-in, the checkpoint's tensors for a path."""
+    from transformers import AutoModelForCausalLM
+
+    from seqpar.integrations.models import build_model
+
+    job = prepare_job(cfg, world)
+    with torch.device("meta"):  # transformers' model classes imported and warm: not part of the measure
+        AutoModelForCausalLM.from_config(build_model("small-llama3")[0].config)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # an earlier case's freed memory back to the OS: not reused here
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+    before = _vm_hwm_mib()
+    trainer = Trainer(job)
+    grown = _vm_hwm_mib() - before
+    if cfg.model == "small-llama3":
+        with torch.device("meta"):
+            ref, _ = build_model(cfg.model, **builtin_fields(cfg, trainer.data.vocab_size))
+        ref.to_empty(device="cpu")
+        for m in ref.modules():
+            m._is_hf_initialized = False
+        torch.manual_seed(cfg.seed)
+        ref.initialize_weights()
+        expected = dict(ref.named_parameters())
+    else:
+        from safetensors.torch import load_file
+
+        expected = load_file(os.path.join(cfg.model, "model.safetensors"))
+    got = {n.replace("_fsdp_wrapped_module.", ""): p.full_tensor() for n, p in trainer.model.named_parameters()}
+    same = set(got) == set(expected) and all(torch.equal(got[n], expected[n]) for n in got)
+    full_mib = sum(t.numel() * 4 for t in got.values()) / 2**20
+    return {"grown": grown, "full": full_mib, "same": same, "fsdp": trainer.use_fsdp}
+
+
+def _sharded_setups(rank, world, cfgs):
+    return [_sharded_setup(cfg, world) for cfg in cfgs]
+
+
 def _first_step(rank, world, cfgs):
     out = []
     for cfg in cfgs:
@@ -135,7 +183,10 @@ def _first_step(rank, world, cfgs):
         for name, p in trainer.model.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[name.replace("_fsdp_wrapped_module.", "")] = g.detach().clone()
-        out.append({"loss": loss, "targets": n, "grads": grads})
+        params = {name.replace("_fsdp_wrapped_module.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p
+                  for name, p in trainer.model.named_parameters()}
+        out.append({"loss": loss, "targets": n, "grads": grads, "params": {k: v.detach().clone()
+                                                                          for k, v in params.items()}})
     return out
 
 
@@ -167,6 +218,39 @@ def parity(tmp_path_factory):
     return ref, results
 
 
+# small-llama3 widened to 49M parameters (188 MiB in fp32): its lm_head, the largest module, is 9% of it
+WIDE = {"hidden_size": 512, "intermediate_size": 1792, "num_hidden_layers": 12, "head_dim": 64}
+
+
+def _wide_setups(tmp):
+    """Sharded init of a built-in and sharded loading of a checkpoint (FSDP2)."""
+    from seqpar.integrations.models import build_model
+
+    path = tmp / "wide"
+    model, _ = build_model("small-llama3", max_position_embeddings=64, **WIDE)
+    model.save_pretrained(path)
+    del model
+    wide = TrainConfig(model="small-llama3", model_config=json.dumps(WIDE), seq_len=64, fsdp="on", progress=False,
+                       save_dir=str(tmp / "unused"), seed=7)
+    return [wide, wide.replace(model=str(path), model_config="")]
+
+
+@pytest.mark.heavy  # 4 ranks building a 188 MiB model twice: about 30 s on an idle 2-core machine
+def test_sharded_init_and_loading_keep_ranks_under_the_model_size(tmp_path):
+    """No rank > 0 ever holds the whole model (FSDP2 over 4 ranks): its peak RSS grows by its quarter
+    of the weights plus one module's temporaries -- the trainer used to build the whole fp32 model on
+    every rank before sharding (>= 1.25x) -- and every rank's weights are exactly the unsharded
+    init's / the checkpoint's."""
+    per_rank = run_distributed(_sharded_setups, 4, _wide_setups(tmp_path), timeout=900)
+    for case in (0, 1):  # a built-in's init, a checkpoint read by rank 0
+        for rank in range(4):
+            r = per_rank[rank][case]
+            assert r["fsdp"] and r["same"], (case, rank, r)
+            assert r["full"] > 180, r
+            if rank > 0:
+                assert r["grown"] < 0.6 * r["full"], (case, rank, r)  # measured 0.39-0.50 (1/4 + temporaries)
+
+
 @pytest.mark.parametrize("name", list(PARITY))
 def test_first_step_matches_single_process(parity, name):
     ref, results = parity
@@ -174,6 +258,7 @@ def test_first_step_matches_single_process(parity, name):
     assert got["targets"] == ref["targets"] > 0
     assert abs(got["loss"] - ref["loss"]) <= 1e-9, (got["loss"], ref["loss"])
     assert set(got["grads"]) == set(ref["grads"])
+    assert all(torch.equal(got["params"][k], ref["params"][k]) for k in ref["params"])  # the same init bits
     worst = max(float((got["grads"][k] - ref["grads"][k]).abs().max()) for k in ref["grads"])
     assert worst <= 1e-8, worst
     assert max(float(g.abs().max()) for g in ref["grads"].values()) > 1e-3  # not trivially zero
