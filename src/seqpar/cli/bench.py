@@ -67,6 +67,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--switches", default="off,on", metavar="SET,SET",
                    help="with --max-seq: memory switch sets to compare: off, on (tiled loss + tiled MLP + "
                         "checkpointed layers), or parts joined by + from loss, mlp, layers, offload")
+    p.add_argument("--loss-tile", type=int, default=None, metavar="TOKENS",
+                   help="with --max-seq: tokens per loss tile where the loss is tiled (default: reduce_memory's)")
+    p.add_argument("--mlp-tile", type=int, default=None, metavar="TOKENS",
+                   help="with --max-seq: tokens per MLP tile where the MLP is tiled (default: reduce_memory's)")
     p.add_argument("--precision", type=float, default=0.125,
                    help="with --max-seq: stop bisecting when the gap is below this fraction of the length")
     p.add_argument("--limit", type=int, default=1 << 22, help="with --max-seq: the longest length tried")

@@ -19,24 +19,25 @@ from typing import Any
 SWITCH_PARTS = ("loss", "mlp", "layers", "offload")
 
 
-def parse_switches(text: str) -> list[Any]:
+def parse_switches(text: str, loss_tile: int | None = None, mlp_tile: int | None = None) -> list[Any]:
     """``"off,on"`` -> switch sets. Each item: ``off``, ``on`` (tiled loss, tiled MLP, checkpointed
-    layers) or parts joined by ``+`` from loss, mlp, layers, offload (e.g. ``loss+offload``)."""
-    from seqpar.planner.memory import SWITCHES_OFF, SWITCHES_ON, MemorySwitches
+    layers) or parts joined by ``+`` from loss, mlp, layers, offload (e.g. ``loss+offload``). The
+    tiles (tokens; None: the library's defaults) apply to every set that tiles."""
+    from seqpar.planner.memory import MemorySwitches
 
     out = []
     for item in (x.strip() for x in text.split(",") if x.strip()):
-        if item in ("off", "on"):
-            out.append(SWITCHES_OFF if item == "off" else SWITCHES_ON)
-            continue
-        parts = item.split("+")
+        presets = {"off": [], "on": ["loss", "mlp", "layers"]}
+        parts = presets[item] if item in presets else item.split("+")
         bad = [p for p in parts if p not in SWITCH_PARTS] + (["layers+offload"] if {"layers", "offload"} <= set(parts)
                                                              else [])
         if bad:
             raise ValueError(f"--switches {text!r}: {bad[0]!r} is not a switch; use off, on, or parts joined by + from "
                              f"{', '.join(SWITCH_PARTS)} (layers and offload exclude each other)")
         mode = "offload" if "offload" in parts else "layers" if "layers" in parts else "none"
-        out.append(MemorySwitches(tiled_loss="loss" in parts, tiled_mlp="mlp" in parts, checkpoint=mode))
+        out.append(MemorySwitches(tiled_loss="loss" in parts, tiled_mlp="mlp" in parts, checkpoint=mode,
+                                  loss_tile=loss_tile if "loss" in parts else None,
+                                  mlp_tile=mlp_tile if "mlp" in parts else None))
     if not out:
         raise ValueError(f"--switches {text!r}: give at least one, e.g. off,on")
     return out
@@ -63,7 +64,7 @@ def run_max_seq(args: argparse.Namespace, strategies: list[str], nprocs: list[in
     from seqpar import bench
     from seqpar.planner import format_bytes
 
-    switch_sets = parse_switches(args.switches)
+    switch_sets = parse_switches(args.switches, args.loss_tile, args.mlp_tile)
     if args.mem_cap < 2**20:
         raise ValueError(f"--mem-cap {args.mem_cap} bytes is below 1 MiB: give e.g. 2GiB")
     if not 0 < args.precision < 1:

@@ -15,16 +15,17 @@ from typing import Any
 
 from seqpar.integrations.models import BUILTIN_MODELS, builtin_config, decoder_config
 
-# With no flags: 32 heads of 128 (hidden 4096), 32 layers, on one node of 8 ranks, 128k tokens.
+# With no flags: 32 heads of 128 (hidden 4096), 32 layers, a 32k vocabulary, on one node of 8 ranks, 128k tokens.
 DEFAULTS = dict(heads=32, kv_heads=None, head_dim=None, hidden_size=None, layers=32, intermediate_size=None,
-                world_size=8, devices_per_node=8, seq_len=131072)
+                vocab_size=32000, world_size=8, devices_per_node=8, seq_len=131072)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
           "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
 # transformers config keys for each planner argument (first match wins)
 _CONFIG_KEYS = {"heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
                 "head_dim": ("head_dim",), "hidden_size": ("hidden_size", "n_embd"),
-                "layers": ("num_hidden_layers", "n_layer"), "intermediate_size": ("intermediate_size", "n_inner")}
+                "layers": ("num_hidden_layers", "n_layer"), "intermediate_size": ("intermediate_size", "n_inner"),
+                "vocab_size": ("vocab_size",)}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden-size", type=int, help="model width (default: heads * head_dim)")
     p.add_argument("--intermediate-size", type=int, help="MLP width for the memory estimate (default 4 * hidden)")
     p.add_argument("--layers", type=int, help=f"decoder layers (default {DEFAULTS['layers']})")
+    p.add_argument("--vocab-size", type=int, help=f"vocabulary, for the logits (default {DEFAULTS['vocab_size']})")
+    p.add_argument("--tied", action="store_true", help="input and output embeddings share one weight")
+    p.add_argument("--fsdp", action="store_true", help="weights, gradients and AdamW states sharded over all ranks")
+    p.add_argument("--loss-tile", type=int, default=1024, help="tokens per loss tile of the tiled-loss estimate")
+    p.add_argument("--mlp-tile", type=int, default=2048, help="tokens per MLP tile of the tiled-MLP estimate")
     p.add_argument("--world-size", type=int, help=f"total ranks (default {DEFAULTS['world_size']})")
     p.add_argument("--devices-per-node", type=int, help=f"ranks per node (default {DEFAULTS['devices_per_node']})")
     p.add_argument("--seq-len", type=parse_size, help=f"tokens per sequence, e.g. 1M or 131072 "
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
           f" x batch {args.batch}; activation budget per rank: {budget}")
     print("bytes: per rank per layer, forward; memory: activations per rank, all layers\n")
     try:
-        p = plan(**kw)
+        p = plan(**{k: v for k, v in kw.items() if k != "vocab_size"})
     except InfeasiblePlanError as e:
         print(format_table(e.candidates))
         raise
@@ -132,7 +138,43 @@ def run(args: argparse.Namespace) -> int:
     print(f"reason: {p.reason}")
     mesh = ", ".join(f"{k}={v}" for k, v in p.mesh_kwargs().items())
     print(f"use:    mesh = seqpar.init_mesh({mesh}); strategy={p.strategy!r}")
+    print("\n" + step_memory_table(p.chosen, kw, vocab_size=kw["vocab_size"], tied=args.tied,
+                                   fsdp=args.fsdp, loss_tile=args.loss_tile, mlp_tile=args.mlp_tile))
     return 0
+
+
+# the switch sets the step-memory table compares (seqpar.reduce_memory's switches)
+_SWITCH_ROWS = (("off", {}), ("tiled loss", dict(tiled_loss=True)), ("tiled MLP", dict(tiled_mlp=True)),
+                ("checkpoint layers", dict(checkpoint="layers")),
+                ("all (loss+mlp+layers)", dict(tiled_loss=True, tiled_mlp=True, checkpoint="layers")),
+                ("all, offload", dict(tiled_loss=True, tiled_mlp=True, checkpoint="offload")))
+
+
+def step_memory_table(chosen: Any, kw: dict[str, Any], *, vocab_size: int, tied: bool, fsdp: bool, loss_tile: int,
+                      mlp_tile: int) -> str:
+    """Memory per rank of one training step on the chosen split, for each set of memory switches
+    (:mod:`seqpar.planner.memory`): weights, gradients, AdamW states, activations, host offload."""
+    from seqpar.planner import format_bytes
+    from seqpar.planner.cost import largest_shard
+    from seqpar.planner.memory import MemorySwitches, step_memory
+
+    tokens = kw["batch"] * largest_shard(kw["seq_len"], chosen.ulysses, chosen.ring,
+                                         zigzag=kw["causal"] and chosen.ring > 1)
+    shape = dict(tokens=tokens, hidden_size=kw["hidden_size"], intermediate_size=kw["intermediate_size"]
+                 or 4 * kw["hidden_size"], layers=kw["layers"], heads=kw["heads"], kv_heads=kw["kv_heads"],
+                 head_dim=kw["head_dim"], vocab_size=vocab_size, dtype_bytes=kw["dtype_bytes"], tied=tied,
+                 fsdp_shards=kw["world_size"] if fsdp else 1, loss_tile=loss_tile, mlp_tile=mlp_tile)
+    rows = [(name, step_memory(**shape, switches=MemorySwitches(**sw))) for name, sw in _SWITCH_ROWS]
+    first = rows[0][1]
+    lines = [f"memory per rank, one training step on {chosen.label} ({tokens} tokens on the largest shard; vocabulary "
+             f"{vocab_size}; AdamW; {'FSDP over all ranks' if fsdp else 'weights replicated'}):",
+             f"  weights {format_bytes(first.weights)}, gradients {format_bytes(first.gradients)}, AdamW states "
+             f"{format_bytes(first.optimizer)}; activations by memory switch (seqpar.reduce_memory):",
+             f"  {'switches':<22} {'logits':>10} {'MLP':>10} {'layers':>10} {'other':>10} {'host':>10} {'total':>10}"]
+    for name, m in rows:
+        lines.append(f"  {name:<22} {format_bytes(m.logits):>10} {format_bytes(m.mlp):>10} {format_bytes(m.layers):>10}"
+                     f" {format_bytes(m.other):>10} {format_bytes(m.offloaded):>10} {format_bytes(m.total):>10}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
