@@ -1,7 +1,8 @@
 """``make bench``: every benchmark of the repository, one after the other, each printing its ratios.
 
     python benchmarks/run_all.py            # strategies, vs DeepSpeed-Ulysses, the guard's cost, seqpar bench,
-                                            # seqpar bench --packing (plain vs packed rows)
+                                            # seqpar bench --packing (plain vs packed rows), issue 11's goals
+                                            # (memory switches: peak, step time, seqpar bench --max-seq)
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
 The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
@@ -42,6 +43,9 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_kernels.py"), *_kernel_args(args.quick)],
         [sys.executable, "-m", "seqpar.cli.main", "bench", *bench_lens],
         [sys.executable, "-m", "seqpar.cli.main", "bench", "--packing", *bench_lens],
+        [sys.executable, os.path.join(HERE, "bench_long_seq_goals.py"), "memory",
+         *(["--seq-len", "8192"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_long_seq_goals.py"), "maxseq"],
     ]
     failed = 0
     for cmd in runs:

@@ -119,3 +119,81 @@ def test_real_packing_run_plain_vs_packed(tmp_path, capsys):
     assert (out / "bench_packing.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "packed MiB" in printed and "skipped hybrid at P=2" in printed
+
+
+# ---------------------------------------------------------------- --max-seq
+
+def test_max_seq_search_grows_then_bisects(monkeypatch):
+    """The search logic on a fake step that fits up to 5000 tokens: it brackets from the start by
+    doubling or halving, bisects to the precision, and returns the longest fitting multiple."""
+    tried = []
+
+    def fake(case, cap, timeout=0.0):
+        tried.append(case.seq_len)
+        fits = case.seq_len <= 5000
+        return bench.Trial(case.seq_len, fits, 1.0 if fits else float("nan"), 0.1, not fits)
+
+    monkeypatch.setattr(bench, "try_step", fake)
+    case = bench.BenchCase("tiny-llama", "", 1, "ulysses", 64, sizing="builtin")
+    best, trials = bench.max_seq(case, 1, start=1000, granularity=64, precision=0.05)
+    assert tried[:4] == [960, 1920, 3840, 7680] and [t.seq_len for t in trials] == tried
+    assert best <= 5000 < best + max(64, 0.05 * best) and best % 64 == 0
+    tried.clear()
+    best2, _ = bench.max_seq(case, 1, start=40000, granularity=64, precision=0.05)  # from above: halve first
+    assert tried[:4] == [40000, 19968, 9984, 4992] and best2 == best
+    tried.clear()
+    assert bench.max_seq(case, 1, start=64, granularity=64, limit=256)[0] == 256  # never past the limit
+    monkeypatch.setattr(bench, "try_step", lambda c, cap, timeout=0.0: bench.Trial(c.seq_len, False, 0, 0, True))
+    assert bench.max_seq(case, 1, start=1000, granularity=64)[0] == 0  # nothing fits
+
+
+def test_max_seq_switch_sets_and_ratios():
+    from seqpar.cli import max_seq
+
+    off, on, lo = max_seq.parse_switches("off,on,loss+offload", loss_tile=128)
+    assert (off.label, on.label, lo.label) == ("off", "loss+mlp+layers", "loss+offload")
+    assert on.loss_tile == 128 and on.mlp_tile is None and off.loss_tile is None
+    for bad in ("loss+ckpt", "layers+offload", ","):
+        with pytest.raises(ValueError, match="--switches"):
+            max_seq.parse_switches(bad)
+    rows = max_seq.add_max_seq_ratios([
+        {"nproc": 1, "strategy": "ulysses", "switches": "off", "max_seq": 1000},
+        {"nproc": 1, "strategy": "ulysses", "switches": "on", "max_seq": 8000},
+        {"nproc": 4, "strategy": "ulysses", "switches": "on", "max_seq": 36000},
+        {"nproc": 4, "strategy": "ring", "switches": "on", "max_seq": 30000}])
+    assert (rows[1]["vs_off"], rows[2]["vs_p1"], rows[3]["vs_p1"]) == (8.0, 4.5, 3.75)
+    assert math.isnan(rows[2]["vs_off"])  # no P=4 row without switches
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("args, needle", [
+    (["--max-seq", "--packing"], "--max-seq and --packing"),
+    (["--max-seq", "--switches", "tiles"], "--switches"),
+    (["--max-seq", "--mem-cap", "10"], "--mem-cap"),
+    (["--max-seq", "--model-config", '{"vocab_size": 8}'], "vocab_size 8"),
+])
+def test_max_seq_bad_options(capsys, args, needle):
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("seqpar bench: error:") and needle in err and "Traceback" not in err
+
+
+@pytest.mark.distributed
+def test_max_seq_real_search_under_a_tiny_cap(tmp_path, capsys):
+    out = tmp_path / "out"
+    cap_mib = 20
+    code = main(["bench", "--max-seq", "--model", "tiny-llama", "--model-config", '{"vocab_size": 2048}',
+                 "--mem-cap", f"{cap_mib}MiB", "--nproc", "1", "--switches", "off", "--precision", "0.25",
+                 "--out", str(out)])
+    assert code == 0
+    (row,) = list(csv.DictReader(open(out / "bench_max_seq.csv")))
+    best = int(row["max_seq"])
+    assert best > 0 and best % 64 == 0 and 0 < float(row["peak_mib"]) <= cap_mib
+    trials = list(csv.DictReader(open(out / "bench_max_seq_trials.csv")))
+    fitting = [int(t["seq_len"]) for t in trials if t["fits"] == "True"]
+    over = [int(t["seq_len"]) for t in trials if t["fits"] == "False"]
+    assert max(fitting) == best and over and min(over) > best  # found by running: one length above did not fit
+    assert min(over) - best <= max(64, 0.25 * best)
+    assert all(float(t["peak_mib"]) > cap_mib for t in trials if t["fits"] == "False" and t["stopped"] == "False")
+    assert (out / "bench_max_seq.png").stat().st_size > 1000
+    assert "max_seq" in capsys.readouterr().out
