@@ -211,6 +211,19 @@ def test_refusals():
     with pytest.raises(ValueError, match="no MLP found"):
         seqpar.reduce_memory(no_mlp)
 
+    # offload needs pinned host memory for a model on an accelerator: a host without a pinned allocator
+    # (this CPU build) refuses; a CPU model needs none (its offload is plain checkpoints, see above)
+    with torch.device("meta"):
+        on_device = type(model)(model.config)
+    try:
+        torch.empty(1, pin_memory=True)
+    except RuntimeError:
+        with pytest.raises(ValueError, match="checkpoint='offload' needs pinned host memory.*checkpoint='layers'"):
+            seqpar.reduce_memory(on_device, checkpoint="offload")
+    else:
+        assert "pinned host memory" in seqpar.memory_switches(seqpar.reduce_memory(on_device, checkpoint="offload"))[
+            "offload"]
+
     # a head that transforms the logits in a way seqpar does not know: refused at the first call
     hooked = copy.deepcopy(model)
     hooked.lm_head.register_forward_hook(_scaled_output)
