@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Any
 
-from seqpar.train.config import FIELDS, TrainConfig, load_config_file
+from seqpar.train.config import FIELDS, TrainConfig, describe_memory, load_config_file
 from seqpar.train.run import RunSummary
 
 
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         shown = meta.get("shown", "off" if default is False else "on" if default is True else default)
         text = f"{meta['help']} (default: {shown})"
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": text}
-        if name == "progress":
+        if name in ("progress", "tiled_loss", "tiled_mlp"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if isinstance(default, bool):
@@ -67,6 +67,7 @@ def format_summary(s: RunSummary) -> str:
              f"{s.tokens_per_step:,} tokens per step, {s.params:,} parameters"]
     lines.append(f"  data        {s.data}")
     lines.append(f"  attention   {s.attention}; layout {s.layout}")
+    lines.append(f"  memory      {s.memory}")
     if s.losses:
         (s0, l0), (s1, l1) = s.losses[0], s.losses[-1]
         lines.append(f"  loss        {l0:.4f} (step {s0}) -> {l1:.4f} (step {s1})")
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
               "...", file=sys.stderr, flush=True)
     print(f"seqpar train: {job.world} local workers (gloo, 1 thread each), sp={job.sp} x dp={job.dp}, "
           f"{job.strategy}{' (auto: ' + job.reason + ')' if job.reason else ''}, --seq-len {cfg.seq_len}, "
-          f"{cfg.steps} steps -> {os.path.abspath(cfg.save_dir)}", flush=True)
+          f"{cfg.steps} steps -> {os.path.abspath(cfg.save_dir)}; memory: {describe_memory(cfg)}", flush=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # terminate like Ctrl-C: stop the workers
     try:
         summary = run_local(job)

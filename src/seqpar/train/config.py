@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from seqpar.integrations.memory import CHECKPOINT_MODES, DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
+
 STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 """--dtype names and the torch dtypes they stand for (the one table; bench uses it too)."""
@@ -80,6 +82,16 @@ class TrainConfig:
     eval_rows: int = _opt(8, "held-out rows for the final evaluation (task accuracy / loss)")
     fsdp: str = _opt("auto", "FSDP2 over the dp x sp ranks: on, off, or auto (on with CUDA or bfloat16)",
                      choices=("auto", "on", "off"))
+    tiled_loss: bool = _opt(True, "the loss from the final hidden states in tiles of --loss-tile tokens: no "
+                            "[seq, vocab] logits at once, in training and in the final evaluation "
+                            "(--no-tiled-loss: the model's own head and loss)")
+    tiled_mlp: bool = _opt(True, "each decoder layer's MLP in tiles of --mlp-tile tokens, recomputed in backward "
+                           "(--no-tiled-mlp: whole)")
+    checkpoint: str = _opt("layers", "activation checkpoints: none, layers (each decoder layer recomputed in "
+                           "backward) or offload (layers, with each layer's input parked in pinned host memory; "
+                           "the same as layers on the CPU)", choices=CHECKPOINT_MODES)
+    loss_tile: int = _opt(DEFAULT_LOSS_TILE, "tokens per tile of the tiled loss")
+    mlp_tile: int = _opt(DEFAULT_MLP_TILE, "tokens per tile of the tiled MLP")
     nproc: int | None = _opt(None, "local worker processes when not under torchrun", shown="sp x dp, or sp")
     timeout: float | None = _opt(None, "seconds a collective may wait before the job counts as hung: the process "
                                  "group's timeout (NCCL's watchdog), which must outlast the longest wait of one rank "
@@ -192,6 +204,24 @@ def builtin_fields(cfg: TrainConfig, data_vocab: int) -> dict[str, Any]:
     return {"vocab_size": max(own, data_vocab), "max_position_embeddings": cfg.seq_len, **model_overrides(cfg)}
 
 
+def memory_options(cfg: TrainConfig, device_type: str) -> dict[str, Any] | None:
+    """Keywords of :func:`seqpar.reduce_memory` for the run, or None with every switch off. On the
+    CPU "offload" is plain layer checkpoints (the saved inputs live in host memory already)."""
+    if not (cfg.tiled_loss or cfg.tiled_mlp or cfg.checkpoint != "none"):
+        return None
+    checkpoint = "layers" if cfg.checkpoint == "offload" and device_type == "cpu" else cfg.checkpoint
+    return dict(tiled_loss=cfg.tiled_loss, tiled_mlp=cfg.tiled_mlp, checkpoint=checkpoint, loss_tile=cfg.loss_tile,
+                mlp_tile=cfg.mlp_tile)
+
+
+def describe_memory(cfg: TrainConfig) -> str:
+    """The memory switches of a run, in words (the run header and the summary)."""
+    on = [f"tiled loss ({cfg.loss_tile} tokens)" if cfg.tiled_loss else "",
+          f"tiled MLP ({cfg.mlp_tile} tokens)" if cfg.tiled_mlp else "",
+          f"checkpoint {cfg.checkpoint}" if cfg.checkpoint != "none" else ""]
+    return ", ".join(w for w in on if w) or "none (full logits, whole MLPs, no checkpoints)"
+
+
 def resolve_dtype(cfg: TrainConfig, device_type: str) -> str:
     """The --dtype name a run uses: ``auto`` is bfloat16 on CUDA (through FSDP2's mixed precision:
     float32 with ``--fsdp off``), float32 on the CPU."""
@@ -232,7 +262,8 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
     """Validate what needs no model or data; returns ``(world, sp, dp)``. Raises ValueError."""
     world, sp, dp = world_layout(cfg, world)
     positive = {"steps": cfg.steps, "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum,
-                "seq_len": cfg.seq_len, "keep_checkpoints": cfg.keep_checkpoints}
+                "seq_len": cfg.seq_len, "keep_checkpoints": cfg.keep_checkpoints, "loss_tile": cfg.loss_tile,
+                "mlp_tile": cfg.mlp_tile}
     for name, v in positive.items():
         if v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -247,6 +278,8 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
         raise ValueError("--grad-clip and --weight-decay must be >= 0")
     if cfg.timeout is not None and cfg.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout}")
+    if cfg.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown --checkpoint {cfg.checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {list(STRATEGIES)}")
     if cfg.dtype != "auto" and cfg.dtype not in DTYPES:

@@ -24,7 +24,8 @@ from .tokenizer import ByteTokenizer
 # what must match for --resume to continue the same loss curve (--steps may grow: the schedule
 # then follows the new total; --sp and the strategy may change: checkpoints reshard)
 RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packing", "seed", "micro_batch",
-               "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "dtype")
+               "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "dtype", "tiled_loss", "tiled_mlp",
+               "loss_tile", "mlp_tile")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from seqpar.comm.mesh import axis_group, default_device_type
 from seqpar.integrations.materialize import load_full_state_dict, materialize, meta_model
 from seqpar.integrations.models import BUILTIN_MODELS, build_model, load_tokenizer
 
-from .config import DTYPES, TrainConfig, builtin_fields, resolve_dtype
+from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
 from .data import TaskData, TextData, make_rows, read_documents, row_index, stack
 from .job import Job
 from .tasks import EVAL, IGNORE, CopyTask, answer_accuracy
@@ -116,6 +116,10 @@ class Trainer:
         model, full_state = self._build_model(param_dtype)  # on the meta device (a replica: already loaded)
         self.n_params = sum(p.numel() for p in model.parameters())
         seqpar.parallelize(model, self.mesh, strategy=job.strategy)
+        memory = memory_options(cfg, self.device.type)
+        if memory is not None:  # a ValueError here (a head or MLP it cannot tile) is the same on every rank
+            seqpar.reduce_memory(model, self.mesh, **memory)
+        self.tiled_loss = cfg.tiled_loss
         if self.use_fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -239,14 +243,17 @@ class Trainer:
             idx = mine[i] if i < len(mine) else mine[0] if mine else 0
             batch = {k: v[None].to(self.device) for k, v in self.data.row(idx, EVAL).items()}
             local = seqpar.shard_batch(batch, self.mesh, layout=self.job.layout)
-            targets = local.pop("labels")
-            local.pop("shift_labels", None)
-            logits = self.model(**local).logits
-            if i >= len(mine):
-                continue  # padding round of a dp rank with fewer rows
-            correct, count = answer_accuracy(logits, targets)
-            totals += torch.tensor([float(token_losses(logits, targets, IGNORE).sum()), correct, count],
-                                   dtype=torch.float64, device=self.device)
+            if self.tiled_loss:  # the same tiles as training: no [S_local, V] logits
+                stats = seqpar.token_stats(self.model, local)
+                row = torch.stack([t.sum().double() for t in (stats.losses, stats.correct & stats.valid, stats.valid)])
+            else:
+                targets = local.pop("labels")
+                local.pop("shift_labels", None)
+                logits = self.model(**local).logits
+                correct, count = answer_accuracy(logits, targets)
+                row = torch.tensor([float(token_losses(logits, targets, IGNORE).sum()), correct, count])
+            if i < len(mine):  # else a padding round of a dp rank with fewer rows
+                totals += row.to(totals)
         self.model.train()
         dist.all_reduce(totals)
         loss_sum, correct, count = totals.tolist()

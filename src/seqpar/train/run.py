@@ -17,7 +17,7 @@ import torch.distributed as dist
 from seqpar.comm import collectives
 
 from . import checkpoint as ckpt
-from .config import TrainConfig
+from .config import TrainConfig, describe_memory
 from .job import Job, prepare_job
 from .loop import EvalResult, Trainer, peak_memory_mib, reset_peak_memory
 
@@ -53,6 +53,7 @@ class RunSummary:
     reason: str  # why --strategy auto chose what it chose
     attention: str  # the local attention kernel, in words (seqpar.attention_kernel)
     dtype: str  # the compute dtype (--dtype auto resolved)
+    memory: str  # the memory switches, in words
     setup_s: float
     eval_s: float
 
@@ -130,7 +131,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = None
     if trainer.rank == 0 and cfg.progress:
-        print(f"seqpar train: attention {trainer.attention} ({job.layout} layout)", file=sys.stderr, flush=True)
+        print(f"seqpar train: attention {trainer.attention} ({job.layout} layout); {trainer.dtype}; memory: "
+              f"{describe_memory(cfg)}", file=sys.stderr, flush=True)
         import threading
 
         from tqdm import tqdm
@@ -190,7 +192,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         world=job.world, sp=job.sp, dp=job.dp, strategy=job.strategy, layout=job.layout, params=trainer.n_params,
         fsdp=trainer.use_fsdp, device=str(trainer.device), tokens_per_step=tokens_per_step,
         resumed_from=os.path.abspath(resume_from) if resume_from else None, replaced_previous=replaced,
-        reason=job.reason, attention=trainer.attention, dtype=trainer.dtype, setup_s=setup_s, eval_s=eval_s)
+        reason=job.reason, attention=trainer.attention, dtype=trainer.dtype,
+        memory=describe_memory(cfg), setup_s=setup_s, eval_s=eval_s)
 
 
 def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> RunSummary:
