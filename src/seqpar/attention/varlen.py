@@ -20,6 +20,7 @@ tile's worth of scores, whatever the block's length. Pure: no communication, pla
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -100,17 +101,24 @@ def _tiles(spec: AttnSpec, row: int | None, q_pos: Tensor, k_pos: Tensor, q0: in
 
 _PLANS: dict[int, dict[tuple, tuple[list, Any]]] = {}
 """Per-batch results by ``id`` of the mask's first tensor; an entry goes when that tensor dies."""
+_PLAIN: dict[tuple, Any] = {}
+"""Results for masks without tensors, by key alone."""
 
 
 def per_batch(mask: MaskInfo, key: tuple, compute: Callable[[], T]) -> T:
     """``compute()``, once per batch: kept while the tensors of ``mask`` live (the layers of a
     model and the backward share one SeqShard's tensors) and read back when the same tensors come
     again with the same ``key`` -- without touching them, so no host synchronization after a
-    batch's first layer. A mask without tensors is computed every time (nothing to sync)."""
+    batch's first layer. A mask without tensors (positions 0..n-1, nothing masked) is a pure
+    function of ``key``: computed once per process (a bounded memo), not per layer."""
     tensors = [mask.q_pos, mask.k_pos, mask.key_keep, mask.q_seg, mask.k_seg]
     anchor = next((t for t in tensors if t is not None), None)
     if anchor is None:
-        return compute()
+        if key not in _PLAIN:
+            if len(_PLAIN) >= 1024:  # sizes vary from batch to batch: keep the memo bounded
+                _PLAIN.clear()
+            _PLAIN[key] = compute()
+        return _PLAIN[key]
     key = (*key, tuple(t is None for t in tensors))
     plans = _PLANS.get(id(anchor))
     if plans is None:
@@ -184,8 +192,17 @@ def mask_flag(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: t
         return None
     if sq == 0 or sk == 0:
         return False
+    if mask.q_pos is None and mask.k_pos is None:  # positions 0..n-1: a pure function of the sizes
+        return _plain_flag(spec.causal, spec.window, spec.chunk, sq, sk)
     return per_batch(mask, ("flag", spec.causal, spec.window, spec.chunk, sq, sk),
                      lambda: _mask_flag(spec, mask, sq, sk, device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_flag(causal: bool, window: int | None, chunk: int | None, sq: int, sk: int) -> bool | None:
+    """:func:`mask_flag` of a block without position tensors, worked out once per process on the
+    CPU (every layer of every batch asks the same; nothing of a device is read)."""
+    return _mask_flag(AttnSpec(causal=causal, window=window, chunk=chunk), MaskInfo(), sq, sk, torch.device("cpu"))
 
 
 def _mask_flag(spec: AttnSpec, mask: MaskInfo, sq: int, sk: int, device: torch.device) -> bool | None:
