@@ -183,7 +183,7 @@ def test_max_seq_real_search_under_a_tiny_cap(tmp_path, capsys):
     out = tmp_path / "out"
     cap_mib = 20
     code = main(["bench", "--max-seq", "--model", "tiny-llama", "--model-config", '{"vocab_size": 2048}',
-                 "--mem-cap", f"{cap_mib}MiB", "--nproc", "1", "--switches", "off", "--precision", "0.25",
+                 "--mem-cap", f"{cap_mib}MiB", "--nproc", "1", "--switches", "off", "--precision", "0.5",
                  "--out", str(out)])
     assert code == 0
     (row,) = list(csv.DictReader(open(out / "bench_max_seq.csv")))
@@ -193,7 +193,7 @@ def test_max_seq_real_search_under_a_tiny_cap(tmp_path, capsys):
     fitting = [int(t["seq_len"]) for t in trials if t["fits"] == "True"]
     over = [int(t["seq_len"]) for t in trials if t["fits"] == "False"]
     assert max(fitting) == best and over and min(over) > best  # found by running: one length above did not fit
-    assert min(over) - best <= max(64, 0.25 * best)
+    assert min(over) - best <= max(64, 0.5 * best)
     assert all(float(t["peak_mib"]) > cap_mib for t in trials if t["fits"] == "False" and t["stopped"] == "False")
     assert (out / "bench_max_seq.png").stat().st_size > 1000
     assert "max_seq" in capsys.readouterr().out
