@@ -1,7 +1,7 @@
 """The planner's memory model (seqpar.planner.memory): the formulas by hand, what each switch
 replaces, and the estimates against the measured peak of real training steps (peak RSS of fresh
-gloo processes, :func:`seqpar.bench.try_step`) within 25%: in the default run P=1 off and on, P=2 on; P=2 off, ring, offload, P = 4 and the built-in small-llama3 under
-``heavy``."""
+gloo processes, :func:`seqpar.bench.try_step`) within 25%: in the default run P=1 off and on and
+P=2 on; P=2 off, ring, offload, P = 4 and the built-in small-llama3 under ``heavy``."""
 
 import json
 
