@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import seqpar
@@ -91,6 +92,26 @@ def _tiled_vs_untiled(world):
         for (la, ga), (lb, gb) in zip(results[:2], results[2:], strict=True):
             out.append((abs(la - lb), max(float((ga[n] - gb[n]).abs().max()) for n in ga)))
     return out
+
+
+def _eval(world):
+    """token_stats on a sharded batch, summed over the SP ranks, against the full model's logits:
+    (loss sum diff, correct count, reference correct count, target count, reference target count)."""
+    mesh = seqpar.init_mesh(sp=2, dp=2, device_type="cpu")
+    case = ModelCase(batch="padded", seq=15)
+    model = make_model(case)
+    batch = case_batch(case, model.config.vocab_size)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    valid = targets != -100
+    ref_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+    ref_correct = int(((logits.argmax(-1) == targets) & valid).sum())
+    sp = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh), mesh, loss_tile=4)
+    stats = seqpar.token_stats(sp, seqpar.shard_batch(batch, mesh))
+    totals = torch.stack([stats.losses.sum(), stats.correct.sum().double(), stats.valid.sum().double()])
+    dist.all_reduce(totals, group=mesh.get_group("sp"))
+    return (abs(float(totals[0] - ref_sum)), int(totals[1]), ref_correct, int(totals[2]), int(valid.sum()))
 
 
 def _fsdp(world):
@@ -187,7 +208,8 @@ def _refusal(world):
 
 def run_default(rank, world):
     torch.set_num_threads(1)
-    return {"parity": _parity(DEFAULT, world), "tiled": _tiled_vs_untiled(world), "fsdp": _fsdp(world),
+    return {"parity": _parity(DEFAULT, world), "tiled": _tiled_vs_untiled(world), "eval": _eval(world),
+            "fsdp": _fsdp(world),
             "counts": _counts(world), "uneven": _uneven(rank, world), "refusal": _refusal(world)}
 
 
@@ -216,6 +238,11 @@ def test_tiled_loss_equals_seqpars_untiled_loss_with_weights_and_num_items(resul
     rows = [row for r in results for row in r["tiled"]]
     assert len(rows) == 4 * 4
     assert all(loss <= 1e-10 and grad <= 1e-9 for loss, grad in rows), rows
+
+
+def test_token_stats_on_shards_sum_to_the_full_models(results):
+    for loss_diff, correct, ref_correct, count, ref_count in (r["eval"] for r in results):
+        assert loss_diff <= LOSS_TOL and correct == ref_correct and count == ref_count > 0
 
 
 def test_fsdp2_with_every_switch(results):

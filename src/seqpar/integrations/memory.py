@@ -68,6 +68,7 @@ class _Memory:
     offload: str  # what checkpoint="offload" does on this device, in words
     hooks: list[Any] = field(default_factory=list)
     hidden: Tensor | None = None  # the decoder's last hidden state of the running call
+    catch: bool = False  # whether the running call computes a loss (only then is the hidden state kept)
     head_checked: bool = False
 
 
@@ -195,6 +196,7 @@ class _BeforeForward:
         state.context.longest = max(batch.shard.seq_lens) if isinstance(batch, LocalBatch) else None
         state.hidden = None
         labelled = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        state.catch = labelled
         if state.tiled_loss and labelled and not kwargs.get("logits_to_keep"):
             kwargs = {**kwargs, "logits_to_keep": 1}
         return args, kwargs
@@ -207,7 +209,8 @@ class _CatchHidden:
         self.state = state
 
     def __call__(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        self.state.hidden = _last_hidden(output)
+        if self.state.catch:  # a call without labels (generation) keeps nothing alive here
+            self.state.hidden = _last_hidden(output)
 
 
 def _last_hidden(output: Any) -> Tensor:

@@ -142,16 +142,22 @@ class _ToHost(torch.autograd.Function):
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     offload, context = self._seqpar_checkpoint
     run = type(self).forward
-    if not torch.is_grad_enabled() or not args:
-        return run(self, *args, **kwargs)
+    if not torch.is_grad_enabled():
+        return run(self, *args, **kwargs)  # nothing is saved for a backward: nothing to checkpoint
+    if not args and "hidden_states" in kwargs:
+        args, kwargs = (kwargs.pop("hidden_states"),), kwargs
     longest = context.longest  # the recompute runs in the backward, maybe after other batches' forwards
-    x = args[0]  # hidden_states [B, S_local, H]
-    park = offload and x.device.type != "cpu"  # on the CPU the input already lives in host memory
+    x = args[0] if args else None  # hidden_states [B, S_local, H]
+    park = offload and isinstance(x, Tensor) and x.device.type != "cpu"  # on the CPU it is in host memory already
 
-    def layer(h: Tensor, *rest: Any, **kw: Any) -> Any:
+    def layer(h: Tensor | None, *rest: Any, **kw: Any) -> Any:
         with context.using(longest):
+            if h is None:
+                return run(self, **kw)
             return run(self, h.to(x.device, non_blocking=True) if park else h, *rest, **kw)
 
+    if not args:  # every input by keyword: checkpointed all the same, nothing to park
+        return checkpoint(lambda **kw: layer(None, **kw), use_reentrant=False, **kwargs)
     # non-reentrant: the recompute repeats the layer's collectives in the same order on every rank
     return checkpoint(layer, _ToHost.apply(x) if park else x, *args[1:], use_reentrant=False, **kwargs)
 
