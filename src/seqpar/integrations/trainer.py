@@ -18,9 +18,11 @@ trainer into a subclass of its own class that changes what a step does, and noth
     per micro   compute_loss: model(**shard_batch(batch, mesh, num_items_in_batch=N)).loss
                   value: this dp group's share of the step's global token mean     x dp
                   grad:  d(this rank's token losses) / N                            x dp * sp
-    gradients   the Trainer's own DDP (or FSDP2 through accelerate) over all dp x sp ranks
-                averages, i.e. divides by dp * sp: with the x dp * sp above, it sums -- the
-                gradient contract of the seqpar loss (:mod:`seqpar.batch.loss`)
+    gradients   the Trainer's own DDP over all dp x sp ranks averages, i.e. divides by dp * sp:
+                with the x dp * sp above, it sums -- the gradient contract of the seqpar loss
+                (:mod:`seqpar.batch.loss`). accelerate's FSDP2 averages over all processes the
+                same way, so the same scale applies (not exercised on CPU, where accelerate runs
+                DDP even when FSDP is configured)
     logging     the Trainer logs the mean over all ranks of the summed values: x dp makes it
                 the global token mean, the loss the same run without seqpar logs
     eval        every rank runs every eval batch (its SP group shards it), the loss is the batch
@@ -86,19 +88,20 @@ class _SeqParTrainer:
 
     # ---- data ---------------------------------------------------------------------------
 
-    def get_train_dataloader(self):  # noqa: D102 -- the Trainer's, split over dp only
-        loader = super().get_train_dataloader()
-        state = self._seqpar
-        return _split_loader(loader, dp_size(state.mesh), dist.get_rank(axis_group(state.mesh, Axis.DP.value))
-                             if dp_size(state.mesh) > 1 else 0)
+    def get_train_dataloader(self):
+        """The Trainer's train loader, split over the dp ranks only."""
+        return _split_loader(super().get_train_dataloader(), self._seqpar.dp, self._seqpar.dp_rank)
 
-    def get_eval_dataloader(self, eval_dataset=None):  # noqa: D102 -- every rank reads every batch
+    def get_eval_dataloader(self, eval_dataset=None):
+        """The Trainer's eval loader, unsplit: every rank reads every batch (its SP group shards it)."""
         return _split_loader(super().get_eval_dataloader(eval_dataset), 1, 0)
 
-    def get_test_dataloader(self, test_dataset):  # noqa: D102
+    def get_test_dataloader(self, test_dataset):
+        """The Trainer's predict loader, unsplit like the eval loader."""
         return _split_loader(super().get_test_dataloader(test_dataset), 1, 0)
 
-    def evaluation_loop(self, *args: Any, **kwargs: Any):  # noqa: D102
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """The Trainer's, without its gather over the ranks."""
         # every rank already holds every batch's loss, logits and labels: gathering over the
         # ranks would repeat them (the Trainer resets gather_function itself at the end)
         self.gather_function = _identity
@@ -116,7 +119,7 @@ class _SeqParTrainer:
             except StopIteration:
                 break
         state = self._seqpar
-        _check_sp_groups(batches, num_batches, state.mesh, state.world)
+        _check_sp_groups(batches, num_batches, state.mesh)
         if not batches or "labels" not in batches[0]:
             return batches, None
         return batches, count_target_tokens([_model_batch(b) for b in batches], state.mesh)
@@ -136,7 +139,7 @@ class _SeqParTrainer:
         if model.training and num_items_in_batch:
             # value x dp: the log's mean over all ranks is the global mean; grad x dp*sp: the
             # DDP / FSDP average over all ranks becomes the sum the seqpar loss needs
-            loss = _ScaleGrad.apply(loss, state.world / state.sp, float(state.world))
+            loss = _ScaleGrad.apply(loss, float(state.dp), float(state.world))
         if return_outputs:
             outputs.logits = _full_logits(outputs.logits, local[BATCH_KWARG], state.mesh)
             return loss, outputs
@@ -157,23 +160,29 @@ class _SeqParTrainer:
 
 
 class _State:
+    """The mesh and layout a trainer runs on, and its sizes: world = dp * sp ranks."""
+
     def __init__(self, mesh: DeviceMesh, layout: str) -> None:
         self.mesh, self.layout = mesh, layout
-        self.world = int(mesh.mesh.numel())
-        self.sp = self.world // dp_size(mesh)
+        self.world, self.dp = int(mesh.mesh.numel()), dp_size(mesh)
+        self.sp = self.world // self.dp
+        self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
 
 
 _classes: dict[type, type] = {}
 
 
 def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
-                      strategy: str = "ulysses", layout: str = "contiguous") -> Any:
+                        strategy: str = "ulysses", layout: str = "contiguous") -> Any:
     """Make a constructed ``transformers.Trainer`` (or subclass: ``trl.SFTTrainer``) train, evaluate
     and predict with sequence parallelism over ``mesh`` (or ``seqpar.init_mesh(sp=sp)``), in place.
 
     Call it after the trainer is built and before ``train()``; the processes come from ``torchrun``
     or ``accelerate launch`` (one per device). The dataset's rows are full sequences; each dp group
-    of ``sp`` ranks reads the same batches and shards them along the sequence. Returns the trainer.
+    of ``sp`` ranks reads the same batches and shards them along the sequence. ``strategy``: as for
+    :func:`seqpar.parallelize`; ``layout``: as for :func:`seqpar.shard_batch` ("doc-zigzag"
+    balances ring attention on packed rows). Eval and predict return the loss and the logits of
+    whole sequences (``[B, S, V]``, gathered over sp) on every rank. Returns the trainer.
 
     Raises ValueError (the same on every rank, before any step) if ``sp`` does not divide the world
     size, if the model cannot be parallelized (:func:`seqpar.parallelize`), if the mesh does not
@@ -253,7 +262,7 @@ def _full_logits(logits: Tensor, batch: LocalBatch, mesh: DeviceMesh) -> Tensor:
     return full
 
 
-def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: DeviceMesh, world: int) -> None:
+def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: DeviceMesh) -> None:
     """Every rank of an SP group must hold the same micro-batches; raise on every rank if not.
 
     One all-gather of a row of facts over all ranks (not only the SP group: a failing group must
