@@ -109,6 +109,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_seq:
         if args.packing:
             raise ValueError("--max-seq and --packing are separate measurements: give one of them")
+        from seqpar.train.launcher import under_torchrun
+
+        if under_torchrun():
+            raise ValueError("--max-seq starts fresh local processes for every trial (a rank over the cap is "
+                             "stopped): run it without torchrun")
         from .max_seq import run_max_seq
 
         return run_max_seq(args, strategies, args.nproc or [1, 2, 4])

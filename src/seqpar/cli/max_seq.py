@@ -5,8 +5,11 @@ Each trial is one fresh set of worker processes (:func:`seqpar.bench.try_step`):
 resident memory a rank adds above its runtime baseline (torch and the process group loaded, the code
 paths warmed on a tiny model) -- the model's weights, AdamW states, gradients and activations, as a
 GPU's memory would hold them. A watchdog ends a rank that crosses the cap; the verdict is the kernel's
-exact peak (VmHWM). The search starts where the planner's memory model says the cap is reached, then
-doubles or halves until it brackets the answer and bisects to ``--precision``.
+exact peak (VmHWM). (``RLIMIT_AS`` is no cap here: it bounds address space, not memory -- 755 MiB
+virtual for 344 MiB resident with torch, transformers and a tiny model, plus 64 MiB of reserved malloc
+arena per thread -- so it refuses steps that fit.) The search starts where the planner's memory
+model says the cap is reached, then doubles or halves until it brackets the answer and bisects to
+``--precision``.
 """
 
 from __future__ import annotations
