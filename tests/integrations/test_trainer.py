@@ -19,8 +19,6 @@ import torch
 
 from seqpar.comm.launch import run_distributed
 
-pytestmark = pytest.mark.distributed
-
 TOL = 1e-6
 VOCAB = 128
 STEPS = 3
@@ -208,6 +206,7 @@ def _close(a, b, what):
     assert err <= TOL, f"{what}: max difference {err:.3g} > {TOL}"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", KINDS)
 def test_parity(runs, kind):
     world, results, refs = runs
@@ -222,6 +221,7 @@ def test_parity(runs, kind):
     assert any(float((w - _model().state_dict()[n]).abs().max()) > 1e-3 for n, w in ref["weights"].items())
 
 
+@pytest.mark.distributed
 def test_eval_and_predict(runs):
     world, results, refs = runs
     ref = refs["trainer"]
@@ -231,6 +231,7 @@ def test_eval_and_predict(runs):
             _close(got, want, f"P={world} rank {rank} predict {what}")
 
 
+@pytest.mark.distributed
 def test_resume(runs):
     world, results, refs = runs
     for rank, res in enumerate(results):
@@ -239,6 +240,7 @@ def test_resume(runs):
         _close(results[0]["resumed"]["weights"][name], w, f"P={world} resumed weight {name}")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case,expect", [("collator", "sequence length"),
                                          ("model", "cannot parallelize RobertaForCausalLM"),
                                          ("sp", "sp=3 must divide the world size")])
@@ -250,3 +252,19 @@ def test_bad_input(runs, case, expect):
         assert expect in msg, f"P={world} rank {rank}: {msg}"
         assert step == 0, f"P={world} rank {rank}: {case} raised after {step} steps"
     assert len({m for m, _ in messages}) == 1, f"the ranks raised different errors: {messages}"
+
+
+@pytest.mark.parametrize("option,value", [("compute_loss_func", lambda *a, **k: 0), ("label_smoothing_factor", 0.1),
+                                          ("loss_type", "dft")])
+def test_refuses_losses_it_would_ignore(option, value):
+    """Options whose loss seqpar's compute_loss would not compute are refused, not ignored."""
+    from types import SimpleNamespace
+
+    from seqpar.integrations.trainer import _check_loss_options
+
+    args = SimpleNamespace(label_smoothing_factor=0.0, loss_type="nll")
+    _check_loss_options(SimpleNamespace(args=args, compute_loss_func=None))  # the defaults pass
+    trainer = SimpleNamespace(args=args, compute_loss_func=None)
+    setattr(trainer if option == "compute_loss_func" else args, option, value)
+    with pytest.raises(ValueError, match=option):
+        _check_loss_options(trainer)

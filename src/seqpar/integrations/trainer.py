@@ -186,7 +186,9 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
 
     Raises ValueError (the same on every rank, before any step) if ``sp`` does not divide the world
     size, if the model cannot be parallelized (:func:`seqpar.parallelize`), if the mesh does not
-    span every process of the trainer, or if accelerate's own context / sequence parallelism is on.
+    span every process of the trainer, if accelerate's own context / sequence parallelism is on, or
+    if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
+    label smoothing, TRL's ``loss_type="dft"``, a router aux loss).
     """
     if getattr(trainer, _ATTR, None) is not None:
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer)")
@@ -205,6 +207,7 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
                          "would shard the batch a second time (and torch context_parallel drops the attention "
                          "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
                          "when seqpar runs the sequence parallelism")
+    _check_loss_options(trainer)
     parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
     base = type(trainer)
     cls = _classes.get(base)
@@ -213,6 +216,22 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     trainer.__class__ = cls
     setattr(trainer, _ATTR, state)
     return trainer
+
+
+def _check_loss_options(trainer: Any) -> None:
+    """Refuse the Trainer / TRL options whose loss seqpar's compute_loss would not compute (rather
+    than ignore them): the loss here is the model's causal-LM token mean, nothing else."""
+    args = trainer.args
+    refused = {
+        "compute_loss_func": getattr(trainer, "compute_loss_func", None) is not None,
+        "label_smoothing_factor": bool(getattr(args, "label_smoothing_factor", 0.0)),
+        f"loss_type={getattr(args, 'loss_type', None)!r}": getattr(args, "loss_type", "nll") not in ("nll", None),
+        "the MoE router aux loss (output_router_logits)": bool(getattr(trainer, "aux_loss_enabled", False)),
+    }
+    named = [k for k, on in refused.items() if on]
+    if named:
+        raise ValueError(f"seqpar's Trainer integration computes the causal-LM token mean only; it would ignore "
+                         f"{', '.join(named)}: turn {'it' if len(named) == 1 else 'them'} off to train with seqpar")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
