@@ -114,11 +114,9 @@ def test_hybrid_families_exact_at_p2(default_run):
 
 @pytest.mark.heavy
 def test_hybrid_families_exact_p1_to_p4():
-    families = [*FAMILIES.values(), "nemotron_h", "falcon_h1", "zamba2/hybrid-layers",
-                "granitemoehybrid/attention-layers", "kimi_linear", "qwen3_5_text", "olmo_hybrid", "lfm2_moe"]
-    rows = run_distributed(_parity, 4, families, (1, 2, 3, 4), HEAVY, timeout=1800)[0]  # rank 0: P = 1..4
-    _check([r for r in rows if r["family"] in FAMILIES.values()], list(FAMILIES.values()), (1, 2, 3, 4), HEAVY)
-    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    # every other hybrid family runs in the zoo (P = 2, 3)
+    rows = run_distributed(_parity, 4, list(FAMILIES.values()), (1, 2, 3, 4), HEAVY, timeout=1800)[0]  # rank 0
+    _check(rows, list(FAMILIES.values()), (1, 2, 3, 4), HEAVY)
 
 
 @pytest.mark.heavy
@@ -179,8 +177,9 @@ def _layer_counts(rank, world):
     torch.set_num_threads(1)
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     out = {}
+    two_gdn = {"layer_types": ["linear_attention", "linear_attention", "full_attention"], "num_hidden_layers": 3}
     for family in ("qwen3_next", "lfm2/conv-layers"):
-        model = _model(family)
+        model = build_tiny("qwen3_next", **two_gdn) if family == "qwen3_next" else _model(family)
         seqpar.parallelize(model, mesh)
         batch = case_batch(ModelCase(batch="padded", seq=11), decoder_config(model.config)[0].vocab_size)
         local = seqpar.shard_batch(batch, mesh)
@@ -226,4 +225,4 @@ def test_collectives_per_mixer_layer(default_run):
             assert bwd == {"batch_isend_irecv": 2 * a + (0 if gathered else m), "all_gather_flat": 1,
                            **({"reduce_scatter_flat": m} if gathered else {})}, r
             assert r["copy"] and r["unwrapped"], r
-        assert (gdn["layers"], gdn["attention"], conv["layers"], conv["attention"]) == (3, 1, 1, 1)
+        assert (gdn["layers"], gdn["attention"], conv["layers"], conv["attention"]) == (2, 1, 1, 1)

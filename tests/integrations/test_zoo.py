@@ -11,7 +11,7 @@ from seqpar.testing.zoo import VARIANTS, causal_lm_types, run_zoo
 pytestmark = pytest.mark.distributed
 
 EXACT = ("exact", "exact (float32 model)")
-# families issue 9 named, and how each must end (the zoo checks every other family too)
+# families issues 9 and 13 named, and how each must end (the zoo checks every other family too)
 EXPECTED = {
     "gpt_oss": EXACT, "flint": EXACT, "mimo_v2_flash": EXACT,  # attention sinks
     "deepseek_v2": EXACT, "deepseek_v3": EXACT, "longcat_flash": EXACT,  # MLA under ring
@@ -21,8 +21,15 @@ EXPECTED = {
     "qwen2_moe": EXACT, "phimoe": EXACT,  # windows only in the model's mask
     "llama4_text/no-temperature-tuning": EXACT,  # chunked: chunks counted per packed document
     "llama4_text": ("refused",),  # NoPE temperature tuning reads the local length
-    "qwen3_next": ("refused",), "jamba": ("refused",), "lfm2/conv-layers": ("refused",), "falcon_h1": ("refused",),
     "lfm2": EXACT,  # its default config has attention layers only
+    # issue 13: hybrid token mixers -- Gated DeltaNet, Mamba2, Mamba, short convolutions -- exact
+    **dict.fromkeys(["qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "olmo_hybrid",
+                     "kimi_linear", "bailing_hybrid", "zamba",
+                     "jamba", "jamba/attention-layers", "bamba", "bamba/attention-layers", "falcon_h1", "nemotron_h",
+                     "zamba2", "zamba2/hybrid-layers", "granitemoehybrid", "granitemoehybrid/attention-layers",
+                     "lfm2/conv-layers", "lfm2_moe"], EXACT),
+    "minimax": ("refused",), "recurrent_gemma": ("refused",),  # lightning attention, RG-LRU: not handled
+    "mamba": ("refused",), "mamba2": ("refused",), "falcon_mamba": ("refused",),  # no attention heads at all
     "bart": ("refused",), "whisper": ("refused",), "roberta": ("refused",),  # positions seqpar cannot feed
 }
 # transformers' own default configs that do not build in this version (reported, not seqpar's)
@@ -47,7 +54,7 @@ def test_every_family_is_exact_or_refused(zoo):
     assert all(r.p == p for r in rows)
 
 
-def test_named_families_end_as_issue_9_says(zoo):
+def test_named_families_end_as_issues_9_and_13_say(zoo):
     _, rows = zoo
     for family, allowed in EXPECTED.items():
         outcomes = {r.outcome for r in rows if r.family == family}

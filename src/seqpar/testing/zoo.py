@@ -82,8 +82,15 @@ DEFAULT_FIXES: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2},  # default layer_types: None
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 16]},  # its causal-LM head asserts is_decoder
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},  # its validator forbids the default
+    # hybrids whose first attention layer comes after 3-5 linear-attention layers: one of each kind
+    # (their torch-fallback scans are slow; every extra layer is the same mixer again)
+    **{family: {"layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2}
+       for family in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")},
+    **{family: {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
+                "num_hidden_layers": 2} for family in ("kimi_linear", "bailing_hybrid")},
 }
-"""Config fields set before shrinking, for families whose default config does not build at all."""
+"""Config fields set before shrinking, for families whose default config does not build at all, or
+whose shortest prefix with every layer kind is long (one layer of each kind keeps the zoo fast)."""
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Llama 4 is refused for its NoPE temperature tuning; without it, its chunked layers must be exact
