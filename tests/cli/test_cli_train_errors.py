@@ -77,6 +77,8 @@ CASES = {
     "config missing": (lambda d: ["--config", str(d / "none.yaml")], ["none.yaml", "no such file"]),
     "resume without checkpoint": (lambda d: ["--resume", "--save-dir", str(d / "fresh")], ["--resume", "no complete"]),
     "steps zero": (lambda d: ["--steps", "0"], ["--steps"]),
+    "loss tile zero": (lambda d: ["--loss-tile", "0"], ["--loss-tile must be >= 1"]),
+    "mlp tile negative": (lambda d: ["--mlp-tile", "-2", "--no-tiled-loss"], ["--mlp-tile must be >= 1"]),
 }
 
 

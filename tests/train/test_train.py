@@ -38,8 +38,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     smoke = TrainConfig(seq_len=64, micro_batch=8, lr=5e-3, warmup=5, steps=60, save_every=30, progress=False, seed=0,
                         save_dir=str(root / "smoke"))
+    # the memory switches on (the defaults), with tiles small enough to cut these rows: resume stays exact
     resume = TrainConfig(seq_len=64, micro_batch=2, lr=5e-3, warmup=2, steps=8, save_every=4, progress=False,
-                         eval_rows=2)
+                         eval_rows=2, loss_tile=24, mlp_tile=16)
     out = {"smoke": run_local(prepare_job(smoke)), "smoke_cfg": smoke}
     # an earlier, different run in the same directory: the next run replaces it without complaint
     out["earlier"] = run_local(prepare_job(resume.replace(save_dir=str(root / "straight"), steps=3, save_every=1,
@@ -100,6 +101,7 @@ def test_resume_continues_the_same_loss_curve_exactly(runs, kind):
     n = 4 if kind else 8
     assert runs[kind + "resumed"].resumed_from.endswith(f"step_{n // 2:08d}")
     assert runs[kind + "resumed"].fsdp == bool(kind)
+    assert runs[kind + "resumed"].memory == "tiled loss (24 tokens), tiled MLP (16 tokens), checkpoint layers"
     assert [m["step"] for m in parts] == list(range(1, n + 1))
     for a, b in zip(straight, parts, strict=True):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] and a["lr"] == b["lr"], (a, b)
@@ -119,7 +121,8 @@ def test_second_run_replaces_the_first(runs):
 # --------------------------------------------------------------------------------------------
 
 DOCS = ["a" * 3, "the quick brown fox", "jumps over the lazy dog " * 3, "x", "seqpar " * 9, "abc def ghi jkl",
-        "0123456789" * 4, "hello world", "tokens weighted by count", "z" * 40, "short", "mid length document"]
+        "0123456789" * 4, "hello world", "tokens weighted by count", "z" * 40, "short", "mid length document",
+        "held out from training " * 4]  # 10+ rows: one is held out for the evaluation
 
 
 def _data_file(tmp_path):
@@ -186,12 +189,14 @@ def _first_step(rank, world, cfgs):
         params = {name.replace("_fsdp_wrapped_module.", ""): p.full_tensor() if hasattr(p, "full_tensor") else p
                   for name, p in trainer.model.named_parameters()}
         out.append({"loss": loss, "targets": n, "grads": grads, "params": {k: v.detach().clone()
-                                                                          for k, v in params.items()}})
+                                                                          for k, v in params.items()},
+                    "eval": trainer.evaluate()})  # with tiled_loss: from token_stats, no full logits
     return out
 
 
 PARITY = {  # name: (world, options); every one reads rows 0 and 1 of the same packed data
     "sp2_mb2": (2, dict(sp=2, micro_batch=2)),
+    "sp2_plain": (2, dict(sp=2, micro_batch=2, tiled_loss=False, tiled_mlp=False, checkpoint="none")),
     "dp2": (2, dict(sp=1, micro_batch=1)),
     "sp2_accum2": (2, dict(sp=2, micro_batch=1, grad_accum=2)),
     "sp2_ring": (2, dict(sp=2, micro_batch=2, strategy="ring")),
@@ -205,7 +210,9 @@ PARITY = {  # name: (world, options); every one reads rows 0 and 1 of the same p
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
+    # every case with the memory switches on, in several tiles; the reference without any (plain model)
     base = TrainConfig(data=[_data_file(tmp)], packing=True, seq_len=37, dtype="float64", progress=False,
+                       loss_tile=7, mlp_tile=5,
                        save_dir=str(tmp / "unused"), model_config=json.dumps({"hidden_size": 32, "head_dim": 8,
                                                                               "intermediate_size": 64,
                                                                               "vocab_size": 300}))
@@ -214,7 +221,8 @@ def parity(tmp_path_factory):
         names = [n for n, (w, _) in PARITY.items() if w == world]
         got = run_distributed(_first_step, world, [base.replace(**PARITY[n][1]) for n in names], timeout=300)[0]
         results.update(zip(names, got, strict=True))
-    ref = run_distributed(_first_step, 1, [base.replace(sp=1, micro_batch=2)], timeout=300)[0][0]
+    plain = base.replace(sp=1, micro_batch=2, tiled_loss=False, tiled_mlp=False, checkpoint="none")
+    ref = run_distributed(_first_step, 1, [plain], timeout=300)[0][0]
     return ref, results
 
 
@@ -261,4 +269,6 @@ def test_first_step_matches_single_process(parity, name):
     assert all(torch.equal(got["params"][k], ref["params"][k]) for k in ref["params"])  # the same init bits
     worst = max(float((got["grads"][k] - ref["grads"][k]).abs().max()) for k in ref["grads"])
     assert worst <= 1e-8, worst
+    assert ref["eval"].targets > 0 and got["eval"].targets == ref["eval"].targets
+    assert abs(got["eval"].loss - ref["eval"].loss) <= 1e-9 and got["eval"].accuracy == ref["eval"].accuracy
     assert max(float(g.abs().max()) for g in ref["grads"].values()) > 1e-3  # not trivially zero

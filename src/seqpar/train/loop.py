@@ -251,7 +251,8 @@ class Trainer:
                 local.pop("shift_labels", None)
                 logits = self.model(**local).logits
                 correct, count = answer_accuracy(logits, targets)
-                row = torch.tensor([float(token_losses(logits, targets, IGNORE).sum()), correct, count])
+                row = torch.tensor([float(token_losses(logits, targets, IGNORE).sum()), correct, count],
+                                   dtype=torch.float64)
             if i < len(mine):  # else a padding round of a dp rank with fewer rows
                 totals += row.to(totals)
         self.model.train()
