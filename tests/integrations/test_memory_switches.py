@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import seqpar
+from seqpar.batch.tiled_loss import Head, tiled_gather_log_probs
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 from seqpar.integrations.tiling import _TiledMLP, agreed_tiles
@@ -112,6 +113,24 @@ def _eval(world):
     totals = torch.stack([stats.losses.sum(), stats.correct.sum().double(), stats.valid.sum().double()])
     dist.all_reduce(totals, group=mesh.get_group("sp"))
     return (abs(float(totals[0] - ref_sum)), int(totals[1]), ref_correct, int(totals[2]), int(valid.sum()))
+
+
+def _log_probs(world):
+    """tiled_gather_log_probs against gather_log_probs on the full local logits, on a zigzag shard:
+    (value diff, hidden grad diff, weight grad diff)."""
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    case = ModelCase(batch="packed", seq=15)
+    model = make_model(case)
+    local = seqpar.shard_batch(case_batch(case, model.config.vocab_size), mesh, layout="zigzag")
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(*local["labels"].shape, 32, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = model.lm_head.weight.detach().clone().requires_grad_(True)
+    mine = tiled_gather_log_probs(hidden, Head(weight), local, mesh, tile=4)  # [B, S]
+    ref = seqpar.gather_log_probs(F.linear(hidden, weight), local, mesh)
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)  # the same sequence-level loss on every rank
+    ga = torch.autograd.grad((mine * w).sum(), (hidden, weight))
+    gb = torch.autograd.grad((ref * w).sum(), (hidden, weight))
+    return (float((mine - ref).abs().max()), *(float((a - b).abs().max()) for a, b in zip(ga, gb, strict=True)))
 
 
 def _fsdp(world):
@@ -219,6 +238,7 @@ def _refusal(world):
 def run_default(rank, world):
     torch.set_num_threads(1)
     return {"parity": _parity(DEFAULT, world), "tiled": _tiled_vs_untiled(world), "eval": _eval(world),
+            "log_probs": _log_probs(world),
             "fsdp": _fsdp(world),
             "counts": _counts(world), "uneven": _uneven(rank, world), "refusal": _refusal(world)}
 
@@ -253,6 +273,11 @@ def test_tiled_loss_equals_seqpars_untiled_loss_with_weights_and_num_items(resul
 def test_token_stats_on_shards_sum_to_the_full_models(results):
     for loss_diff, correct, ref_correct, count, ref_count in (r["eval"] for r in results):
         assert loss_diff <= LOSS_TOL and correct == ref_correct and count == ref_count > 0
+
+
+def test_tiled_gather_log_probs_equals_gather_log_probs(results):
+    for value, grad_hidden, grad_weight in (r["log_probs"] for r in results):
+        assert value <= LOSS_TOL and grad_hidden <= GRAD_TOL and grad_weight <= GRAD_TOL
 
 
 def test_fsdp2_with_every_switch(results):

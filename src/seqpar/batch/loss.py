@@ -134,17 +134,30 @@ def gather_log_probs(logits: Tensor, labels: Tensor | dict[str, Any], mesh: Devi
     SP ranks gives the exact gradient. ``shard`` (or a local batch dict) gives uneven lengths and
     the layout; without it the shards are taken as equal and contiguous.
     """
-    if isinstance(labels, dict):
-        shard = labels[BATCH_KWARG]
-        labels = labels["labels"]
-    if isinstance(shard, LocalBatch):
-        shard = shard.shard
+    labels, shard = labels_and_shard(labels, shard)
     group = axis_group(as_mesh(mesh, "gather_log_probs"), Axis.SP.value)
     check_failures(group)  # no log-probabilities from a failed forward (free when nothing to check)
     cdtype = torch.promote_types(logits.dtype, torch.float32)
     logp = torch.log_softmax(logits.to(cdtype), dim=-1)
     valid = labels != ignore_index
     picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * valid  # [B, S_local]
+    return gather_token_values(picked, group, shard)
+
+
+def labels_and_shard(labels: Tensor | dict[str, Any], shard: SeqShard | LocalBatch | None
+                     ) -> tuple[Tensor, SeqShard | None]:
+    """``(local targets [B, S_local], SeqShard or None)`` from the arguments of :func:`gather_log_probs`."""
+    if isinstance(labels, dict):
+        shard = labels[BATCH_KWARG]
+        labels = labels["labels"]
+    if isinstance(shard, LocalBatch):
+        shard = shard.shard
+    return labels, shard
+
+
+def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShard | None) -> Tensor:
+    """``[B, S_local] -> [B, S]`` in the original token order on every rank of the SP ``group``;
+    the backward keeps this rank's slice (see :func:`gather_log_probs`)."""
     sizes = shard.seq_lens if shard is not None else None
     full = gather_seq(picked, dim=1, group=group, sizes=sizes, grad="slice")  # [B, S] in layout order
     if shard is not None and shard.positions is not None:

@@ -26,10 +26,17 @@ forward) recomputes each tile's logits in its backward instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
+from ..attention.shard import SeqShard
+from ..comm.guard import check_failures
+from ..comm.mesh import Axis, as_mesh, axis_group
+from .loss import gather_token_values, labels_and_shard
+from .sharding import LocalBatch
 from .targets import IGNORE_INDEX
 
 
@@ -234,3 +241,16 @@ def tiled_log_probs(hidden: Tensor, head: Head, targets: Tensor, *, tile: int = 
     out = _TiledLogProbs.apply(flat, head.weight, head.bias, head, targets.reshape(-1).to(flat.device), tile,
                                ignore_index)
     return out.view(targets.shape)
+
+
+def tiled_gather_log_probs(hidden: Tensor, head: Head, labels: Tensor | dict[str, Any], mesh: DeviceMesh, *,
+                           shard: SeqShard | LocalBatch | None = None, tile: int = 1024,
+                           ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """:func:`seqpar.gather_log_probs` from the final hidden states ``[B, S_local, H]`` and the head
+    (:func:`seqpar.integrations.memory.output_head`) instead of the logits: ``[B, S]`` per-token
+    log-probabilities on every SP rank, differentiable, with no ``[S_local, V]`` tensor."""
+    labels, shard = labels_and_shard(labels, shard)
+    group = axis_group(as_mesh(mesh, "tiled_gather_log_probs"), Axis.SP.value)
+    check_failures(group)  # as gather_log_probs: nothing from a failed forward
+    picked = tiled_log_probs(hidden, head, labels, tile=tile, ignore_index=ignore_index)  # [B, S_local]
+    return gather_token_values(picked, group, shard)

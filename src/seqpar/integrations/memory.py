@@ -41,6 +41,7 @@ from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import Head, check_tile, tiled_loss_sum, tiled_token_stats
 from ..comm.agree import check, share
+from ..comm.guard import check_failures
 from ..comm.mesh import Axis, axis_group
 from .tiling import TileContext, checkpoint_layer, is_per_token_mlp, tile_mlp, untile
 
@@ -72,7 +73,7 @@ class _Memory:
     head_checked: bool = False
 
 
-def _head(model: nn.Module) -> Head:
+def output_head(model: nn.Module) -> Head:
     """The model's head as a :class:`Head`, read now (under FSDP2 the unsharded weight). Raises
     ValueError for a head seqpar cannot reproduce exactly."""
     lin = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -162,7 +163,7 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
                          "(its _no_split_modules): use checkpoint='none'")
     mlps = _mlps(model, layers) if tiled_mlp else []
     if tiled_loss:
-        _head(model)
+        output_head(model)
         _decoder(model)
         if "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ValueError(f"tiled_loss: {type(model).__name__}.forward takes no logits_to_keep, so its head would "
@@ -257,7 +258,7 @@ class _TiledLossFunction:
         if hidden is None:
             raise ValueError("tiled_loss: the decoder's hidden states were not seen in this call (was the model "
                              "called through its forward?)")
-        head = _head(model)
+        head = output_head(model)
         sharded = isinstance(kwargs.get(BATCH_KWARG), LocalBatch)
         if sharded and state.mesh is None:
             raise ValueError("a sharded batch reached a model whose reduce_memory got no mesh: pass the mesh")
@@ -316,8 +317,10 @@ def token_stats(model: nn.Module, batch: dict[str, Any], *, tile: int | None = N
         model(**{k: v for k, v in batch.items() if k not in ("labels", "loss_weights")}, logits_to_keep=1)
     finally:
         hook.remove()
+    if sharded and state is not None and state.mesh is not None:
+        check_failures(axis_group(state.mesh, Axis.SP.value))  # as the loss: nothing from a failed forward
     tile = tile or (state.loss_tile if state is not None else DEFAULT_LOSS_TILE)
-    losses, correct = tiled_token_stats(captured[-1], _head(model), targets, tile=tile)
+    losses, correct = tiled_token_stats(captured[-1], output_head(model), targets, tile=tile)
     return TokenStats(losses, correct, targets != IGNORE_INDEX)
 
 
@@ -345,7 +348,7 @@ def memory_switches(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {"tiled_loss": state.tiled_loss, "tiled_mlp": state.tiled_mlp,
                            "checkpoint": state.checkpoint}
     if state.tiled_loss:
-        head = _head(model)
+        head = output_head(model)
         extras = [f"{k}={getattr(head, k)}" for k in ("scale", "divide", "softcap") if getattr(head, k) is not None]
         out["loss_tile"] = state.loss_tile
         out["head"] = " ".join([f"Linear {head.weight.shape[1]}->{head.weight.shape[0]}",
