@@ -104,3 +104,47 @@ def test_train_with_the_checkpoints_tokenizer(tmp_path):
     s = run_local(prepare_job(cfg))
     assert s.steps == 3 and "(bytes)" not in s.data, s.data  # the checkpoint's tokenizer, not bytes
     assert all(loss > 0 for _, loss in s.losses)
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_only():
+    from seqpar.train.config import resolve_dtype
+
+    assert resolve_dtype(TrainConfig(), "cuda") == "bfloat16"
+    assert resolve_dtype(TrainConfig(), "cpu") == "float32"
+    assert resolve_dtype(TrainConfig(fsdp="off"), "cuda") == "float32"  # bf16 needs FSDP2's fp32 master weights
+    assert resolve_dtype(TrainConfig(dtype="float64"), "cuda") == "float64"
+
+
+def test_timeout_default_sized_by_device():
+    from seqpar.train.config import CPU_TIMEOUT, CUDA_TIMEOUT, collective_timeout
+
+    assert collective_timeout(TrainConfig(), "cpu") == CPU_TIMEOUT < CUDA_TIMEOUT == collective_timeout(
+        TrainConfig(), "cuda")
+    assert collective_timeout(TrainConfig(timeout=42.0), "cuda") == 42.0
+
+
+def test_memory_switches_options():
+    from seqpar.train.config import describe_memory, memory_options
+
+    cfg = TrainConfig(checkpoint="offload", loss_tile=512)
+    assert memory_options(cfg, "cuda") == dict(tiled_loss=True, tiled_mlp=True, checkpoint="offload", loss_tile=512,
+                                               mlp_tile=cfg.mlp_tile)
+    assert memory_options(cfg, "cpu")["checkpoint"] == "layers"  # host memory already holds the saved inputs
+    off = TrainConfig(tiled_loss=False, tiled_mlp=False, checkpoint="none")
+    assert memory_options(off, "cuda") is None and describe_memory(off).startswith("none")
+    assert describe_memory(cfg) == f"tiled loss (512 tokens), tiled MLP ({cfg.mlp_tile} tokens), checkpoint offload"
+
+
+def test_builtin_keeps_its_vocabulary_and_small_llama3_its_shape():
+    """The larger of the built-in's vocabulary and the data's, unless --model-config sets it (issue 11);
+    small-llama3 is not resized to the CPU demo's size."""
+    from seqpar.train.config import TRAIN_SIZE, builtin_fields
+
+    big = TrainConfig(model="small-llama3")
+    assert builtin_fields(big, 67)["vocab_size"] == 8192
+    assert builtin_fields(big, 9000)["vocab_size"] == 9000
+    assert builtin_fields(big.replace(model_config='{"vocab_size": 300}'), 67)["vocab_size"] == 300
+    assert "hidden_size" not in builtin_fields(big, 67)
+    tiny = builtin_fields(TrainConfig(seq_len=64), 259)
+    assert tiny["vocab_size"] == 259 and tiny["max_position_embeddings"] == 64
+    assert tiny["hidden_size"] == TRAIN_SIZE["hidden_size"]

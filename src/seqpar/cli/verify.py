@@ -23,6 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():  # said, not silent: the float64 checks run on local CPU processes
+        print(f"seqpar verify: this host has {torch.cuda.device_count()} CUDA device(s), but these checks run on "
+              "local CPU processes (gloo, float64); the CUDA kernels are checked by `make gpu-check`",
+              file=sys.stderr, flush=True)
     if args.zoo:
         return verify_zoo(args)
     if args.model:
