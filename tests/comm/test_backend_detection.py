@@ -55,3 +55,14 @@ def test_a_group_without_a_config_falls_back_to_its_backend(backend, monkeypatch
 
     monkeypatch.setattr(dist, "get_backend_config", missing)
     assert not mesh.uses_nccl() and mesh.backend_names() == "undefined"
+
+
+def test_batch_devices_that_truly_conflict_are_refused():
+    from seqpar.batch.sharding import device_problem
+
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert device_problem({cpu}, gpu0) is None  # a DataLoader batch with NCCL: metadata moves once
+    assert device_problem({cpu}, cpu) is None and device_problem(set(), gpu0) is None
+    assert device_problem({gpu0}, gpu0) is None
+    assert "set_device" in device_problem({gpu1}, gpu0)
+    assert "different devices (cpu, cuda:0)" in device_problem({cpu, gpu0}, gpu0)

@@ -130,9 +130,26 @@ _SAME = {
 }
 
 
+def device_problem(devices: set[torch.device], comm: torch.device) -> str | None:
+    """Why a batch whose tensors sit on ``devices`` cannot be sharded for a group that talks on
+    ``comm`` (:func:`seqpar.comm.collectives.comm_device`), or None. CPU batches suit every group
+    (with NCCL their metadata moves to ``comm`` once); refused: tensors on several devices, and a
+    CUDA batch on another GPU than the one this rank's NCCL group uses."""
+    if len(devices) > 1:
+        return (f"the batch's tensors are on different devices ({', '.join(sorted(map(str, devices)))}): put them "
+                "on one device (the CPU, or this rank's GPU)")
+    dev = next(iter(devices), torch.device("cpu"))
+    if dev.type == "cuda" and comm.type == "cuda" and dev.index != comm.index:
+        return (f"the batch is on {dev} but this rank's NCCL group talks on {comm}: call "
+                "torch.cuda.set_device(local_rank) before init_process_group, or move the batch to that GPU")
+    return None
+
+
 def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, num_items: float | None,
               device: torch.device) -> tuple[int, int]:
     problem, b, s = _local_problem(batch)
+    if problem is None:  # found on one rank, raised on every rank by the agreement below
+        problem = device_problem({t.device for t in batch.values() if isinstance(t, Tensor)}, device)
     ok = problem is None
     facts = {
         "batch": float(b), "seq": float(s),
