@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"seqpar train: this host has {torch.cuda.device_count()} CUDA device(s), but without torchrun the "
               "workers run on the CPU (gloo); for the GPUs: torchrun --nproc-per-node N -m seqpar.cli.main train "
               "...", file=sys.stderr, flush=True)
-    print(f"seqpar train: {job.world} local workers (gloo, 1 thread each), sp={job.sp} x dp={job.dp}, "
+    print(f"seqpar train: {job.world} local workers on the CPU (gloo, 1 thread each), sp={job.sp} x dp={job.dp}, "
           f"{job.strategy}{' (auto: ' + job.reason + ')' if job.reason else ''}, --seq-len {cfg.seq_len}, "
           f"{cfg.steps} steps -> {os.path.abspath(cfg.save_dir)}; memory: {describe_memory(cfg)}", flush=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # terminate like Ctrl-C: stop the workers
