@@ -56,6 +56,9 @@ def main() -> int:
     ap.add_argument("--mem-cap", default="320MiB")
     ap.add_argument("--loss-tile", default="256")
     ap.add_argument("--max-seq-nproc", default="1,4")
+    ap.add_argument("--switches", default="off,on")
+    ap.add_argument("--limit", default=str(1 << 22), help="the longest length --max-seq tries (with a limit that "
+                    "fits, the answer is 'at least the limit': one trial checks a goal)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     if args.goal == "memory":
@@ -65,7 +68,7 @@ def main() -> int:
 
     return cli(["bench", "--max-seq", "--model", "tiny-llama", "--model-config", json.dumps(ISSUE_MODEL_BUILTIN),
                 "--mem-cap", args.mem_cap, "--loss-tile", args.loss_tile, "--nproc", args.max_seq_nproc,
-                "--strategies", "ulysses", "--switches", "off,on", "--out", args.out])
+                "--strategies", "ulysses", "--switches", args.switches, "--limit", args.limit, "--out", args.out])
 
 
 if __name__ == "__main__":
