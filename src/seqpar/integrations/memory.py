@@ -8,7 +8,7 @@ Three switches, each exact (float64 parity with the plain model), each undone by
         layer i    checkpoint="layers"  non-reentrant checkpoint; "offload": its input in pinned host memory
           mlp      tiled_mlp            sequence tiles, recomputed per tile in backward (.tiling)
       lm_head                           runs on the last token only (what .logits holds)
-      loss_function  tiled_loss         head + cross entropy in tiles from the hidden state (seqpar.batch.tiled_loss)
+      loss_function  tiled_loss         head + cross entropy in tiles from the hidden state (.tiled_head)
 
 Only public points of transformers are used: hooks on modules the model owns, the ``logits_to_keep``
 argument of its forward, ``model.loss_function``, and an instance ``forward`` on its MLP and decoder
@@ -36,13 +36,12 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..batch.loss import sharded_loss_inputs, sp_token_mean
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..batch.targets import IGNORE_INDEX
-from ..batch.tiled_loss import Head, check_tile, tiled_loss_sum, tiled_token_stats
-from ..comm.agree import check, share
+from ..batch.tiled_loss import check_tile, tiled_token_stats
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, axis_group
+from .tiled_head import TiledLossFunction, decoder_of, last_hidden, output_head, shifted_targets
 from .tiling import TileContext, checkpoint_layer, is_per_token_mlp, tile_mlp, untile
 
 CHECKPOINT_MODES = ("none", "layers", "offload")
@@ -51,7 +50,6 @@ DEFAULT_LOSS_TILE = 1024
 DEFAULT_MLP_TILE = 2048
 """Tokens per MLP tile: bounds a gated MLP's intermediates to [B, 2048, 3 x intermediate]."""
 _ATTR = "_seqpar_memory"
-_HEAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 
 @dataclass
@@ -71,30 +69,6 @@ class _Memory:
     hidden: Tensor | None = None  # the decoder's last hidden state of the running call
     catch: bool = False  # whether the running call computes a loss (only then is the hidden state kept)
     head_checked: bool = False
-
-
-def output_head(model: nn.Module) -> Head:
-    """The model's head as a :class:`Head`, read now (under FSDP2 the unsharded weight). Raises
-    ValueError for a head seqpar cannot reproduce exactly."""
-    lin = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(lin) is not nn.Linear:
-        raise ValueError(f"tiled_loss: {type(model).__name__}'s output head is {type(lin).__name__}, not an "
-                         "nn.Linear seqpar can tile exactly: use tiled_loss=False")
-    config = model.config
-    kind = str(getattr(config, "model_type", ""))
-    scale = getattr(model, "logit_scale", None) if kind.startswith("cohere") else None
-    divide = getattr(config, "logits_scaling", None) if kind.startswith("granite") else None
-    return Head(lin.weight, lin.bias, scale=None if scale is None else float(scale),
-                divide=None if divide is None else float(divide),
-                softcap=getattr(config, "final_logit_softcapping", None) or None)
-
-
-def _decoder(model: nn.Module) -> nn.Module:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if not isinstance(decoder, nn.Module) or decoder is model:
-        raise ValueError(f"tiled_loss: {type(model).__name__} has no separate decoder module (get_decoder()) whose "
-                         "hidden states feed the head: use tiled_loss=False")
-    return decoder
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -164,7 +138,7 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
     mlps = _mlps(model, layers) if tiled_mlp else []
     if tiled_loss:
         output_head(model)
-        _decoder(model)
+        decoder_of(model)
         if "logits_to_keep" not in inspect.signature(model.forward).parameters:
             raise ValueError(f"tiled_loss: {type(model).__name__}.forward takes no logits_to_keep, so its head would "
                              "make the full logits anyway: use tiled_loss=False")
@@ -177,8 +151,8 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
         checkpoint_layer(layer, checkpoint == "offload", state.context)
     state.hooks.append(model.register_forward_pre_hook(_BeforeForward(state), with_kwargs=True))
     if tiled_loss:
-        state.hooks.append(_decoder(model).register_forward_hook(_CatchHidden(state)))
-        model.loss_function = _TiledLossFunction(model, state)
+        state.hooks.append(decoder_of(model).register_forward_hook(_CatchHidden(state)))
+        model.loss_function = TiledLossFunction(model, state)
     setattr(model, _ATTR, state)
     return model
 
@@ -211,82 +185,7 @@ class _CatchHidden:
 
     def __call__(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if self.state.catch:  # a call without labels (generation) keeps nothing alive here
-            self.state.hidden = _last_hidden(output)
-
-
-def _last_hidden(output: Any) -> Tensor:
-    hidden = getattr(output, "last_hidden_state", None)
-    return hidden if hidden is not None else output[0]  # [B, S_local, H]
-
-
-def _check_head(model: nn.Module, state: _Memory, head: Head, hidden: Tensor, logits: Tensor,
-                group: Any) -> None:
-    """Once per model: the model's own logits of its kept last tokens against the tiled head's."""
-    k = logits.shape[1] if logits.dim() == 3 else 0
-    problem = None
-    if 0 < k <= hidden.shape[1]:
-        with torch.no_grad():
-            mine, _ = head.logits(hidden[:, -k:].reshape(-1, hidden.shape[-1]))
-            theirs = logits.detach().reshape(mine.shape).to(mine.dtype)
-            tol = _HEAD_TOL.get(mine.dtype, 3e-2) * max(1.0, float(theirs.abs().max()))
-            diff = float((mine - theirs).abs().max())
-        if diff > tol:
-            problem = (f"{type(model).__name__}'s logits are not its head's output as seqpar reproduces it (differ "
-                       f"by {diff:.3g}): the model transforms them in a way tiled_loss does not know; use "
-                       "tiled_loss=False")
-    if group is not None:
-        check(share({}, group, problem=problem), what="tiled_loss head")
-    elif problem:
-        raise ValueError(problem)
-    state.head_checked = True
-
-
-class _TiledLossFunction:
-    """``model.loss_function`` with tiled_loss: the loss from the decoder's hidden state (caught by
-    :class:`_CatchHidden` in the same call), not from the logits it is handed (the last token's).
-    Sharded batches get seqpar's exact global token mean (:func:`seqpar.batch.loss.sp_token_mean`),
-    plain ones transformers' mean (or sum over ``num_items_in_batch``), in float32 at least."""
-
-    def __init__(self, model: nn.Module, state: _Memory) -> None:
-        self.model, self.state = model, state
-
-    def __call__(self, logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
-                 num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
-                 shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
-        model, state = self.model, self.state
-        hidden, state.hidden = state.hidden, None
-        if hidden is None:
-            raise ValueError("tiled_loss: the decoder's hidden states were not seen in this call (was the model "
-                             "called through its forward?)")
-        head = output_head(model)
-        sharded = isinstance(kwargs.get(BATCH_KWARG), LocalBatch)
-        if sharded and state.mesh is None:
-            raise ValueError("a sharded batch reached a model whose reduce_memory got no mesh: pass the mesh")
-        group = axis_group(state.mesh, Axis.SP.value) if sharded else None
-        if sharded:
-            batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
-                                                              tuple(hidden.shape[:2]))
-            weights = batch.loss_weights
-        else:
-            targets, weights = _shifted(labels, shift_labels, ignore_index), None
-        if not state.head_checked:
-            _check_head(model, state, head, hidden, logits, group)
-        local = tiled_loss_sum(hidden, head, targets, token_weights=weights, tile=state.loss_tile,
-                               ignore_index=ignore_index)
-        if sharded:
-            return sp_token_mean(local, batch, group, denominator)
-        # transformers' reduction: the mean over the targets, or the sum over num_items_in_batch
-        n = num_items_in_batch if num_items_in_batch is not None else (targets != ignore_index).sum()
-        return local / max(float(n.item() if isinstance(n, Tensor) else n), 1.0)
-
-
-def _shifted(labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int) -> Tensor:
-    """transformers' causal-LM targets: the label of the next token, ignore_index after the last."""
-    if shift_labels is not None:
-        return shift_labels
-    if labels is None:
-        raise ValueError("tiled_loss needs labels (or shift_labels)")
-    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+            self.state.hidden = last_hidden(output)
 
 
 @dataclass(frozen=True)
@@ -310,9 +209,9 @@ def token_stats(model: nn.Module, batch: dict[str, Any], *, tile: int | None = N
     if labels is None:
         raise ValueError("token_stats needs the batch's labels")
     sharded = isinstance(batch.get(BATCH_KWARG), LocalBatch)
-    targets = labels if sharded else _shifted(labels, None, IGNORE_INDEX)
+    targets = labels if sharded else shifted_targets(labels, None, IGNORE_INDEX)
     captured: list[Tensor] = []
-    hook = _decoder(model).register_forward_hook(lambda _m, _a, out: captured.append(_last_hidden(out)))
+    hook = decoder_of(model).register_forward_hook(lambda _m, _a, out: captured.append(last_hidden(out)))
     try:
         model(**{k: v for k, v in batch.items() if k not in ("labels", "loss_weights")}, logits_to_keep=1)
     finally:
