@@ -71,8 +71,8 @@ def test_metrics_one_line_per_step(runs):
     lines = _metrics(runs["dirs"]["smoke"])
     assert [m["step"] for m in lines] == list(range(1, 61))
     for m in lines:
-        assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib"} <= set(m)
-        assert len(m["peak_mem_mib"]) == 2
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib", "peak_reserved_mib"} <= set(m)
+        assert len(m["peak_mem_mib"]) == 2 and m["peak_reserved_mib"] == m["peak_mem_mib"]  # the CPU: both RSS
     assert [m["loss"] for m in lines] == [loss for _, loss in runs["smoke"].losses]
 
 

@@ -148,3 +148,23 @@ def test_builtin_keeps_its_vocabulary_and_small_llama3_its_shape():
     tiny = builtin_fields(TrainConfig(seq_len=64), 259)
     assert tiny["vocab_size"] == 259 and tiny["max_position_embeddings"] == 64
     assert tiny["hidden_size"] == TRAIN_SIZE["hidden_size"]
+
+
+def test_summary_reports_cuda_allocated_and_reserved():
+    """On CUDA the closing report gives both allocator peaks per rank (reset after setup); on the CPU
+    the peak RSS, which includes setup."""
+    import dataclasses
+
+    from seqpar.cli.train import format_summary
+    from seqpar.train.run import RunSummary
+
+    base = {f.name: None for f in dataclasses.fields(RunSummary)}
+    base.update(steps=2, losses=[(1, 2.0), (2, 1.5)], train_time_s=1.0, data="d", metrics="m", world=2, sp=2, dp=1,
+                strategy="ulysses", layout="contiguous", params=10, fsdp=True, tokens_per_step=8,
+                replaced_previous=False, reason="", attention="a", dtype="bfloat16", memory="checkpoint layers",
+                setup_s=0.0, eval_s=0.0, peak_mem_mib=[100.0, 101.0], peak_reserved_mib=[120.0, 130.0])
+    cuda = format_summary(RunSummary(**{**base, "device": "cuda:0"}))
+    assert "rank 0: 100 / 120 MiB, rank 1: 101 / 130 MiB (CUDA allocated / reserved" in cuda
+    assert "FSDP2, bfloat16)" in cuda and "memory      checkpoint layers" in cuda
+    cpu = format_summary(RunSummary(**{**base, "device": "cpu"}))
+    assert "rank 0: 100 MiB, rank 1: 101 MiB (peak RSS" in cpu
