@@ -27,6 +27,7 @@ from seqpar.testing.model_parity import (
     compare_models,
     precision_floor,
     reference_grads,
+    run_model_parity,
     sp_meshes,
 )
 from seqpar.testing.zoo import VARIANTS, build_tiny
@@ -226,3 +227,13 @@ def test_collectives_per_mixer_layer(default_run):
                            **({"reduce_scatter_flat": m} if gathered else {})}, r
             assert r["copy"] and r["unwrapped"], r
         assert (gdn["layers"], gdn["attention"], conv["layers"], conv["attention"]) == (2, 1, 1, 1)
+
+
+@pytest.mark.heavy
+def test_builtin_hybrids_with_activation_checkpointing():
+    """The built-in hybrids (seqpar verify / train --model) recompute their layers in the backward:
+    the gathered mixer's collectives run again there, in the same order on every rank."""
+    cases = [ModelCase(model=m, batch=b, seq=s, checkpointing=c) for m in ("tiny-qwen3-next", "tiny-bamba")
+             for b, s, c in (("packed", 17, "non-reentrant"), ("padded", 15, "reentrant"))]
+    rows = run_distributed(run_model_parity, 4, cases, (2, 4), timeout=1200)[0]
+    assert len(rows) == 2 * len(cases) and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
