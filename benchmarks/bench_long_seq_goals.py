@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--loss-tile", default="256")
     ap.add_argument("--max-seq-nproc", default="1,4")
     ap.add_argument("--switches", default="off,on")
+    ap.add_argument("--start", default=None, help="the first length --max-seq tries (default: the planner's)")
     ap.add_argument("--limit", default=str(1 << 22), help="the longest length --max-seq tries (with a limit that "
                     "fits, the answer is 'at least the limit': one trial checks a goal)")
     ap.add_argument("--out", default="bench_out")
@@ -68,7 +69,8 @@ def main() -> int:
 
     return cli(["bench", "--max-seq", "--model", "tiny-llama", "--model-config", json.dumps(ISSUE_MODEL_BUILTIN),
                 "--mem-cap", args.mem_cap, "--loss-tile", args.loss_tile, "--nproc", args.max_seq_nproc,
-                "--strategies", "ulysses", "--switches", args.switches, "--limit", args.limit, "--out", args.out])
+                "--strategies", "ulysses", "--switches", args.switches, "--limit", args.limit, "--out", args.out,
+                *(["--start", args.start] if args.start else [])])
 
 
 if __name__ == "__main__":

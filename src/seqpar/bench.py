@@ -357,7 +357,8 @@ def max_seq(case: BenchCase, cap_bytes: int, *, start: int, granularity: int, pr
     """The longest multiple of ``granularity`` tokens whose full step fits ``cap_bytes`` per rank,
     found by running: from ``start``, double (or halve) until one length fits and one does not,
     then bisect until the gap is below ``precision`` of the fitting length (or one granule).
-    Returns ``(longest fitting length or 0, every trial in order)``; ``limit`` bounds the growth."""
+    Returns ``(longest fitting length or 0, every trial in order)``; ``limit`` bounds the growth
+    (the limit itself is tried last, so a fitting limit means "at least the limit")."""
     def run(n: int) -> Trial:
         t = try_step(replace(case, seq_len=n), cap_bytes, timeout)
         trials.append(t)
@@ -373,12 +374,12 @@ def max_seq(case: BenchCase, cap_bytes: int, *, start: int, granularity: int, pr
     lo, hi = 0, None  # longest that fits, shortest that does not
     if run(n).fits:
         lo = n
-        while hi is None and 2 * lo <= limit:
-            hi_try = 2 * lo
-            if run(hi_try).fits:
-                lo = hi_try
+        while hi is None and min(2 * lo, limit // g * g) > lo:  # doubling, the limit last
+            grow = min(2 * lo, limit // g * g)
+            if run(grow).fits:
+                lo = grow
             else:
-                hi = hi_try
+                hi = grow
         if hi is None:
             return lo, trials
     else:

@@ -143,6 +143,9 @@ def test_max_seq_search_grows_then_bisects(monkeypatch):
     assert tried[:4] == [40000, 19968, 9984, 4992] and best2 == best
     tried.clear()
     assert bench.max_seq(case, 1, start=64, granularity=64, limit=256)[0] == 256  # never past the limit
+    tried.clear()
+    assert bench.max_seq(case, 1, start=1000, granularity=64, limit=3000)[0] == 2944  # the limit tried last
+    assert tried == [960, 1920, 2944]
     monkeypatch.setattr(bench, "try_step", lambda c, cap, timeout=0.0: bench.Trial(c.seq_len, False, 0, 0, True))
     assert bench.max_seq(case, 1, start=1000, granularity=64)[0] == 0  # nothing fits
 

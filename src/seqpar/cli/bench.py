@@ -74,6 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", type=float, default=0.125,
                    help="with --max-seq: stop bisecting when the gap is below this fraction of the length")
     p.add_argument("--limit", type=int, default=1 << 22, help="with --max-seq: the longest length tried")
+    p.add_argument("--start", type=int, default=None, metavar="TOKENS",
+                   help="with --max-seq: the first length tried (default: the planner's prediction for the cap)")
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per configuration (after one untimed); default 3, with --packing 1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"], help="model dtype")

@@ -93,7 +93,8 @@ def run_max_seq(args: argparse.Namespace, strategies: list[str], nprocs: list[in
             peak = "-" if t.stopped else f"{t.peak_mib:.0f} MiB"
             print(f"    {where} seq_len={t.seq_len}: {verdict} ({peak})", file=sys.stderr, flush=True)
 
-        best, tried = bench.max_seq(case, args.mem_cap, start=max(guess, g), granularity=g,
+        start = args.start // g * g if args.start else guess
+        best, tried = bench.max_seq(case, args.mem_cap, start=max(start, g), granularity=g,
                                     precision=args.precision, limit=args.limit, timeout=args.timeout, log=log)
         at = next((t for t in reversed(tried) if t.fits and t.seq_len == best), None)
         rows.append({"model": model, "strategy": case.strategy, "nproc": case.nproc, "switches": case.switches.label,

@@ -22,7 +22,7 @@ probe (:class:`seqpar.testing.memory.LiveMemory`) for hidden, MLP width, KV head
 vocabulary varied one at a time (within 2%). Switches (each replaces a term by its tile)::
 
     tiled_mlp   m -> 5*min(T, mlp_tile)*I*b       (the tile is recomputed in backward)
-    tiled_loss  l -> 5*min(T, loss_tile)*V*4      (the lm_head weight gradient is counted with gradients)
+    tiled_loss  l -> 3*min(T, loss_tile)*V*4      (the lm_head weight gradient is counted with gradients)
     checkpoint  L*(a + m) -> L*T*h*b + a + m      (layer inputs kept; one layer rebuilt at a time)
     offload     L*T*h*b leaves the device         (counted in ``offloaded``: host memory)
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 CHECKPOINT_MODES = ("none", "layers", "offload")
 LOGIT_COPIES = 3  # fp32 [T, V] alive at once: logits, log-softmax, a gradient (measured: 3.0)
-TILE_COPIES = 5  # fp32 [tile, V] at once in the tiled loss: the tile's logits, exp, softmax, scaled gradient,
-# and the previous tile's last buffer until it is rebound (measured: 4.7)
+TILE_COPIES = 3  # [tile, V] at once in the tiled loss: the tile's logits, its softmax-gradient buffer (in place),
+# a temporary of the log-sum-exp (measured: 2.8)
 MLP_COPIES = 5  # [T, I]: gate, up, act(gate), their product, a gradient in flight (measured: 4.9)
 ADAM_STATES = 2
 
