@@ -34,8 +34,9 @@ reaches before a result is used::
 * backward: the first deferred backward call queues :func:`check_failures` to run when autograd's
   backward pass ends (``queue_callback``, as FSDP and DDP do), before ``backward()`` returns -- a
   gradient from a failed backward is never handed to an optimizer;
-* a batch's first call also checks calls of an earlier batch that nothing checked (a forward with
-  autograd on whose output never reached seqpar's loss nor a backward).
+* any call of another batch (or one checked per call) first checks calls of an earlier batch that
+  nothing checked (a forward with autograd on whose output never reached seqpar's loss nor a
+  backward).
 
 So a failure stops every rank, with the original message, before anything uses the batch's result;
 it stops them at the end of the forward or backward rather than in the failing layer. Limits: an
@@ -98,9 +99,9 @@ class Guard:
         self.groups, self.what, self.batch = tuple(groups), what, batch
         self.error: Exception | None = None
         self._heard: dict[str, bool] = {}  # direction -> did any rank's flag say it failed
+        if _PENDING.stages and _PENDING.batch is not batch:  # an earlier batch nothing checked
+            check_failures()
         if batch is not None:
-            if _PENDING.stages and _PENDING.batch is not batch:  # an earlier batch nothing checked
-                check_failures()
             _PENDING.note(self.groups, batch)
 
     @property
