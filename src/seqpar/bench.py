@@ -25,7 +25,7 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -260,8 +260,6 @@ def _exact_malloc() -> None:
 def _warm_runtime(case: BenchCase, mesh: Any, device: torch.device) -> None:
     """Load every code path a step runs (transformers' modules, kernels, AdamW) on a tiny model of
     the same family, so the baseline taken after it holds the runtime and not the model."""
-    from dataclasses import replace
-
     tiny = replace(case, model_config=_TINY, sizing="builtin", seq_len=max(16, 4 * case.nproc))
     model, opt = prepare(tiny, mesh, device)
     del model, opt
@@ -365,8 +363,6 @@ def max_seq(case: BenchCase, cap_bytes: int, *, start: int, granularity: int, pr
         if log is not None:
             log(t)
         return t
-
-    from dataclasses import replace
 
     trials: list[Trial] = []
     g = granularity
