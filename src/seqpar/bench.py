@@ -14,6 +14,10 @@ by then), so the ratio shows how the sequence-length dependent part -- activatio
 
 Step time is the median over the timed steps; with more workers than cores (CPU) it measures the
 machine's contention, not seqpar.
+
+``--max-seq`` (:func:`max_seq`) measures differently: each trial is one step from fresh processes
+(:func:`step_peak`), its peak resident memory counted from the runtime baseline (weights, AdamW states,
+gradients and activations all count, as on a GPU), under a per-rank cap a watchdog enforces.
 """
 
 from __future__ import annotations

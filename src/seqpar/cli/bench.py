@@ -6,6 +6,9 @@ With ``--packing [DOC_LEN]``: every strategy on a plain causal row and on the sa
 DOC_LEN-token documents (position ids restart every DOC_LEN tokens), with the packed/plain ratios
 and how memory grows when the length doubles (2: linear in S; 4: quadratic).
 
+With ``--max-seq``: the longest sequence whose full step fits ``--mem-cap`` per rank, for each P and
+set of memory switches (``--switches off,on``), found by running (bench_max_seq.csv / .png).
+
 Locally every configuration runs in fresh gloo worker processes (CPU: peak live tensor memory above
 what existed before the step, counted -- the same on every run -- and peak RSS beside it). Under
 torchrun (GPUs: CUDA allocator peak) the job's world size is P, and the 1-rank numbers come from
