@@ -36,6 +36,10 @@ largest query / ``kv(r)`` head counts of a ulysses rank::
 
 With ``checkpointing`` only each layer's input (``T * hidden``) is kept, plus one layer's full set
 while it is recomputed.
+
+The whole step's memory per rank -- weights, gradients, AdamW states, logits and activations with and
+without each of :func:`seqpar.reduce_memory`'s switches -- is :func:`seqpar.planner.memory.step_memory`
+(checked against measured peaks; ``seqpar plan`` prints it for the chosen split).
 """
 
 from __future__ import annotations
