@@ -110,7 +110,7 @@ def _misuse(rank, world):
     attempt("attention not through AttentionInterface", lambda: seqpar.parallelize(xglm, mesh))
     attempt("not a transformers model", lambda: seqpar.parallelize(nn.Linear(4, 4), mesh))
     with torch.device("meta"):  # only its structure matters: it is refused before anything runs
-        hybrid = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", num_hidden_layers=4))
+        hybrid = AutoModelForCausalLM.from_config(AutoConfig.for_model("minimax", num_hidden_layers=4))
     attempt("a linear-attention hybrid", lambda: seqpar.parallelize(hybrid, mesh))
     attempt("parallelized twice", lambda: seqpar.parallelize(model, mesh))
     attempt("unsharded batch into a parallel model", lambda: model(**batch))
@@ -230,7 +230,7 @@ MISUSE = {
     "no sp axis: parallelize": "no 'sp' axis",
     "attention not through AttentionInterface": "does not route its attention through",
     "not a transformers model": "is not a PreTrainedModel",
-    "a linear-attention hybrid": "Qwen3NextGatedDeltaNet convolves over the sequence",
+    "a linear-attention hybrid": "config.layer_types has ['linear_attention']",  # MiniMax's lightning attention
     "parallelized twice": "already parallelized",
     "unsharded batch into a parallel model": "shard_batch",
     "unknown strategy": "unknown strategy 'nope'",
