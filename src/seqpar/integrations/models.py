@@ -62,9 +62,11 @@ def _hybrid_config(name: str, **overrides: Any) -> Any:
     import transformers as tf
 
     hidden = int(overrides.get("hidden_size", _COMMON["hidden_size"]))
-    if name == "tiny-qwen3-next":
-        return tf.Qwen3NextConfig(**{**_COMMON, "layer_types": ["linear_attention", "full_attention"],
-                                     "mlp_only_layers": [0, 1], "linear_conv_kernel_dim": 4,
+    layers = int(overrides.get("num_hidden_layers", _COMMON["num_hidden_layers"]))
+    if name == "tiny-qwen3-next":  # linear, full, linear, ... for any num_hidden_layers
+        kinds = ["full_attention" if i % 2 else "linear_attention" for i in range(layers)]
+        return tf.Qwen3NextConfig(**{**_COMMON, "layer_types": kinds,
+                                     "mlp_only_layers": list(range(layers)), "linear_conv_kernel_dim": 4,
                                      "linear_num_key_heads": 2, "linear_num_value_heads": 4,
                                      "linear_key_head_dim": 8, "linear_value_head_dim": 8, **overrides})
     # Mamba2 wants mamba_n_heads * mamba_d_head == mamba_expand * hidden_size
