@@ -169,6 +169,30 @@ def _counts(world):
     return out
 
 
+def _steady_tensors(world):
+    """Live tensors after steps 2 and 4 of a checkpointed model, per strategy: a step must leave
+    nothing behind (a C++ reference cycle in a kept inner graph leaked q, k, v, out every step)."""
+    import gc
+
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    case = ModelCase(batch="plain", seq=16)
+    model = make_model(case)
+    batch = case_batch(case, model.config.vocab_size)
+    out = {}
+    for strategy in ("ulysses", "ring"):
+        m = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh, strategy=strategy), mesh,
+                                 checkpoint="layers", loss_tile=4, mlp_tile=3)
+        alive = []
+        for step in range(4):
+            m(**seqpar.shard_batch(batch, mesh)).loss.backward()
+            m.zero_grad(set_to_none=True)
+            if step in (1, 3):
+                gc.collect()
+                alive.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
+        out[strategy] = alive
+    return out
+
+
 class _Chatty(nn.Module):
     """A per-token module that holds a collective (as an FSDP-sharded one would): one all-reduce per call."""
 
@@ -240,7 +264,8 @@ def run_default(rank, world):
     return {"parity": _parity(DEFAULT, world), "tiled": _tiled_vs_untiled(world), "eval": _eval(world),
             "log_probs": _log_probs(world),
             "fsdp": _fsdp(world),
-            "counts": _counts(world), "uneven": _uneven(rank, world), "refusal": _refusal(world)}
+            "counts": _counts(world), "steady": _steady_tensors(world), "uneven": _uneven(rank, world),
+            "refusal": _refusal(world)}
 
 
 def run_grid(rank, world):
@@ -301,6 +326,12 @@ def test_checkpoint_recompute_repeats_the_layer_collectives(results):
         # inner backward, a nested graph task, must not trigger a second one)
         assert recomputed == layers, (strategy, counts)
     assert all(r["counts"] == counts for r in results)  # every rank made the same calls
+
+
+def test_checkpointed_steps_leave_no_tensors_behind(results):
+    for res in results:
+        for strategy, (after_2, after_4) in res["steady"].items():
+            assert after_4 == after_2, (strategy, after_2, after_4)
 
 
 def test_uneven_shards_agree_on_tile_counts(results):

@@ -132,7 +132,13 @@ class _Attend(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None
 
 
-def _keep(t: Tensor) -> Tensor:
+def _pack_detached(t: Tensor) -> Tensor:
+    # detached: a saved *output* kept as itself would hold its own grad_fn (out -> node -> out), a
+    # cycle in C++ that Python's gc cannot see -- every step's inner graph would stay alive
+    return t.detach()
+
+
+def _unpack(t: Tensor) -> Tensor:
     return t
 
 
@@ -149,7 +155,7 @@ class _GuardedLocal(torch.autograd.Function):
         leaves = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in (q, k, v, sinks)]
         # the inner graph keeps its tensors itself (q, k, v, out are held here anyway): packed by an outer
         # non-reentrant checkpoint, they would be recomputed a second time in the inner backward's graph task
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack_detached, _unpack):
             out = guard.call(kernel, *leaves[:3], spec=replace(spec, sinks=leaves[3]), mask=mask)
         ctx.leaves, ctx.inner, ctx.guard = leaves, out, guard
         return (out if out is not None else _placeholder(q, v)[0]).detach()
