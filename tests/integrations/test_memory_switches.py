@@ -147,18 +147,26 @@ def _fsdp(world):
     return abs(float(loss.detach()) - ref_loss), _grad_diff(sp, ref_grads)
 
 
+def _small_model(world, case):
+    """(mesh over every rank, the case's float64 model, its full batch)."""
+    model = make_model(case)
+    return seqpar.init_mesh(sp=world, device_type="cpu"), model, case_batch(case, model.config.vocab_size)
+
+
+def _switched(model, mesh, strategy, checkpoint):
+    """A parallelized copy of ``model`` with small tiles and ``checkpoint``."""
+    m = seqpar.parallelize(copy.deepcopy(model), mesh, strategy=strategy)
+    return seqpar.reduce_memory(m, mesh, checkpoint=checkpoint, loss_tile=4, mlp_tile=3)
+
+
 def _counts(world):
     """Collectives of a forward and a backward, checkpoint="layers" vs "none" (after a first step,
     whose one-time head check adds an all-gather): per strategy, (fwd none, bwd none, fwd ckpt, bwd ckpt)."""
-    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
-    case = ModelCase(batch="padded", seq=15)
-    model = make_model(case)
-    batch = case_batch(case, model.config.vocab_size)
+    mesh, model, batch = _small_model(world, ModelCase(batch="padded", seq=15))
     out = {}
     for strategy in ("ulysses", "ring"):
         for ckpt in ("none", "layers"):
-            m = seqpar.parallelize(copy.deepcopy(model), mesh, strategy=strategy)
-            seqpar.reduce_memory(m, mesh, checkpoint=ckpt, loss_tile=4, mlp_tile=3)
+            m = _switched(model, mesh, strategy, ckpt)
             local = seqpar.shard_batch(batch, mesh)
             m(**local).loss.backward()
             with count_collectives() as fwd:
@@ -170,25 +178,21 @@ def _counts(world):
 
 
 def _steady_tensors(world):
-    """Live tensors after steps 2 and 4 of a checkpointed model, per strategy: a step must leave
-    nothing behind (a C++ reference cycle in a kept inner graph leaked q, k, v, out every step)."""
+    """Live 4-d tensors (attention's q, k, v, out) after steps 2 and 4 of a checkpointed model, per
+    strategy: a step must leave nothing behind (a C++ reference cycle in a kept inner graph leaked q, k, v, out every step)."""
     import gc
 
-    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
-    case = ModelCase(batch="plain", seq=16)
-    model = make_model(case)
-    batch = case_batch(case, model.config.vocab_size)
+    mesh, model, batch = _small_model(world, ModelCase(batch="plain", seq=16))
     out = {}
     for strategy in ("ulysses", "ring"):
-        m = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh, strategy=strategy), mesh,
-                                 checkpoint="layers", loss_tile=4, mlp_tile=3)
+        m = _switched(model, mesh, strategy, "layers")
         alive = []
         for step in range(4):
             m(**seqpar.shard_batch(batch, mesh)).loss.backward()
             m.zero_grad(set_to_none=True)
             if step in (1, 3):
                 gc.collect()
-                alive.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)))
+                alive.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim() == 4))
         out[strategy] = alive
     return out
 
