@@ -179,7 +179,8 @@ def _counts(world):
 
 def _steady_tensors(world):
     """Live 4-d tensors (attention's q, k, v, out) after steps 2 and 4 of a checkpointed model, per
-    strategy: a step must leave nothing behind (a C++ reference cycle in a kept inner graph leaked q, k, v, out every step)."""
+    strategy: a step must leave nothing behind (a C++ reference cycle in a kept inner graph leaked
+    q, k, v, out every step)."""
     import gc
 
     mesh, model, batch = _small_model(world, ModelCase(batch="plain", seq=16))
