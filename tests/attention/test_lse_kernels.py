@@ -115,10 +115,13 @@ def test_cuda_ops_plumbing_on_meta_tensors():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_kernels_as_ring_blocks_match_the_oracle(name, dtype):
     """Errors against the float64 oracle within twice those of torch's own SDPA (dense mask) in the
-    same dtype, plus float32 rounding of the merge -- the dtype's floor, measured, not assumed."""
+    same dtype, plus float32 rounding of the merge (8 ulp of float32 at the oracle's largest value:
+    the tiles' and blocks' partial results are merged and summed in float32) -- the dtype's floor,
+    measured, not assumed. Every case and tensor is checked; the failures are reported together."""
     from seqpar.attention.spec import dense_mask
 
     (q, k, v), seg, keep, pos = _case(0, "cuda", dtype)
+    failures = []
     for spec, mask in _masks(seg, keep, pos):
         dout = torch.randn(q.shape[:3] + (v.shape[3],), device="cuda", dtype=dtype)
         want = _oracle(q, k, v, spec, mask, dout)
@@ -130,8 +133,22 @@ def test_cuda_kernels_as_ring_blocks_match_the_oracle(name, dtype):
         peer = peer * seen
         peer_grads = torch.autograd.grad(peer, ins, dout)
         floor = _errors(peer, want[1].to("cuda"), peer_grads, *want)  # lse: the oracle's own (no SDPA lse)
-        for i, (ours, theirs) in enumerate(zip(got, floor, strict=True)):
+        largest = [float(t.abs().max()) for t in (want[0], want[1][torch.isfinite(want[1])], *want[2])]
+        for i, (ours, theirs, big) in enumerate(zip(got, floor, largest, strict=True)):
             if i == 1:
-                assert ours < 1e-2 if dtype != torch.float32 else ours < 1e-5, (spec, ours)
-                continue
-            assert ours <= 2 * theirs + 1e-6, (spec, i, ours, theirs)
+                ok = ours < 1e-2 if dtype != torch.float32 else ours < 1e-5
+            else:
+                ok = ours <= 2 * theirs + 8 * torch.finfo(torch.float32).eps * big
+            if not ok:
+                failures.append((spec, ["out", "lse", "dq", "dk", "dv"][i], ours, theirs))
+    assert not failures, failures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_tiled_on_cuda_in_float64_is_exact():
+    (q, k, v), seg, keep, pos = _case(0, "cuda", torch.float64)
+    for spec, mask in _masks(seg, keep, pos):
+        dout = torch.randn(q.shape[:3] + (v.shape[3],), device="cuda", dtype=torch.float64)
+        got = _ring_style(KERNELS["tiled"], q, k, v, spec, mask, dout)
+        assert max(_errors(*got, *_oracle(q, k, v, spec, mask, dout))) < 1e-10, spec

@@ -45,6 +45,15 @@ def uses_flash(how: str, dtype: torch.dtype, dim: int) -> bool:
     return how != "positions" and dtype in FLASH_DTYPES and dim <= MAX_FLASH_DIM
 
 
+def _bmhk(x: Tensor) -> Tensor:
+    """``x [B, H, S, D]`` in the memory layout the memory-efficient op's forward produces and its
+    backward assumes: ``[B, S, H, D]`` contiguous. Given tensors contiguous as ``[B, H, S, D]``
+    instead, its half-precision backward returns wrong dq and dk (NaN or off by O(1); dv right:
+    as if its ``rowsum(dout * out)`` term read ``out`` with other strides) -- found by the gpu-marked
+    tests on an H200 with torch 2.11."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _aligned_bias(bias: Tensor, shape: tuple[int, ...]) -> Tensor:
     """``bias [nq, nk]`` as the memory-efficient op wants it: rows padded to a multiple of 16
     elements (then sliced back), expanded to ``[B, H, nq, nk]``."""
@@ -107,6 +116,6 @@ class CudaFlashKernel(RectKernel):
                 lse = lse.masked_fill(~seen, 0.0)  # P = exp(0 - 0): finite, times dS = 0
             lse = torch.nn.functional.pad(lse, (0, -(-nq // 32) * 32 - nq))
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dop, qp, kp, vp, bias, outp, lse, no_rng[1], no_rng[1], 0.0, [True, True, True, False], causal,
-                scale=scale)
+                *(_bmhk(x) for x in (dop, qp, kp, vp)), bias, _bmhk(outp), lse, no_rng[1], no_rng[1], 0.0,
+                [True, True, True, False], causal, scale=scale)
         return dq[..., :d], _sum_heads(dk[..., :d], n_kv), _sum_heads(dv[..., :dv_dim], n_kv)
