@@ -179,7 +179,7 @@ def _ulysses_degree(mesh: DeviceMesh) -> int:
 
 def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "contiguous",
                 num_items_in_batch: int | float | Tensor | None = None,
-                ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+                ignore_index: int = IGNORE_INDEX, device: torch.device | str | None = None) -> dict[str, Any]:
     """This SP rank's slice of a full batch, ready for ``model(**local)``.
 
     Args:
@@ -193,6 +193,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
             :mod:`seqpar.attention.layout`).
         num_items_in_batch: the loss denominator N for the whole optimizer step (all dp ranks and
             micro-batches: :func:`seqpar.count_target_tokens`). Default: this batch's targets.
+        device: where the returned tensors go (default: the batch's device). A DataLoader's CPU
+            batch with ``device="cuda"`` moves only this rank's shard to the GPU, once.
 
     Returns ``{"input_ids" (or "inputs_embeds"), "position_ids", "labels", "shift_labels",
     "use_cache": False, "seqpar_batch": LocalBatch}`` with every tensor ``[B, S_local, ...]``;
@@ -207,7 +209,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         num_items_in_batch = float(num_items_in_batch.item())
     p, me = dist.get_world_size(group), dist.get_rank(group)
     ref = batch.get("input_ids") if batch.get("input_ids") is not None else batch.get("inputs_embeds")
-    device = ref.device if isinstance(ref, Tensor) else torch.device("cpu")
+    batch_device = ref.device if isinstance(ref, Tensor) else torch.device("cpu")
     cdev = comm_device(group)  # NCCL with a CPU batch: collectives and the SeqShard on the GPU
     _, s = _validate(batch, group, layout, num_items_in_batch, cdev)
     # the arguments below are now known to agree across the SP ranks: raising is safe
@@ -226,8 +228,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         raise ValueError(f"a sequence of {s} tokens leaves an SP rank without tokens with sp={p} and layout="
                          f"{layout!r} (shard lengths {list(seq_lens)}): use sequences of at least "
                          f"{min_seq_len(p, layout, _ulysses_degree(mesh))} tokens or a smaller sp")
-    perm = torch.cat(pieces).to(device) if layout != "contiguous" else None
-    idx = pieces[me].to(device)
+    perm = torch.cat(pieces).to(batch_device) if layout != "contiguous" else None
+    idx = pieces[me].to(batch_device)
 
     def in_layout(t: Tensor | None) -> Tensor | None:
         return None if t is None or perm is None else t.index_select(1, perm)
@@ -239,8 +241,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
                      on_comm(prep.key_keep if perm is None else in_layout(prep.key_keep)),
                      on_comm(prep.segments if perm is None else in_layout(prep.segments)))
 
-    def local(t: Tensor) -> Tensor:
-        return t.index_select(1, idx)
+    def local(t: Tensor) -> Tensor:  # [B, S_local, ...] on `device`
+        mine = t.index_select(1, idx)
+        return mine if device is None else mine.to(device)
 
     denominator = target_count(prep, ignore_index) if num_items_in_batch is None else float(num_items_in_batch)
     info = LocalBatch(shard, sp_rank=me, sp_size=p, dp_size=dp_size(mesh),
