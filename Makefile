@@ -31,9 +31,9 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py
 
-# On a machine with a GPU (a CUDA build of torch: `make TORCH=torch gpu-check`): the gpu-marked
-# kernel tests against the float64 oracle, then the kernels' time and memory against dense SDPA.
-# When they pass, set CUDA_FLASH_VERIFIED in src/seqpar/attention/kernels.py so "auto" uses cuda_flash.
+# On a machine with a GPU (a CUDA build of torch: `make TORCH=torch gpu-check`): the gpu-marked tests
+# (each CUDA kernel against the float64 oracle, no CUDA sync in steady-state layers, the README's
+# example over NCCL), `seqpar train` under torchrun with NCCL, the kernels' time and memory against
+# dense SDPA, and the longest sequence at sp=1 (benchmarks/gpu_check.sh; logs in /tmp/seqpar-gpu).
 gpu-check: install
-	$(PY) -m pytest -p no:cacheprovider -m gpu tests/attention/test_lse_kernels.py
-	$(PY) benchmarks/bench_kernels.py
+	PY=$(PY) bash benchmarks/gpu_check.sh
