@@ -179,6 +179,10 @@ def _worker(rank, world):
         out[layout]["shard"] = info.shard
         out[layout]["denominator"] = info.denominator
         out[layout]["weights"] = info.loss_weights
+    moved = seqpar.shard_batch(batch, seqpar.init_mesh(sp=4, device_type="cpu"), layout="zigzag", device="meta")
+    out["moved"] = {k: (str(v.device), tuple(v.shape)) for k, v in moved.items() if isinstance(v, torch.Tensor)}
+    weights = moved[BATCH_KWARG].loss_weights
+    out["moved"]["weights"] = (str(weights.device), tuple(weights.shape))
     try:  # 3 tokens cannot fill 4 ranks, whatever the layout
         seqpar.shard_batch({k: v[:, :3] for k, v in batch.items()}, seqpar.init_mesh(sp=4, device_type="cpu"),
                            layout="doc-zigzag")
@@ -227,6 +231,15 @@ def test_slices_put_back_together_give_the_full_shifted_batch(ranks, layout):
     # the target of the last token of rank 0's shard is rank 1's first token: kept across the cut
     if layout == "contiguous":
         assert ranks[0][layout]["labels"][0, -1] == batch["labels"][0, 3]
+
+
+@pytest.mark.distributed
+def test_device_moves_the_shard_and_only_the_shard(ranks):
+    """``device=``: every returned tensor (and the loss weights) on that device, each the shard's size."""
+    for r in ranks:
+        want = {k: tuple(v.shape) for k, v in r["zigzag"].items() if isinstance(v, torch.Tensor)}
+        assert r["moved"] == {k: ("meta", shape) for k, shape in want.items()}
+        assert "weights" in want and "input_ids" in want
 
 
 @pytest.mark.distributed
