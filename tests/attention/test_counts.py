@@ -4,11 +4,17 @@ one metadata all-gather (none when the caller passes a SeqShard and validate=Fal
 per-call padding mask. The failure guard (a kernel failure on one rank raises on every rank) costs
 no collective of its own per call: checked per call, its flag rides the last exchange (no fence
 unless a rank failed); with the batch's SeqShard it is checked once per batch -- one tiny
-all-gather when the backward ends, however many calls the backward went through."""
+all-gather when the backward ends, however many calls the backward went through.
+
+Copies are part of it too: each piece that travels in an exchange is copied at most once -- packed
+on the sending side or unpacked on the receiving side, not both -- at B = 2 as at B = 1."""
+
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from seqpar.attention.shard import SeqShard
 from seqpar.attention.ulysses import ulysses_attention
@@ -37,7 +43,45 @@ def _worker(rank, world):
         with count_collectives() as bwd:
             o.sum().backward()
         out[name] = (dict(fwd), dict(bwd))
+    out["copies"] = _exchange_copies(q, k, v, world)
     return out
+
+
+def _exchange_copies(q, k, v, world: int) -> list[tuple[int, int, int]]:
+    """Per exchange of one forward + backward: (pieces that travel, packing copies, landing copies)."""
+    import seqpar.comm.collectives as collectives
+
+    exchanges, orig = [], collectives._exchange
+    copy_, contiguous = Tensor.copy_, Tensor.contiguous
+
+    def in_exchange() -> bool:
+        return sys._getframe(2).f_code.co_name == "_exchange"
+
+    def counted_copy(self, *args, **kwargs):
+        if in_exchange():
+            exchanges[-1][2] += 1
+        return copy_(self, *args, **kwargs)
+
+    def counted_contiguous(self, *args, **kwargs):
+        if in_exchange() and not self.is_contiguous():
+            exchanges[-1][1] += 1
+        return contiguous(self, *args, **kwargs)
+
+    def exchange(sends, recvs, group, flag=None, *, by_row=False):
+        rows = (lambda t: t.shape[0]) if by_row else (lambda t: 1)
+        me = dist.get_rank(group)
+        exchanges.append([sum(rows(t) for r, ts in enumerate(sends) if r != me for t in ts if t.numel()), 0,
+                          -sum(rows(t) for t in sends[me])])  # the rank's own pieces: one copy each, no travel
+        return orig(sends, recvs, group, flag, by_row=by_row)
+
+    collectives._exchange, Tensor.copy_, Tensor.contiguous = exchange, counted_copy, counted_contiguous
+    try:
+        o = ulysses_attention(q, k, v, group=dist.group.WORLD, causal=True, shard=SeqShard((5,) * world),
+                              validate=False)
+        o.sum().backward()
+    finally:
+        collectives._exchange, Tensor.copy_, Tensor.contiguous = orig, copy_, contiguous
+    return [tuple(e) for e in exchanges]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"P{p}")
@@ -59,3 +103,13 @@ def test_ulysses_collective_counts(counts):
         fwd, bwd = per_rank["local mask"]
         assert fwd == {"batch_isend_irecv": 2, "all_gather_flat": 2}
         assert bwd == {"batch_isend_irecv": 2}
+
+
+def test_each_travelling_piece_is_copied_once(counts):
+    """B = 2: the pieces that leave or reach a rank are copied at most once (a whole KV head set
+    that a rank replicates is not copied at all); before rows travelled apart, q, k, v were packed
+    and then landed: two copies each."""
+    for per_rank in counts:
+        assert len(per_rank["copies"]) == 4  # q, k, v in; out back; and their backward
+        for travelling, packed, landed in per_rank["copies"]:
+            assert travelling > 0 and packed + landed <= travelling, per_rank["copies"]

@@ -89,14 +89,26 @@ def _resized(shape: Sequence[int], sizes: dict[int, int]) -> torch.Size:
     return torch.Size(sizes.get(d, n) for d, n in enumerate(shape))
 
 
-def _exchange(sends: list[list[Tensor]], recvs: list[list[Tensor]], group: Group, flag: Flag | None = None) -> None:
+def _by_row(pieces: list[list[Tensor]]) -> list[list[Tensor]]:
+    """Each ``[B, ...]`` piece as its B rows ``[...]``."""
+    return [[t[b] for t in ts for b in range(t.shape[0])] for ts in pieces]
+
+
+def _exchange(sends: list[list[Tensor]], recvs: list[list[Tensor]], group: Group, flag: Flag | None = None,
+              *, by_row: bool = False) -> None:
     """Every rank's ``sends[s][i]`` lands in rank s's ``recvs[r][i]`` (r: the sender): views of any
     layout, the same shape on both ends. One batch of point-to-point transfers in place of an
     ``all_to_all_single``, because its buffers cost copies: a view that is contiguous is sent from,
     or received into, where it lies (``[1, S_s, H, D]`` slices of ``[1, S, H, D]``), so an exchange
     copies once (not pack, then unpack); the piece a rank keeps is copied straight to its place
     while the others travel. ``flag`` adds one one-number message per peer.
+
+    ``by_row``: every piece travels as its rows (``[B, n, ...] -> B x [n, ...]``): with B > 1 a
+    slice along dim 1 of a contiguous tensor is not contiguous, but each of its rows is -- B
+    messages instead of a landing buffer and a copy. Both ends decide it from the same shapes.
     """
+    if by_row:
+        sends, recvs = _by_row(sends), _by_row(recvs)
     p, me = dist.get_world_size(group), dist.get_rank(group)
     ops, landings = [], []
     for peer in (r for r in range(p) if r != me):
@@ -150,7 +162,8 @@ class _AllToAll(torch.autograd.Function):
         sends = [[x.narrow(sd, *rngs[r]) for x, rngs in zip(xs, send_ranges, strict=True)] for r in range(p)]
         recvs = [[o.narrow(gd, sum(sizes[:s]), sizes[s]) for o, sizes in zip(outs, recv_sizes, strict=True)]
                  for s in range(p)]
-        _exchange(sends, recvs, group, flag if flag is not None and flag.direction == "forward" else None)
+        _exchange(sends, recvs, group, flag if flag is not None and flag.direction == "forward" else None,
+                  by_row=_rows_help(xs[0].shape, sd, gd))
         ctx.group, ctx.scatter_dim, ctx.gather_dim, ctx.flag = group, sd, gd, flag
         ctx.send_ranges, ctx.recv_sizes = send_ranges, recv_sizes
         ctx.in_shapes = [x.shape for x in xs]
@@ -176,13 +189,21 @@ class _AllToAll(torch.autograd.Function):
         recvs = [[dx.narrow(sd, *rngs[r]) if dx is not None else
                   torch.empty(_resized(shape, {sd: rngs[r][1]}), dtype=ctx.dtype, device=ctx.device)
                   for dx, shape, rngs in zip(dxs, ctx.in_shapes, ctx.send_ranges, strict=True)] for r in range(p)]
-        _exchange(sends, recvs, group, flag if flag is not None and flag.direction == "backward" else None)
+        _exchange(sends, recvs, group, flag if flag is not None and flag.direction == "backward" else None,
+                  by_row=_rows_help(ctx.in_shapes[0], gd, sd))
         for i, (shape, rngs) in enumerate(zip(ctx.in_shapes, ctx.send_ranges, strict=True)):
             if dxs[i] is None:  # replicated: the copies' gradients add up
                 dxs[i] = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
                 for r in range(p):
                     dxs[i].narrow(sd, *rngs[r]).add_(recvs[r][i])
         return (None, None, None, None, None, None, *dxs)
+
+
+def _rows_help(shape: Sequence[int], send_dim: int, recv_dim: int) -> bool:
+    """Whether an exchange cutting ``send_dim`` and landing along ``recv_dim`` should move row by
+    row (see :func:`_exchange`): B > 1 and one of the two dims is 1, the dim right after the rows
+    (Ulysses' ``[B, S, H, D]``: the sequence), so that each row's piece lies contiguous on that end."""
+    return shape[0] > 1 and 1 in (send_dim, recv_dim)
 
 
 def _is_partition(ranges: Sequence[tuple[int, int]], n: int) -> bool:
