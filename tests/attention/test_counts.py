@@ -44,7 +44,32 @@ def _worker(rank, world):
             o.sum().backward()
         out[name] = (dict(fwd), dict(bwd))
     out["copies"] = _exchange_copies(q, k, v, world)
+    out["ring groups"] = _ring_hop_groups(q, k, v, world)
     return out
+
+
+def _ring_hop_groups(q, k, v, world: int) -> dict[str, list[str]]:
+    """Which group each ring hop of a forward + backward ran on: the mesh's sp group or its grad group."""
+    from seqpar.attention.dispatch import sp_attention
+    from seqpar.comm.mesh import Axis, axis_group, grad_group, init_mesh
+
+    mesh = init_mesh(sp=world, device_type="cpu")
+    names = {id(axis_group(mesh, Axis.SP.value)): "sp", id(grad_group(mesh, Axis.SP.value)): "grad"}
+    seen, orig = [], dist.batch_isend_irecv
+
+    def recorded(ops):
+        seen.append(names.get(id(ops[0].group), "other"))
+        return orig(ops)
+
+    dist.batch_isend_irecv = recorded
+    try:
+        o = sp_attention(q, k, v, mesh=mesh, strategy="ring", causal=True, shard=SeqShard((5,) * world),
+                         validate=False)
+        fwd, seen[:] = list(seen), []
+        o.sum().backward()
+    finally:
+        dist.batch_isend_irecv = orig
+    return {"forward": fwd, "backward": list(seen)}
 
 
 def _exchange_copies(q, k, v, world: int) -> list[tuple[int, int, int]]:
@@ -113,3 +138,13 @@ def test_each_travelling_piece_is_copied_once(counts):
         assert len(per_rank["copies"]) == 4  # q, k, v in; out back; and their backward
         for travelling, packed, landed in per_rank["copies"]:
             assert travelling > 0 and packed + landed <= travelling, per_rank["copies"]
+
+
+def test_ring_grads_travel_on_their_own_group(counts):
+    """K/V hops on the sp group, the backward's dK/dV hops on the mesh's second group over the same
+    ranks (its own NCCL stream on GPUs: never queued behind the next K/V block)."""
+    for per_rank in counts:
+        p = len(counts)
+        groups = per_rank["ring groups"]
+        assert groups["forward"] == ["sp"] * (p - 1)
+        assert sorted(groups["backward"]) == sorted(["sp"] * (p - 1) + ["grad"] * p), groups["backward"]

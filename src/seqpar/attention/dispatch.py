@@ -14,7 +14,7 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
+from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, grad_group, has_axis
 from .hybrid import hybrid_attention
 from .kernels import KernelArg
 from .ring import ring_attention
@@ -27,12 +27,14 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, **kw: Any) ->
 
 
 def _ring(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, **kw: Any) -> Tensor:
-    return ring_attention(q, k, v, group=axis_group(mesh, Axis.SP.value), **kw)
+    return ring_attention(q, k, v, group=axis_group(mesh, Axis.SP.value), grad_group=grad_group(mesh, Axis.SP.value),
+                          **kw)
 
 
 def _hybrid(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, **kw: Any) -> Tensor:
     return hybrid_attention(q, k, v, ulysses_group=axis_group(mesh, Axis.ULYSSES.value),
-                            ring_group=axis_group(mesh, Axis.RING.value), **kw)
+                            ring_group=axis_group(mesh, Axis.RING.value),
+                            ring_grad_group=grad_group(mesh, Axis.RING.value), **kw)
 
 
 STRATEGIES: dict[str, Callable[..., Tensor]] = {"ulysses": _ulysses, "ring": _ring, "hybrid": _hybrid}

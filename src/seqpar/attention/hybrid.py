@@ -65,11 +65,13 @@ def hybrid_attention(
     chunk: int | None = None, sinks: Tensor | None = None, dropout: float = 0.0, kernel: KernelArg | None = None,
     key_padding_mask: Tensor | None = None, segment_ids: Tensor | None = None, shard: SeqShard | None = None,
     layout: str | None = None, comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
+    ring_grad_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Exact attention over the whole sequence: Ulysses inside ``ulysses_group``, ring over ``ring_group``.
 
-    Layouts and options as :func:`seqpar.ring_attention`; ``shard`` and ``layout`` describe the
-    ``R * U`` sp ranks in ring-major order (:func:`seqpar.layout.layout_indices` with ``ulysses=U``).
+    Layouts and options as :func:`seqpar.ring_attention` (``ring_grad_group``: its ``grad_group``);
+    ``shard`` and ``layout`` describe the ``R * U`` sp ranks in ring-major order
+    (:func:`seqpar.layout.layout_indices` with ``ulysses=U``).
     Returns a contiguous ``[B, S_local, H, Dv]``. Raises ValueError on every rank for inconsistent
     inputs; an exception in one rank's kernel is raised on every rank of the grid.
     """
@@ -109,7 +111,8 @@ def hybrid_attention(
         out = idle_output(qh, kh, vh, sinks)
     else:
         out = run_ring(qh, kh, vh, group=ring_group, spec=local_heads(replace(spec, sinks=sinks), q_ranges[u]),
-                       kernel=kern, shard=ring_shard, comm=comm, stats=stats, guard=guard)  # [B, S/R, H/U, Dv]
+                       kernel=kern, shard=ring_shard, comm=comm, stats=stats, guard=guard,
+                       grad_group=ring_grad_group)  # [B, S/R, H/U, Dv]
     out = seq_to_heads(out, group=ulysses_group, seq_lens=my_lens, q_ranges=q_ranges)  # [B, S/(R*U), H, Dv]
     guard.fence("forward")
     return out

@@ -172,7 +172,8 @@ class _RingAttention(torch.autograd.Function):
 
 
 def run_ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec, kernel: LseKernel,
-             shard: SeqShard, comm: str, stats: RingStats | None = None, guard: Guard | None = None) -> Tensor:
+             shard: SeqShard, comm: str, stats: RingStats | None = None, guard: Guard | None = None,
+             grad_group: dist.ProcessGroup | None = None) -> Tensor:
     """The ring on validated inputs: ``[B, S_local, H, D] -> [B, S_local, H, Dv]`` (contiguous).
 
     ``spec.sinks`` (``[H]``, the heads of ``q``) are folded in; the kernel sees the spec without
@@ -187,7 +188,8 @@ def run_ring(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec:
         q_pos = host.positions_of(me)
         cache[key] = [plan_block(spec, q_pos, host.positions_of(r)) for r in range(len(shard.seq_lens))]
     plans = cache[key]
-    ring = _Ring(COMMS[comm](group), kernel, replace(spec, sinks=None), shard, plans, max(shard.seq_lens), guard)
+    ring = _Ring(COMMS[comm](group, grad_group), kernel, replace(spec, sinks=None), shard, plans, max(shard.seq_lens),
+                 guard)
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec.sinks, ring, me, stats)
     return out.transpose(1, 2).contiguous()  # [B, S_local, H, Dv]
 
@@ -199,6 +201,7 @@ def ring_attention(
     dropout: float = 0.0, kernel: KernelArg | None = None, key_padding_mask: Tensor | None = None,
     segment_ids: Tensor | None = None, shard: SeqShard | None = None, layout: str | None = None,
     comm: str = "p2p", validate: bool = True, stats: RingStats | None = None,
+    grad_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Exact attention over the whole sequence from sequence shards, K/V travelling around a ring.
 
@@ -226,6 +229,9 @@ def ring_attention(
         validate: check inputs across ranks first (one small all-gather); without it ``shard`` gives
             the lengths (else all ranks are assumed to hold ``S_local`` tokens).
         stats: a :class:`RingStats` to add this rank's forward work to.
+        grad_group: a second group over ``group``'s ranks (same order) for the backward's dK/dV
+            hops, so they do not queue behind K/V hops (:func:`seqpar.init_mesh` makes one per ring
+            axis; :func:`seqpar.sp_attention` passes it). Default: ``group``.
 
     Returns a contiguous ``[B, S_local, H, Dv]``. Raises ValueError (on every rank) for
     inconsistent inputs; an exception in one rank's kernel is raised on every rank (see
@@ -248,7 +254,7 @@ def ring_attention(
     guard = Guard([group], "ring attention", batch=batch)
     q, k, v, sinks = guard.inputs(q, k, v, sinks)
     out = run_ring(q, k, v, group=group, spec=replace(spec, sinks=sinks), kernel=kern, shard=shard, comm=comm,
-                   stats=stats, guard=guard)
+                   stats=stats, guard=guard, grad_group=grad_group)
     guard.fence("forward")
     return out
 

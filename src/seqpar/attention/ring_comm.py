@@ -46,8 +46,9 @@ def _add_into(acc_k: Tensor, acc_v: Tensor, grads: Grads) -> None:
 class RingComm(ABC):
     """How K/V blocks travel (see the module doc)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, grad_group: dist.ProcessGroup | None = None) -> None:
         self.group, self.p, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.grad_group = grad_group if grad_group is not None else group  # the same ranks, in the same order
 
     @abstractmethod
     def blocks(self, k: Tensor, v: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]: ...
@@ -76,16 +77,17 @@ class P2PComm(RingComm):
                 spare = sent if t > 0 else None
 
     def grad_sink(self, k: Tensor, v: Tensor, dtype: torch.dtype) -> _P2PGrads:
-        return _P2PGrads(self.group, k, v, dtype)
+        return _P2PGrads(self.grad_group, k, v, dtype)
 
 
 class _P2PGrads(GradSink):
     """Step t: add this rank's dK/dV of the block it holds into the accumulator that arrived with
     it and pass it on; after P steps each accumulator has visited every rank and is back home.
-    Two accumulator pairs are used in turn (one travelling, one being added to). The ring's
-    backward pushes block t's dK/dV after posting the K/V hop of step t + 1, so where a group's
-    transfers queue on one stream (NCCL) a block that the next step computes on never waits behind
-    the accumulators, which move twice its bytes in float32."""
+    Two accumulator pairs are used in turn (one travelling, one being added to). They travel on
+    the ring's grad group (a second group over the same ranks, from :func:`seqpar.init_mesh`:
+    under NCCL its own stream), so the next K/V block never queues behind them -- they move twice
+    its bytes in float32. Without one, the ring's backward still pushes block t's dK/dV after
+    posting the K/V hop of step t + 1, which keeps that hop ahead of them on the one stream."""
 
     def __init__(self, group: dist.ProcessGroup, k: Tensor, v: Tensor, dtype: torch.dtype) -> None:
         self.shift, self.t = RingShift(group), 0

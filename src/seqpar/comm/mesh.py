@@ -74,7 +74,9 @@ def init_mesh(*, sp: int, dp: int | None = None, ulysses: int | None = None, rin
         raise ValueError(f"dp={dp} x sp={sp} = {dp * sp} != world size {world}: set dp={world // sp} or omit it")
     device_type = device_type or default_device_type()
     if ulysses is None and ring is None:
-        return init_device_mesh(device_type, (dp, sp), mesh_dim_names=(Axis.DP.value, Axis.SP.value))
+        mesh = init_device_mesh(device_type, (dp, sp), mesh_dim_names=(Axis.DP.value, Axis.SP.value))
+        _add_grad_groups(mesh, Axis.SP.value)
+        return mesh
     ulysses = ulysses if ulysses is not None else sp // (ring or 1)
     ring = ring if ring is not None else sp // ulysses
     if ulysses * ring != sp:
@@ -82,7 +84,30 @@ def init_mesh(*, sp: int, dp: int | None = None, ulysses: int | None = None, rin
     mesh = init_device_mesh(device_type, (dp, ring, ulysses),
                             mesh_dim_names=(Axis.DP.value, Axis.RING.value, Axis.ULYSSES.value))
     mesh[(Axis.RING.value, Axis.ULYSSES.value)]._flatten(Axis.SP.value)
+    _add_grad_groups(mesh, Axis.RING.value)
     return mesh
+
+
+_GRAD_GROUPS = "_seqpar_grad_groups"
+
+
+def _add_grad_groups(mesh: DeviceMesh, axis: str) -> None:
+    """A second process group over the ranks of every ``axis`` group, for ring attention's dK/dV
+    hops: its own communicator (under NCCL its own stream), so that the backward's float32
+    accumulators do not queue behind the next K/V block. Every rank calls this (init_mesh is
+    collective) and creates every group, in the same order."""
+    dims = list(mesh.mesh_dim_names or ())
+    ranks = mesh.mesh.movedim(dims.index(axis), -1).reshape(-1, mesh.mesh.shape[dims.index(axis)])
+    if ranks.shape[1] < 2:
+        return
+    mine, _ = dist.new_subgroups_by_enumeration(ranks.tolist())
+    setattr(mesh, _GRAD_GROUPS, {axis: mine})
+
+
+def grad_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup | None:
+    """The companion group of ``axis`` for ring dK/dV hops (see :func:`_add_grad_groups`), or None
+    for a mesh built without one (ring attention then uses the axis group itself)."""
+    return getattr(mesh, _GRAD_GROUPS, {}).get(axis)
 
 
 def as_mesh(mesh: object, what: str) -> DeviceMesh:
