@@ -20,27 +20,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from seqpar.testing.attention_layer import AttentionLayer
+
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
-
-
-class _Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
-        self.q = nn.Linear(hidden, heads * dim, dtype=dtype)
-        self.kv = nn.Linear(hidden, 2 * kv_heads * dim, dtype=dtype)
-        self.o = nn.Linear(heads * dim, hidden, dtype=dtype)
-
-    def forward(self, x: Tensor, mesh, strategy: str, shard, kernel: str) -> Tensor:
-        from seqpar.attention.dispatch import sp_attention
-
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.heads, self.dim)  # [B, S/P, H, D]
-        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.dim).unbind(2)  # [B, S/P, H_kv, D]
-        out = sp_attention(q, k, v, mesh=mesh, strategy=strategy, causal=True, kernel=kernel, shard=shard,
-                           validate=False)
-        return x + self.o(out.reshape(b, s, -1))
 
 
 def _batch(kind: str, s: int = 1024) -> dict[str, Tensor]:
@@ -95,7 +78,7 @@ def test_steady_state_layers_do_not_sync(meshes, strategy, kind, kernel):
     dtype = torch.bfloat16
     torch.manual_seed(0)
     emb = nn.Embedding(64, 256, dtype=dtype, device="cuda")
-    layers = nn.ModuleList(_Layer(256, 8, 2, 32, dtype) for _ in range(4)).cuda()
+    layers = nn.ModuleList(AttentionLayer(256, 8, 2, 32, dtype) for _ in range(4)).cuda()
     head = nn.Linear(256, 64, dtype=dtype, device="cuda")
     for step in range(2):  # the second batch: nothing left over from the first
         local = shard_batch({k: v.cuda() for k, v in _batch(kind).items()}, mesh, layout="doc-zigzag"

@@ -23,6 +23,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from seqpar.testing.attention_layer import AttentionLayer
+
 pytestmark = pytest.mark.distributed  # every test here starts gloo worker processes
 
 # tensor -> Python (a device-to-host copy that waits for the GPU queue), and torch.tensor: Python
@@ -57,25 +59,6 @@ def count_host_syncs(where: Counter):
             setattr(owner, name, fn)
 
 
-class _Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, dim: int) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
-        self.q = nn.Linear(hidden, heads * dim, dtype=torch.float64)
-        self.kv = nn.Linear(hidden, 2 * kv_heads * dim, dtype=torch.float64)
-        self.o = nn.Linear(heads * dim, hidden, dtype=torch.float64)
-
-    def forward(self, x: Tensor, mesh, strategy: str, shard, kernel) -> Tensor:
-        from seqpar.attention.dispatch import sp_attention
-
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.heads, self.dim)  # [B, S/P, H, D]
-        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.dim).unbind(2)  # [B, S/P, H_kv, D]
-        out = sp_attention(q, k, v, mesh=mesh, strategy=strategy, causal=True, kernel=kernel, shard=shard,
-                           validate=False)
-        return x + self.o(out.reshape(b, s, -1))
-
-
 class _Model(nn.Module):
     """Embedding, ``layers`` attention layers, a head: enough to run seqpar's loss and a backward."""
 
@@ -84,7 +67,7 @@ class _Model(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(vocab, hidden, dtype=torch.float64)
-        self.layers = nn.ModuleList(_Layer(hidden, heads, kv_heads, dim) for _ in range(layers))
+        self.layers = nn.ModuleList(AttentionLayer(hidden, heads, kv_heads, dim) for _ in range(layers))
         self.head = nn.Linear(hidden, vocab, dtype=torch.float64)
 
     def loss(self, local: dict, mesh, strategy: str, kernel=None, fail_at: int | None = None) -> Tensor:
