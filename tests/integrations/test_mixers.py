@@ -95,7 +95,7 @@ def test_a_layer_type_without_a_handled_mixer_is_refused():
     module): the layer type is no longer backed by a mixer seqpar handles."""
     model = _build("qwen3_next")
     layer = next(m for m in model.model.layers if hasattr(m, "linear_attn"))
-    assert mixer_approach(layer.linear_attn) == "gather"
+    assert mixer_approach(layer.linear_attn) == "heads"
     layer.linear_attn = _Tiny(nn.Linear(32, 32))
     with pytest.raises(ValueError, match="'linear_attention'") as info:
         check_token_mixers(model)

@@ -20,7 +20,7 @@ from seqpar.comm.halo import halo_exchange
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.mesh import axis_group
 from seqpar.integrations.models import decoder_config
-from seqpar.integrations.token_mixers import GATHER, HALO, mixer_approach, token_mixers
+from seqpar.integrations.token_mixers import HALO, HEADS, mixer_approach, token_mixers
 from seqpar.testing.model_parity import (
     ModelCase,
     case_batch,
@@ -187,8 +187,21 @@ def _layer_counts(rank, world):
         _, mixer = token_mixers(model)[0]
         x = torch.randn(2, local["input_ids"].shape[1], model.config.hidden_size, dtype=torch.float64,
                         requires_grad=True)
+        rule_heads = []  # Gated DeltaNet: (value heads, tokens) of each call of the model's scan
+        if family == "qwen3_next":
+            import transformers.models.qwen3_next.modeling_qwen3_next as qn
+
+            scan = qn.torch_chunk_gated_delta_rule
+
+            def counted(q, k, v, *args, _seen=rule_heads, _scan=scan, **kwargs):
+                _seen.append((v.shape[2], v.shape[1]))
+                return _scan(q, k, v, *args, **kwargs)
+
+            qn.torch_chunk_gated_delta_rule = counted
         with count_collectives() as fwd:
             y = mixer(x, seqpar_batch=local[BATCH_KWARG])
+        if family == "qwen3_next":
+            qn.torch_chunk_gated_delta_rule = scan
         with count_collectives() as bwd:
             y.sum().backward()
         with count_collectives() as whole_fwd:
@@ -199,7 +212,8 @@ def _layer_counts(rank, world):
         bound_to_copy = all(m.forward.__self__ is m for _, m in token_mixers(copied))
         seqpar.unparallelize(model)
         mixers = len(token_mixers(model))
-        out[family] = {"approach": mixer_approach(mixer), "fwd": dict(fwd), "bwd": dict(bwd),
+        out[family] = {"approach": mixer_approach(mixer), "fwd": dict(fwd), "bwd": dict(bwd), "scan": rule_heads,
+                       "heads": (mixer.num_v_heads, local["input_ids"].shape[1]) if family == "qwen3_next" else None,
                        "whole": (dict(whole_fwd), dict(whole_bwd)), "layers": mixers,
                        "attention": len(model.config.layer_types) - mixers, "copy": bound_to_copy,
                        "unwrapped": all("forward" not in vars(m) for _, m in token_mixers(model))}
@@ -210,21 +224,21 @@ def test_collectives_per_mixer_layer(default_run):
     for res in default_run:
         out = res["counts"]
         gdn, conv = out["qwen3_next"], out["lfm2/conv-layers"]
-        assert gdn["approach"] == GATHER and conv["approach"] == HALO
-        # gather: one all-gather forward, one reduce-scatter backward, nothing else
-        assert gdn["fwd"] == {"all_gather_flat": 1} and gdn["bwd"] == {"reduce_scatter_flat": 1}, gdn
+        assert gdn["approach"] == HEADS and conv["approach"] == HALO
+        # heads: the input all-gathered and the partial outputs reduce-scattered, each way
+        assert gdn["fwd"] == gdn["bwd"] == {"all_gather_flat": 1, "reduce_scatter_flat": 1}, gdn
         # halo: one batch of point-to-point transfers each way (k - 1 tokens)
         assert conv["fwd"] == {"batch_isend_irecv": 1} and conv["bwd"] == {"batch_isend_irecv": 1}, conv
         # whole models: per attention layer Ulysses' 2 exchanges each way, the loss's all-reduce
         # and the backward's one failure check (test_hf); per mixer layer the above
         for r in (gdn, conv):
             a, m = r["attention"], r["layers"]
-            gathered = r["approach"] == GATHER
+            by_heads = r["approach"] == HEADS
             fwd, bwd = r["whole"]
-            assert fwd == {"batch_isend_irecv": 2 * a + (0 if gathered else m), "all_reduce": 1,
-                           **({"all_gather_flat": m} if gathered else {})}, r
-            assert bwd == {"batch_isend_irecv": 2 * a + (0 if gathered else m), "all_gather_flat": 1,
-                           **({"reduce_scatter_flat": m} if gathered else {})}, r
+            assert fwd == {"batch_isend_irecv": 2 * a + (0 if by_heads else m), "all_reduce": 1,
+                           **({"all_gather_flat": m, "reduce_scatter_flat": m} if by_heads else {})}, r
+            assert bwd == {"batch_isend_irecv": 2 * a + (0 if by_heads else m), "all_gather_flat": 1 + by_heads * m,
+                           **({"reduce_scatter_flat": m} if by_heads else {})}, r
             assert r["copy"] and r["unwrapped"], r
         assert (gdn["layers"], gdn["attention"], conv["layers"], conv["attention"]) == (2, 1, 1, 1)
 
@@ -237,3 +251,14 @@ def test_builtin_hybrids_with_activation_checkpointing():
              for b, s, c in (("packed", 17, "non-reentrant"), ("padded", 15, "reentrant"))]
     rows = run_distributed(run_model_parity, 4, cases, (2, 4), timeout=1200)[0]
     assert len(rows) == 2 * len(cases) and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+
+
+def test_gated_deltanet_splits_its_heads(default_run):
+    """The heads approach: each rank's scan runs the whole sequence for its share of the value
+    heads only; over the ranks every head runs once (not P times, as a gather would)."""
+    scans = [res["counts"]["qwen3_next"]["scan"] for res in default_run]
+    heads = default_run[0]["counts"]["qwen3_next"]["heads"][0]
+    seq = sum(res["counts"]["qwen3_next"]["heads"][1] for res in default_run)
+    assert all(len(s) == 1 for s in scans), scans  # padded rows: one call over the batch
+    assert sum(h for s in scans for h, _ in s) == heads and all(h < heads for s in scans for h, _ in s), scans
+    assert all(t == seq for s in scans for _, t in s), scans  # each over the whole sequence

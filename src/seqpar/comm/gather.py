@@ -71,6 +71,22 @@ class _SplitSeq(torch.autograd.Function):
         return gather_padded(g.contiguous(), ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
+class _ReduceScatterSeq(torch.autograd.Function):
+    """Forward: sum a tensor every rank holds whole (each its own partial sum, ``[B, S, ...]``) over
+    the ranks and keep this rank's shard. Backward: all-gather the shards' gradients -- each
+    rank's partial entered every shard of the sum with coefficient 1, so its gradient is the
+    whole sum's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
+        return _reduce_scatter_padded(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_padded(g.contiguous(), ctx.dim, ctx.sizes, ctx.group), None, None, None
+
+
 def _sizes_for(n_local: int | None, total: int | None, sizes: Sequence[int] | None, group: Group) -> list[int]:
     p = dist.get_world_size(group)
     if sizes is not None:
@@ -107,3 +123,15 @@ def split_seq(x: Tensor, *, dim: int = 1, group: Group, sizes: Sequence[int] | N
     return _SplitSeq.apply(x, dim, sizes, group)
 
 
+
+
+def reduce_scatter_seq(x: Tensor, *, dim: int = 1, group: Group, sizes: Sequence[int] | None = None) -> Tensor:
+    """Sum per-rank partials of a whole sequence over ``group`` and keep this rank's shard
+    (``[B, S, ...] -> [B, S/P, ...]``, tensor_split convention unless ``sizes``); the backward
+    all-gathers. The dual of :func:`gather_seq`: a layer that splits its work by heads runs on the
+    gathered sequence and returns its partial output through this."""
+    dim = dim % x.dim()
+    sizes = tuple(_sizes_for(None, x.shape[dim], sizes, group))
+    if sum(sizes) != x.shape[dim]:
+        raise ValueError(f"sizes {list(sizes)} sum to {sum(sizes)}, but dim {dim} has {x.shape[dim]}")
+    return _ReduceScatterSeq.apply(x, dim, sizes, group)

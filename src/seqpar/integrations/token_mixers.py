@@ -14,7 +14,21 @@ feeds it what it would see unsharded. Two approaches, chosen per call:
 ``k - 1`` tokens; the mixer's compute is not repeated. Contiguous layout with shards of at least
 ``k - 1`` tokens; otherwise the gather approach runs.
 
-``"gather"`` (exact, not scalable) -- for the recurrent mixers (Gated DeltaNet, Mamba, Mamba2),
+``"heads"`` (scalable compute) -- for Gated DeltaNet with Qwen3-Next's or Qwen3.5's projections:
+every rank all-gathers the layer's input, runs the model's own forward on the whole sequence for
+its share of the key heads only (a copy of the module whose projections, convolution channels,
+decays and ``out_proj`` columns are views of the real parameters, sliced to those heads and their
+value heads), and the partial outputs are summed over the ranks while each keeps its shard
+(:func:`seqpar.comm.gather.reduce_scatter_seq`). Heads never mix before ``out_proj`` (the gated
+norm is per value head), so the sum is the layer's output; the compute is split P ways (ranks past
+the last key head idle). Per layer: an all-gather and a reduce-scatter each way::
+
+    hidden_states      # [B, S/P, D]   this rank's shard
+    gather_seq         # [B, S, D]     backward: reduce-scatter of the ranks' input gradients
+    module on heads    # [B, S, D]     this rank's heads' share of out_proj (a partial sum)
+    reduce_scatter_seq # [B, S/P, D]   the sum over ranks, this rank's shard; backward: all-gather
+
+``"gather"`` (exact, not scalable) -- for the other recurrent mixers (Kimi, Mamba, Mamba2),
 whose state would have to cross ranks inside the model's kernels: every rank all-gathers the
 layer's input sequence, runs the module on the whole sequence, keeps its own slice; backward
 reduce-scatters the input gradient. The mixer's compute is repeated on all P ranks and its input
@@ -34,6 +48,7 @@ model's own mixer takes (halo: the padding mask of the window).
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Callable
 from typing import Any
@@ -46,15 +61,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..attention.layout import inverse_permutation
 from ..attention.shard import SeqShard, shard_cache
 from ..batch.sharding import BATCH_KWARG, LocalBatch
-from ..comm.gather import gather_seq
+from ..comm.collectives import split_offsets, split_sizes
+from ..comm.gather import gather_seq, reduce_scatter_seq
 from ..comm.halo import halo_exchange
 from ..comm.mesh import Axis, axis_group
 
-GATHER, HALO = "gather", "halo"
+GATHER, HALO, HEADS = "gather", "halo", "heads"
 
 HANDLED_MIXERS: dict[str, str] = {
     # Gated DeltaNet: causal conv1d, then the chunked gated delta rule per head
-    "Qwen3NextGatedDeltaNet": GATHER, "Qwen3_5GatedDeltaNet": GATHER, "Qwen3_5MoeGatedDeltaNet": GATHER,
+    "Qwen3NextGatedDeltaNet": HEADS, "Qwen3_5GatedDeltaNet": HEADS, "Qwen3_5MoeGatedDeltaNet": HEADS,
     "OlmoHybridGatedDeltaNet": GATHER,
     # Kimi delta attention (per-channel decay): causal conv1d, then the chunked delta rule per head
     "KimiLinearDeltaAttention": GATHER, "BailingHybridDeltaAttention": GATHER,
@@ -98,7 +114,9 @@ def describe_token_mixers(model: nn.Module) -> str:
     how = {GATHER: "gathered: every rank runs the layer on the whole sequence (exact; its compute is repeated "
                    "P times and its input is held whole)",
            HALO: "halo: each rank runs its shard plus the previous rank's last kernel-1 inputs (exact, scalable; "
-                 "gathered under a permuted layout)"}
+                 "gathered under a permuted layout)",
+           HEADS: "split by heads: every rank runs the whole sequence for its share of the key heads and the "
+                  "partial outputs are summed (exact; compute split P ways, input held whole)"}
     return "; ".join(f"{n} x{c} {how[a]}" for (n, a), c in sorted(counts.items()))
 
 
@@ -168,17 +186,103 @@ def _gathered(forward: Callable[..., Tensor], x: Tensor, batch: LocalBatch, grou
     """The gather approach (see the module doc): ``x [B, S/P, D]`` -> ``[B, S/P, D']``."""
     shard = batch.shard
     whole = gather_seq(x, dim=1, group=group, sizes=shard.seq_lens)  # [B, S, D] layout order
-    perm = shard.positions
-    keep = shard.key_keep
-    if perm is not None:
-        inv = inverse_permutation(perm).to(x.device)
-        whole = whole.index_select(1, inv)  # original order
-        keep = None if keep is None else keep.index_select(1, inv.to(keep.device))
-    out = _run_rows(forward, whole, None if keep is None else keep.to(x.device), _runs(shard))  # [B, S, D']
-    if perm is not None:
-        out = out.index_select(1, perm.to(x.device))
+    out = _in_order(forward, whole, shard)  # [B, S, D'] layout order
     start, n = shard.local_range(batch.sp_rank)
     return out.narrow(1, start, n)
+
+
+def _shell(module: nn.Module, tensors: dict[str, Tensor | None], **attrs: Any) -> nn.Module:
+    """A shallow copy of ``module`` (its class's code) whose named parameters are the given tensors
+    -- views of the real parameters, so gradients reach them -- with ``attrs`` set; submodules not
+    replaced are the real ones. No instance ``forward`` (seqpar's wrapper) is copied."""
+    new = copy.copy(module)
+    new.__dict__.pop("forward", None)
+    new._parameters, new._modules = {}, dict(module._modules)
+    for key, value in list(new.__dict__.items()):  # the real module's hooks stay with it
+        if "hooks" in key and isinstance(value, dict):
+            new.__dict__[key] = type(value)()
+    for name, t in tensors.items():
+        object.__setattr__(new, name, t)
+    for name, value in attrs.items():
+        setattr(new, name, value)
+    return new
+
+
+def _gdn_heads(module: nn.Module, lo: int, hi: int) -> nn.Module:
+    """The Gated DeltaNet ``module`` restricted to key heads ``lo .. hi`` and their value heads
+    (each key head serves ``r = num_v_heads / num_k_heads`` consecutive ones). Channels: the
+    convolution runs over ``[q (nk*hk) | k (nk*hk) | v (nv*hv)]``; Qwen3-Next's ``in_proj_qkvz`` /
+    ``in_proj_ba`` rows are grouped per key head, Qwen3.5's ``in_proj_qkv`` follows the convolution's
+    channels and ``in_proj_z`` / ``_b`` / ``_a`` the value heads."""
+    nk, nv, hk, hv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    r, n = nv // nk, hi - lo
+    kd = nk * hk
+
+    def rows(w: Tensor, *ranges: tuple[int, int]) -> Tensor:  # w's rows a..b of each range, in order
+        return torch.cat([w[a:b] for a, b in ranges])
+
+    qkv = ((lo * hk, hi * hk), (kd + lo * hk, kd + hi * hk), (2 * kd + lo * r * hv, 2 * kd + hi * r * hv))
+    conv = module.conv1d
+    subs = {"conv1d": _shell(conv, {"weight": rows(conv.weight, *qkv),
+                                    "bias": None if conv.bias is None else rows(conv.bias, *qkv)},
+                             in_channels=2 * n * hk + n * r * hv, out_channels=2 * n * hk + n * r * hv,
+                             groups=2 * n * hk + n * r * hv)}
+    if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: [nk, 2 hk + 2 r hv] and [nk, 2 r] rows
+        per, w = 2 * hk + 2 * r * hv, module.in_proj_qkvz.weight
+        subs["in_proj_qkvz"] = _shell(module.in_proj_qkvz, {"weight": w[lo * per:hi * per], "bias": None})
+        w = module.in_proj_ba.weight
+        subs["in_proj_ba"] = _shell(module.in_proj_ba, {"weight": w[lo * 2 * r:hi * 2 * r], "bias": None})
+    else:  # Qwen3.5
+        subs["in_proj_qkv"] = _shell(module.in_proj_qkv, {"weight": rows(module.in_proj_qkv.weight, *qkv),
+                                                          "bias": None})
+        for name, width in (("in_proj_z", hv), ("in_proj_b", 1), ("in_proj_a", 1)):
+            lin = getattr(module, name)
+            subs[name] = _shell(lin, {"weight": lin.weight[lo * r * width:hi * r * width], "bias": None})
+    out = module.out_proj
+    subs["out_proj"] = _shell(out, {"weight": out.weight[:, lo * r * hv:hi * r * hv], "bias": None})
+    return _shell(module, {"dt_bias": module.dt_bias[lo * r:hi * r], "A_log": module.A_log[lo * r:hi * r]},
+                  num_k_heads=n, num_v_heads=n * r, key_dim=n * hk, value_dim=n * r * hv,
+                  conv_dim=2 * n * hk + n * r * hv, **subs)
+
+
+def _heads_fit(module: nn.Module) -> bool:
+    """The head split needs plain bias-free projections (a bias is not a per-head partial sum; a
+    wrapped layer, e.g. LoRA, is not sliced) and whole value-head groups per key head."""
+    lins = [m for n, m in module.named_children() if n.startswith("in_proj") or n == "out_proj"]
+    return (all(type(m) is nn.Linear and m.bias is None for m in lins) and type(module.conv1d) is nn.Conv1d
+            and module.num_v_heads % module.num_k_heads == 0
+            and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")))
+
+
+def _by_heads(module: nn.Module, x: Tensor, batch: LocalBatch, group: dist.ProcessGroup) -> Tensor:
+    """The heads approach (see the module doc): ``x [B, S/P, D]`` -> ``[B, S/P, D]``."""
+    shard = batch.shard
+    whole = gather_seq(x, dim=1, group=group, sizes=shard.seq_lens)  # [B, S, D] layout order
+    sizes = split_sizes(module.num_k_heads, batch.sp_size)
+    lo = split_offsets(sizes)[batch.sp_rank]
+    if sizes[batch.sp_rank] == 0:  # more ranks than key heads: nothing to compute, the collectives still run
+        partial = whole * 0
+    else:
+        part = _gdn_heads(module, lo, lo + sizes[batch.sp_rank])
+        original = type(module).forward
+
+        def own(h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+            return original(part, h, None, attention_mask)
+
+        partial = _in_order(own, whole, shard)  # [B, S, D] this rank's heads' share
+    return reduce_scatter_seq(partial, dim=1, group=group, sizes=shard.seq_lens)
+
+
+def _in_order(forward: Callable[..., Tensor], whole: Tensor, shard: SeqShard) -> Tensor:
+    """``forward`` on the whole sequence ``whole [B, S, D]`` (layout order) run in original order
+    -- whole rows with the padding mask, or each packed document alone -- back in layout order."""
+    perm, keep = shard.positions, shard.key_keep
+    if perm is not None:
+        inv = inverse_permutation(perm).to(whole.device)
+        whole = whole.index_select(1, inv)  # original order
+        keep = None if keep is None else keep.index_select(1, inv.to(keep.device))
+    out = _run_rows(forward, whole, None if keep is None else keep.to(whole.device), _runs(shard))  # [B, S, D']
+    return out if perm is None else out.index_select(1, perm.to(whole.device))
 
 
 def _halo(forward: Callable[..., Tensor], x: Tensor, batch: LocalBatch, group: dist.ProcessGroup,
@@ -247,6 +351,8 @@ def _sequence_parallel_forward(group: dist.ProcessGroup,
         width = _halo_width(module)
         if mixer_approach(module) == HALO and width >= 0 and _halo_fits(batch, width):
             return _halo(own, hidden_states, batch, group, width)
+        if mixer_approach(module) == HEADS and _heads_fit(module):
+            return _by_heads(module, hidden_states, batch, group)
         return _gathered(own, hidden_states, batch, group)
 
     return forward
