@@ -71,7 +71,7 @@ def _hybrid_config(name: str, **overrides: Any) -> Any:
                                      "linear_key_head_dim": 8, "linear_value_head_dim": 8, **overrides})
     # Mamba2 wants mamba_n_heads * mamba_d_head == mamba_expand * hidden_size
     return tf.BambaConfig(**{**_COMMON, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": hidden // 4,
-                             "mamba_expand": 1, "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 4,
+                             "mamba_expand": 1, "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
                              "mamba_chunk_size": 16, **overrides})
 
 

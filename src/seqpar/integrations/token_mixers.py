@@ -75,8 +75,10 @@ HANDLED_MIXERS: dict[str, str] = {
     # Kimi delta attention (per-channel decay): causal conv1d, then the chunked delta rule per head
     "KimiLinearDeltaAttention": GATHER, "BailingHybridDeltaAttention": GATHER,
     # Mamba2 (SSD): causal conv1d, then the chunked scan per head
-    "BambaMixer": GATHER, "FalconH1Mixer": GATHER, "NemotronHMamba2Mixer": GATHER, "Zamba2MambaMixer": GATHER,
-    "GraniteMoeHybridMambaLayer": GATHER, "Mamba2Mixer": GATHER,
+    # (split by heads in whole groups when n_groups >= 2; gathered: Falcon-H1 (muP multipliers) and
+    # Mamba2Mixer (only in attention-free models, which parallelize refuses))
+    "BambaMixer": HEADS, "FalconH1Mixer": GATHER, "NemotronHMamba2Mixer": HEADS, "Zamba2MambaMixer": HEADS,
+    "GraniteMoeHybridMambaLayer": HEADS, "Mamba2Mixer": GATHER,
     # Mamba (S6): causal conv1d, then the selective scan
     "JambaMambaMixer": GATHER, "ZambaMambaMixer": GATHER, "MambaMixer": GATHER, "FalconMambaMixer": GATHER,
     # LFM2: in_proj per token, a causal depthwise convolution of L_cache taps, out_proj per token
@@ -245,25 +247,70 @@ def _gdn_heads(module: nn.Module, lo: int, hi: int) -> nn.Module:
                   conv_dim=2 * n * hk + n * r * hv, **subs)
 
 
+def _mamba2_groups(module: nn.Module, lo: int, hi: int) -> nn.Module:
+    """The Mamba2 ``module`` restricted to groups ``lo .. hi`` (B and C are per group, the gated
+    norm normalizes per group, so whole groups split exactly) and their heads. ``in_proj`` rows:
+    ``[gate (I) | x (I) | B (G*N) | C (G*N) | dt (H)]``; the convolution runs over ``x | B | C``."""
+    g, n_state, i_size = module.n_groups, module.ssm_state_size, module.intermediate_size
+    per_group = module.num_heads // g
+    n, width = hi - lo, (module.num_heads // g) * module.head_dim  # groups, channels of a group's heads
+    x = (lo * width, hi * width)
+    b = (i_size + lo * n_state, i_size + hi * n_state)
+    c = (i_size + g * n_state + lo * n_state, i_size + g * n_state + hi * n_state)
+    conv_dim = i_size + 2 * g * n_state
+
+    def rows(w: Tensor, *ranges: tuple[int, int]) -> Tensor:
+        return torch.cat([w[a:e] for a, e in ranges])
+
+    conv, proj, out, norm = module.conv1d, module.in_proj, module.out_proj, module.norm
+    sub_conv = n * width + 2 * n * n_state
+    heads = (lo * per_group, hi * per_group)
+    return _shell(
+        module, {name: getattr(module, name)[heads[0]:heads[1]] for name in ("dt_bias", "A_log", "D")},
+        num_heads=n * per_group, n_groups=n, intermediate_size=n * width, conv_dim=sub_conv,
+        in_proj=_shell(proj, {"weight": rows(proj.weight, x, *((i_size + a, i_size + e) for a, e in (x, b, c)),
+                                             (i_size + conv_dim + heads[0], i_size + conv_dim + heads[1])),
+                              "bias": None}),
+        conv1d=_shell(conv, {"weight": rows(conv.weight, x, b, c),
+                             "bias": None if conv.bias is None else rows(conv.bias, x, b, c)},
+                      in_channels=sub_conv, out_channels=sub_conv, groups=sub_conv),
+        norm=_shell(norm, {"weight": norm.weight[x[0]:x[1]]}),
+        out_proj=_shell(out, {"weight": out.weight[:, x[0]:x[1]], "bias": None}))
+
+
+def _head_units(module: nn.Module) -> int:
+    """How many units the heads approach splits: key heads (Gated DeltaNet) or groups (Mamba2)."""
+    return module.num_k_heads if hasattr(module, "num_k_heads") else module.n_groups
+
+
+def _head_part(module: nn.Module, lo: int, hi: int) -> nn.Module:
+    return _gdn_heads(module, lo, hi) if hasattr(module, "num_k_heads") else _mamba2_groups(module, lo, hi)
+
+
 def _heads_fit(module: nn.Module) -> bool:
     """The head split needs plain bias-free projections (a bias is not a per-head partial sum; a
     wrapped layer, e.g. LoRA, is not sliced) and whole value-head groups per key head."""
     lins = [m for n, m in module.named_children() if n.startswith("in_proj") or n == "out_proj"]
-    return (all(type(m) is nn.Linear and m.bias is None for m in lins) and type(module.conv1d) is nn.Conv1d
-            and module.num_v_heads % module.num_k_heads == 0
-            and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")))
+    plain = all(type(m) is nn.Linear and m.bias is None for m in lins) and type(module.conv1d) is nn.Conv1d
+    if hasattr(module, "num_k_heads"):  # Gated DeltaNet: whole value-head groups per key head
+        return (plain and module.num_v_heads % module.num_k_heads == 0
+                and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")))
+    # Mamba2: at least two groups to split, the gated norm per group
+    g = module.n_groups
+    return (plain and g >= 2 and module.num_heads % g == 0 and getattr(module.norm, "group_size", None)
+            == module.intermediate_size // g and module.intermediate_size == module.num_heads * module.head_dim)
 
 
 def _by_heads(module: nn.Module, x: Tensor, batch: LocalBatch, group: dist.ProcessGroup) -> Tensor:
     """The heads approach (see the module doc): ``x [B, S/P, D]`` -> ``[B, S/P, D]``."""
     shard = batch.shard
     whole = gather_seq(x, dim=1, group=group, sizes=shard.seq_lens)  # [B, S, D] layout order
-    sizes = split_sizes(module.num_k_heads, batch.sp_size)
+    sizes = split_sizes(_head_units(module), batch.sp_size)
     lo = split_offsets(sizes)[batch.sp_rank]
-    if sizes[batch.sp_rank] == 0:  # more ranks than key heads: nothing to compute, the collectives still run
+    if sizes[batch.sp_rank] == 0:  # more ranks than units: nothing to compute, the collectives still run
         partial = whole * 0
     else:
-        part = _gdn_heads(module, lo, lo + sizes[batch.sp_rank])
+        part = _head_part(module, lo, lo + sizes[batch.sp_rank])
         original = type(module).forward
 
         def own(h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
