@@ -40,8 +40,10 @@ FAMILIES = {  # the mixer -> a zoo family (tiny float64 config) that has it next
     "mamba": "jamba/attention-layers",
     "short-conv": "lfm2/conv-layers",
 }
-# Mamba2 mixers with two groups (the tiny configs have one): split by heads, whole groups per rank
-GROUPED = {
+# split by heads beyond Gated DeltaNet: Kimi delta attention, and Mamba2 mixers with two groups
+# (the tiny configs have one; whole groups per rank)
+SPLIT = {
+    "kimi_linear": ("kimi_linear", {}),
     "bamba/2-groups": ("bamba", {"attn_layer_indices": [1], "mamba_n_groups": 2}),
     "nemotron_h/2-groups": ("nemotron_h", {"n_groups": 2}),
     "granitemoehybrid/2-groups": ("granitemoehybrid", {"layer_types": ["mamba", "attention"], "mamba_n_groups": 2}),
@@ -57,7 +59,7 @@ HEAVY = [*QUICK, *QUICK_HALO, ("plain", 13, "ulysses", "zigzag"), ("padded", 16,
 
 
 def _model(family):
-    model_type, overrides = GROUPED.get(family) or VARIANTS.get(family, (family, {}))
+    model_type, overrides = SPLIT.get(family) or VARIANTS.get(family, (family, {}))
     return build_tiny(model_type, **overrides)
 
 
@@ -105,8 +107,8 @@ def _default_run(rank, world):
     """Everything of the default run in one spawn: parity at P = 2, the halo, the counts."""
     grids = {f: QUICK + (QUICK_HALO if f == FAMILIES["short-conv"] else []) for f in FAMILIES.values()}
     return {"parity": _parity(rank, world, list(FAMILIES.values()), (world,), grids), "halo": _halo(rank, world),
-            "counts": _layer_counts(rank, world), "grouped": _parity(rank, world, list(GROUPED), (world,), QUICK),
-            "approaches": {f: sorted({mixer_approach(m) for _, m in token_mixers(_model(f))}) for f in GROUPED}}
+            "counts": _layer_counts(rank, world), "grouped": _parity(rank, world, list(SPLIT), (world,), QUICK),
+            "approaches": {f: sorted({mixer_approach(m) for _, m in token_mixers(_model(f))}) for f in SPLIT}}
 
 
 @pytest.fixture(scope="module")
@@ -128,20 +130,21 @@ def test_hybrid_families_exact_p1_to_p4():
     _check(rows, list(FAMILIES.values()), (1, 2, 3, 4), HEAVY)
 
 
-def test_mamba2_split_by_groups_exact_at_p2(default_run):
-    """Mamba2 mixers (Bamba, NemotronH, Granite hybrid, Zamba2) with two groups run split by heads
-    (one group per rank at P = 2) and stay exact, padded and packed."""
+def test_kimi_and_mamba2_split_by_heads_exact_at_p2(default_run):
+    """Kimi delta attention and Mamba2 mixers (Bamba, NemotronH, Granite hybrid, Zamba2) with two
+    groups run split by heads (one group per rank at P = 2) and stay exact, padded and packed."""
     assert all(a == [HEADS] for a in default_run[0]["approaches"].values()), default_run[0]["approaches"]
     rows = default_run[0]["grouped"]
-    assert {r["family"] for r in rows} == set(GROUPED) and len(rows) == len(GROUPED) * len(QUICK)
+    assert {r["family"] for r in rows} == set(SPLIT) and len(rows) == len(SPLIT) * len(QUICK)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
 
 
 @pytest.mark.heavy
-def test_mamba2_split_by_groups_exact_p1_to_p4():
-    """P = 3, 4: more ranks than groups (two ranks idle but in every collective); uneven lengths."""
-    rows = run_distributed(_parity, 4, list(GROUPED), (1, 2, 3, 4), HEAVY, timeout=1800)[0]
-    assert {(r["family"], r["P"]) for r in rows} >= {(f, p) for f in GROUPED for p in (1, 2, 3, 4)}
+def test_kimi_and_mamba2_split_by_heads_exact_p1_to_p4():
+    """P = 3, 4: more ranks than Mamba2 groups (ranks idle but in every collective), Kimi's 4 heads
+    unevenly at P = 3; uneven lengths."""
+    rows = run_distributed(_parity, 4, list(SPLIT), (1, 2, 3, 4), HEAVY, timeout=1800)[0]
+    assert {(r["family"], r["P"]) for r in rows} >= {(f, p) for f in SPLIT for p in (1, 2, 3, 4)}
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
 
 

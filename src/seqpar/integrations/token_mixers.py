@@ -14,21 +14,24 @@ feeds it what it would see unsharded. Two approaches, chosen per call:
 ``k - 1`` tokens; the mixer's compute is not repeated. Contiguous layout with shards of at least
 ``k - 1`` tokens; otherwise the gather approach runs.
 
-``"heads"`` (scalable compute) -- for Gated DeltaNet with Qwen3-Next's or Qwen3.5's projections:
-every rank all-gathers the layer's input, runs the model's own forward on the whole sequence for
-its share of the key heads only (a copy of the module whose projections, convolution channels,
-decays and ``out_proj`` columns are views of the real parameters, sliced to those heads and their
-value heads), and the partial outputs are summed over the ranks while each keeps its shard
-(:func:`seqpar.comm.gather.reduce_scatter_seq`). Heads never mix before ``out_proj`` (the gated
-norm is per value head), so the sum is the layer's output; the compute is split P ways (ranks past
-the last key head idle). Per layer: an all-gather and a reduce-scatter each way::
+``"heads"`` (scalable compute) -- for Gated DeltaNet with Qwen3-Next's or Qwen3.5's projections,
+Kimi delta attention, and Mamba2 with two groups or more: every rank all-gathers the layer's
+input and runs the model's own forward on the whole sequence for its share of the heads only (a
+copy of the module whose projection rows, convolution channels, decays and output-projection
+columns are views of the real parameters, sliced to those heads), and the partial outputs are
+summed over the ranks while each keeps its shard (:func:`seqpar.comm.gather.reduce_scatter_seq`).
+Heads never mix before the output projection (the gated norms are per head, or per group for
+Mamba2, which splits in whole groups, as its B and C are per group), so the sum is the layer's
+output; the compute is split P ways (ranks past the last unit idle). Per layer: an all-gather and a
+reduce-scatter each way::
 
     hidden_states      # [B, S/P, D]   this rank's shard
     gather_seq         # [B, S, D]     backward: reduce-scatter of the ranks' input gradients
     module on heads    # [B, S, D]     this rank's heads' share of out_proj (a partial sum)
     reduce_scatter_seq # [B, S/P, D]   the sum over ranks, this rank's shard; backward: all-gather
 
-``"gather"`` (exact, not scalable) -- for the other recurrent mixers (Kimi, Mamba, Mamba2),
+``"gather"`` (exact, not scalable) -- for the other recurrent mixers (Mamba, whose ``x_proj``
+mixes all channels into dt, B and C; one-group Mamba2; Falcon-H1; OLMo hybrid; Bailing),
 whose state would have to cross ranks inside the model's kernels: every rank all-gathers the
 layer's input sequence, runs the module on the whole sequence, keeps its own slice; backward
 reduce-scatters the input gradient. The mixer's compute is repeated on all P ranks and its input
@@ -73,7 +76,7 @@ HANDLED_MIXERS: dict[str, str] = {
     "Qwen3NextGatedDeltaNet": HEADS, "Qwen3_5GatedDeltaNet": HEADS, "Qwen3_5MoeGatedDeltaNet": HEADS,
     "OlmoHybridGatedDeltaNet": GATHER,
     # Kimi delta attention (per-channel decay): causal conv1d, then the chunked delta rule per head
-    "KimiLinearDeltaAttention": GATHER, "BailingHybridDeltaAttention": GATHER,
+    "KimiLinearDeltaAttention": HEADS, "BailingHybridDeltaAttention": GATHER,
     # Mamba2 (SSD): causal conv1d, then the chunked scan per head
     # (split by heads in whole groups when n_groups >= 2; gathered: Falcon-H1 (muP multipliers) and
     # Mamba2Mixer (only in attention-free models, which parallelize refuses))
@@ -278,18 +281,54 @@ def _mamba2_groups(module: nn.Module, lo: int, hi: int) -> nn.Module:
         out_proj=_shell(out, {"weight": out.weight[:, x[0]:x[1]], "bias": None}))
 
 
+def _kda_heads(module: nn.Module, lo: int, hi: int) -> nn.Module:
+    """Kimi delta attention restricted to heads ``lo .. hi``: q / k / v / b / gate rows and
+    convolution channels ``[q | k | v]`` of those heads, their per-channel decays (the forget gate's
+    ``f_b_proj`` rows, ``dt_bias``, ``A_log``) and ``o_proj`` columns. The low-rank ``f_a_proj`` /
+    ``g_a_proj`` feed every head: each rank runs them whole (their gradients add up over ranks)."""
+    d, dim = module.head_dim, module.qkv_dim
+    ch = (lo * d, hi * d)
+
+    def lin(m: nn.Linear) -> nn.Module:
+        return _shell(m, {"weight": m.weight[ch[0]:ch[1]], "bias": None})
+
+    conv, gate, out = module.conv1d, module.forget_gate, module.o_proj
+    qkv = [(ch[0] + i * dim, ch[1] + i * dim) for i in range(3)]
+    n = hi - lo
+    return _shell(
+        module, {}, num_heads=n, qkv_dim=n * d, conv_dim=3 * n * d,
+        q_proj=lin(module.q_proj), k_proj=lin(module.k_proj), v_proj=lin(module.v_proj), g_b_proj=lin(module.g_b_proj),
+        b_proj=_shell(module.b_proj, {"weight": module.b_proj.weight[lo:hi], "bias": None}),
+        conv1d=_shell(conv, {"weight": torch.cat([conv.weight[a:e] for a, e in qkv]), "bias": None},
+                      in_channels=3 * n * d, out_channels=3 * n * d, groups=3 * n * d),
+        forget_gate=_shell(gate, {"dt_bias": gate.dt_bias[ch[0]:ch[1]], "A_log": gate.A_log[:, :, lo:hi]},
+                           num_heads=n, qkv_dim=n * d, f_b_proj=lin(gate.f_b_proj)),
+        o_proj=_shell(out, {"weight": out.weight[:, ch[0]:ch[1]], "bias": None}))
+
+
 def _head_units(module: nn.Module) -> int:
-    """How many units the heads approach splits: key heads (Gated DeltaNet) or groups (Mamba2)."""
-    return module.num_k_heads if hasattr(module, "num_k_heads") else module.n_groups
+    """How many units the heads approach splits: key heads (Gated DeltaNet), heads (Kimi) or
+    groups (Mamba2)."""
+    if hasattr(module, "num_k_heads"):
+        return module.num_k_heads
+    return module.num_heads if hasattr(module, "forget_gate") else module.n_groups
 
 
 def _head_part(module: nn.Module, lo: int, hi: int) -> nn.Module:
-    return _gdn_heads(module, lo, hi) if hasattr(module, "num_k_heads") else _mamba2_groups(module, lo, hi)
+    if hasattr(module, "num_k_heads"):
+        return _gdn_heads(module, lo, hi)
+    return _kda_heads(module, lo, hi) if hasattr(module, "forget_gate") else _mamba2_groups(module, lo, hi)
 
 
 def _heads_fit(module: nn.Module) -> bool:
     """The head split needs plain bias-free projections (a bias is not a per-head partial sum; a
     wrapped layer, e.g. LoRA, is not sliced) and whole value-head groups per key head."""
+    if hasattr(module, "forget_gate"):  # Kimi
+        gate = module.forget_gate
+        lins = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_b_proj", "o_proj")]
+        return (all(type(m) is nn.Linear and m.bias is None for m in [*lins, getattr(gate, "f_b_proj", None)])
+                and type(module.conv1d) is nn.Conv1d and module.conv1d.bias is None
+                and tuple(getattr(gate, "A_log", torch.empty(0)).shape) == (1, 1, module.num_heads, 1))
     lins = [m for n, m in module.named_children() if n.startswith("in_proj") or n == "out_proj"]
     plain = all(type(m) is nn.Linear and m.bias is None for m in lins) and type(module.conv1d) is nn.Conv1d
     if hasattr(module, "num_k_heads"):  # Gated DeltaNet: whole value-head groups per key head
