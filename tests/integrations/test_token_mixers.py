@@ -20,7 +20,7 @@ from seqpar.comm.halo import halo_exchange
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.mesh import axis_group
 from seqpar.integrations.models import decoder_config
-from seqpar.integrations.token_mixers import HALO, HEADS, mixer_approach, token_mixers
+from seqpar.integrations.token_mixers import HALO, HEADS, _heads_fit, mixer_approach, token_mixers
 from seqpar.testing.model_parity import (
     ModelCase,
     case_batch,
@@ -44,6 +44,7 @@ FAMILIES = {  # the mixer -> a zoo family (tiny float64 config) that has it next
 # (the tiny configs have one; whole groups per rank)
 SPLIT = {
     "kimi_linear": ("kimi_linear", {}),
+    "bamba/one-group": ("bamba", {"attn_layer_indices": [1]}),  # heads split, the group's norm across ranks
     "bamba/2-groups": ("bamba", {"attn_layer_indices": [1], "mamba_n_groups": 2}),
     "nemotron_h/2-groups": ("nemotron_h", {"n_groups": 2}),
     "granitemoehybrid/2-groups": ("granitemoehybrid", {"layer_types": ["mamba", "attention"], "mamba_n_groups": 2}),
@@ -108,7 +109,8 @@ def _default_run(rank, world):
     grids = {f: QUICK + (QUICK_HALO if f == FAMILIES["short-conv"] else []) for f in FAMILIES.values()}
     return {"parity": _parity(rank, world, list(FAMILIES.values()), (world,), grids), "halo": _halo(rank, world),
             "counts": _layer_counts(rank, world), "grouped": _parity(rank, world, list(SPLIT), (world,), QUICK),
-            "approaches": {f: sorted({mixer_approach(m) for _, m in token_mixers(_model(f))}) for f in SPLIT}}
+            "approaches": {f: sorted({(mixer_approach(m), _heads_fit(m, world)) for _, m in token_mixers(_model(f))})
+                           for f in SPLIT}}
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +133,10 @@ def test_hybrid_families_exact_p1_to_p4():
 
 
 def test_kimi_and_mamba2_split_by_heads_exact_at_p2(default_run):
-    """Kimi delta attention and Mamba2 mixers (Bamba, NemotronH, Granite hybrid, Zamba2) with two
-    groups run split by heads (one group per rank at P = 2) and stay exact, padded and packed."""
-    assert all(a == [HEADS] for a in default_run[0]["approaches"].values()), default_run[0]["approaches"]
+    """Kimi delta attention, Mamba2 mixers (Bamba, NemotronH, Granite hybrid, Zamba2) with two
+    groups (one group per rank at P = 2) and Bamba with one group (its heads split, the group's
+    gated norm summed across ranks) run split by heads and stay exact, padded and packed."""
+    assert all(a == [(HEADS, True)] for a in default_run[0]["approaches"].values()), default_run[0]["approaches"]
     rows = default_run[0]["grouped"]
     assert {r["family"] for r in rows} == set(SPLIT) and len(rows) == len(SPLIT) * len(QUICK)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]

@@ -306,21 +306,79 @@ def _kda_heads(module: nn.Module, lo: int, hi: int) -> nn.Module:
         o_proj=_shell(out, {"weight": out.weight[:, ch[0]:ch[1]], "bias": None}))
 
 
+_ONE_GROUP_SPLIT = {"BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer"}
+"""Mamba2 mixers whose one-group case splits by heads: their gated norm is the same code (read and
+tested), so :class:`_SplitGatedNorm` computes it."""
+
+
+class _SplitGatedNorm(nn.Module):
+    """The Mamba2 gated RMS norm (``x * silu(gate)``, normalized over the group, times ``weight``)
+    of a group whose channels are spread over the ranks of ``group``: each rank holds its heads'
+    channels and the group's mean square is the sum over ranks of the local sums of squares
+    (``torch.distributed.nn.functional.all_reduce``: its backward all-reduces the gradient)."""
+
+    def __init__(self, weight: Tensor, size: int, eps: float, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.weight, self.size, self.variance_epsilon, self.group = weight, size, eps, group
+
+    def forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)  # [..., channels of this rank's heads]
+        if gate is not None:
+            h = h * nn.functional.silu(gate.to(torch.float32))
+        square = all_reduce(h.pow(2).sum(-1, keepdim=True), group=self.group)  # [..., 1], the whole group's
+        h = h * torch.rsqrt(square / self.size + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+def _mamba2_heads(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup) -> nn.Module:
+    """A one-group Mamba2 ``module`` restricted to heads ``lo .. hi``: B and C (one group, shared by
+    every head) whole, the heads' gate / x channels, dt, dt_bias / A_log / D and out_proj columns,
+    and the group's gated norm across the ranks (:class:`_SplitGatedNorm`). It runs as in eval
+    (``training=False``): the fused training kernel would normalize over this rank's heads alone."""
+    n_state, i_size, hd = module.ssm_state_size, module.intermediate_size, module.head_dim
+    x, bc = (lo * hd, hi * hd), (i_size, i_size + 2 * n_state)
+    conv_dim = i_size + 2 * n_state
+    sub_conv = (hi - lo) * hd + 2 * n_state
+
+    def rows(w: Tensor, *ranges: tuple[int, int]) -> Tensor:
+        return torch.cat([w[a:e] for a, e in ranges])
+
+    conv, proj, out, norm = module.conv1d, module.in_proj, module.out_proj, module.norm
+    return _shell(
+        module, {name: getattr(module, name)[lo:hi] for name in ("dt_bias", "A_log", "D")},
+        num_heads=hi - lo, intermediate_size=(hi - lo) * hd, conv_dim=sub_conv, training=False,
+        in_proj=_shell(proj, {"weight": rows(proj.weight, x, (i_size + x[0], i_size + x[1]),
+                                             (i_size + bc[0], i_size + bc[1]),
+                                             (i_size + conv_dim + lo, i_size + conv_dim + hi)), "bias": None}),
+        conv1d=_shell(conv, {"weight": rows(conv.weight, x, bc),
+                             "bias": None if conv.bias is None else rows(conv.bias, x, bc)},
+                      in_channels=sub_conv, out_channels=sub_conv, groups=sub_conv),
+        norm=_SplitGatedNorm(norm.weight[x[0]:x[1]], i_size, norm.variance_epsilon, group),
+        out_proj=_shell(out, {"weight": out.weight[:, x[0]:x[1]], "bias": None}))
+
+
 def _head_units(module: nn.Module) -> int:
     """How many units the heads approach splits: key heads (Gated DeltaNet), heads (Kimi) or
     groups (Mamba2)."""
     if hasattr(module, "num_k_heads"):
         return module.num_k_heads
-    return module.num_heads if hasattr(module, "forget_gate") else module.n_groups
+    if hasattr(module, "forget_gate") or module.n_groups == 1:
+        return module.num_heads
+    return module.n_groups
 
 
-def _head_part(module: nn.Module, lo: int, hi: int) -> nn.Module:
+def _head_part(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup) -> nn.Module:
     if hasattr(module, "num_k_heads"):
         return _gdn_heads(module, lo, hi)
-    return _kda_heads(module, lo, hi) if hasattr(module, "forget_gate") else _mamba2_groups(module, lo, hi)
+    if hasattr(module, "forget_gate"):
+        return _kda_heads(module, lo, hi)
+    return _mamba2_heads(module, lo, hi, group) if module.n_groups == 1 else _mamba2_groups(module, lo, hi)
 
 
-def _heads_fit(module: nn.Module) -> bool:
+def _heads_fit(module: nn.Module, p: int) -> bool:
     """The head split needs plain bias-free projections (a bias is not a per-head partial sum; a
     wrapped layer, e.g. LoRA, is not sliced) and whole value-head groups per key head."""
     if hasattr(module, "forget_gate"):  # Kimi
@@ -334,9 +392,11 @@ def _heads_fit(module: nn.Module) -> bool:
     if hasattr(module, "num_k_heads"):  # Gated DeltaNet: whole value-head groups per key head
         return (plain and module.num_v_heads % module.num_k_heads == 0
                 and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")))
-    # Mamba2: at least two groups to split, the gated norm per group
+    # Mamba2: whole groups (two or more), or, with one group, every rank at least one head (the
+    # norm's all-reduce needs every rank)
     g = module.n_groups
-    return (plain and g >= 2 and module.num_heads % g == 0 and getattr(module.norm, "group_size", None)
+    one = g == 1 and type(module).__name__ in _ONE_GROUP_SPLIT and module.num_heads >= p
+    return (plain and (g >= 2 or one) and module.num_heads % g == 0 and getattr(module.norm, "group_size", None)
             == module.intermediate_size // g and module.intermediate_size == module.num_heads * module.head_dim)
 
 
@@ -349,7 +409,7 @@ def _by_heads(module: nn.Module, x: Tensor, batch: LocalBatch, group: dist.Proce
     if sizes[batch.sp_rank] == 0:  # more ranks than units: nothing to compute, the collectives still run
         partial = whole * 0
     else:
-        part = _head_part(module, lo, lo + sizes[batch.sp_rank])
+        part = _head_part(module, lo, lo + sizes[batch.sp_rank], group)
         original = type(module).forward
 
         def own(h: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -437,7 +497,7 @@ def _sequence_parallel_forward(group: dist.ProcessGroup,
         width = _halo_width(module)
         if mixer_approach(module) == HALO and width >= 0 and _halo_fits(batch, width):
             return _halo(own, hidden_states, batch, group, width)
-        if mixer_approach(module) == HEADS and _heads_fit(module):
+        if mixer_approach(module) == HEADS and _heads_fit(module, batch.sp_size):
             return _by_heads(module, hidden_states, batch, group)
         return _gathered(own, hidden_states, batch, group)
 
