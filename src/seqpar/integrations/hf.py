@@ -149,11 +149,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     ``kernel``: None (the model's own attention where it can be wrapped, else seqpar's) or any
     kernel :func:`seqpar.sp_attention` accepts. Returns the model.
 
-    Hybrid models: the Mamba, Mamba2, Gated DeltaNet and LFM2 short-convolution layers of
+    Hybrid models: the Mamba, Mamba2, Gated DeltaNet, Kimi and LFM2 short-convolution layers of
     :data:`.token_mixers.HANDLED_MIXERS` are exact too. LFM2's short convolutions take a halo of the
-    previous rank's last inputs (scalable); the recurrent mixers are *gathered*: every rank runs
-    such a layer on the whole sequence (its compute repeated P times, its input held whole), see
-    :mod:`.token_mixers` and :func:`.token_mixers.describe_token_mixers`.
+    previous rank's last inputs (scalable); Gated DeltaNet, Kimi and most Mamba2 layers are split
+    by heads (each rank runs its heads on the whole sequence: compute split P ways, input held
+    whole); the rest (Mamba, Falcon-H1) are *gathered*: every rank runs such a layer on the whole
+    sequence (its compute repeated P times), see :mod:`.token_mixers` and
+    :func:`.token_mixers.describe_token_mixers`.
 
     Raises ValueError if the model is not a transformers model whose attention goes through
     ``AttentionInterface``, has no attention heads, mixes tokens by other means too (convolutions,
