@@ -45,6 +45,7 @@ FAMILIES = {  # the mixer -> a zoo family (tiny float64 config) that has it next
 SPLIT = {
     "kimi_linear": ("kimi_linear", {}),
     "bamba/one-group": ("bamba", {"attn_layer_indices": [1]}),  # heads split, the group's norm across ranks
+    "jamba/channels": VARIANTS["jamba/attention-layers"],  # inner channels split, x_proj summed across ranks
     "bamba/2-groups": ("bamba", {"attn_layer_indices": [1], "mamba_n_groups": 2}),
     "nemotron_h/2-groups": ("nemotron_h", {"n_groups": 2}),
     "granitemoehybrid/2-groups": ("granitemoehybrid", {"layer_types": ["mamba", "attention"], "mamba_n_groups": 2}),

@@ -152,9 +152,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     Hybrid models: the Mamba, Mamba2, Gated DeltaNet, Kimi and LFM2 short-convolution layers of
     :data:`.token_mixers.HANDLED_MIXERS` are exact too. LFM2's short convolutions take a halo of the
     previous rank's last inputs (scalable); Gated DeltaNet, Kimi and most Mamba2 layers are split
-    by heads (each rank runs its heads on the whole sequence: compute split P ways, input held
-    whole); the rest (Mamba, Falcon-H1) are *gathered*: every rank runs such a layer on the whole
-    sequence (its compute repeated P times), see :mod:`.token_mixers` and
+    by heads and Jamba's Mamba by inner channels (each rank runs its share on the whole sequence:
+    compute split P ways, input held whole); the rest (Zamba's Mamba, Falcon-H1) are *gathered*:
+    every rank runs such a layer on the whole sequence (its compute repeated P times), see
+    :mod:`.token_mixers` and
     :func:`.token_mixers.describe_token_mixers`.
 
     Raises ValueError if the model is not a transformers model whose attention goes through

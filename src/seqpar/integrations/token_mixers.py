@@ -15,23 +15,25 @@ feeds it what it would see unsharded. Two approaches, chosen per call:
 ``k - 1`` tokens; otherwise the gather approach runs.
 
 ``"heads"`` (scalable compute) -- for Gated DeltaNet with Qwen3-Next's or Qwen3.5's projections,
-Kimi delta attention, and Mamba2 with two groups or more: every rank all-gathers the layer's
-input and runs the model's own forward on the whole sequence for its share of the heads only (a
-copy of the module whose projection rows, convolution channels, decays and output-projection
-columns are views of the real parameters, sliced to those heads), and the partial outputs are
-summed over the ranks while each keeps its shard (:func:`seqpar.comm.gather.reduce_scatter_seq`).
-Heads never mix before the output projection (the gated norms are per head, or per group for
-Mamba2, which splits in whole groups, as its B and C are per group), so the sum is the layer's
-output; the compute is split P ways (ranks past the last unit idle). Per layer: an all-gather and a
-reduce-scatter each way::
+Kimi delta attention, Mamba2 and Jamba's Mamba: every rank all-gathers the layer's input and runs
+the model's own forward on the whole sequence for its share of the heads (Mamba: of the inner
+channels) only -- a copy of the module whose projection rows, convolution channels, decays and
+output-projection columns are views of the real parameters -- and the partial outputs are summed
+over the ranks while each keeps its shard (:func:`seqpar.comm.gather.reduce_scatter_seq`). The
+heads' work is independent up to the output projection, with two exceptions made exact across
+ranks: a one-group Mamba2's gated norm spans all heads (its sum of squares is all-reduced,
+:class:`_SplitGatedNorm`; with several groups whole groups split), and Mamba's ``x_proj`` reads
+every channel to make dt, B, C (its product is all-reduced, :class:`_SummedLinear`). The compute
+is split P ways (ranks past the last unit idle). Per layer: an all-gather and a reduce-scatter
+each way::
 
     hidden_states      # [B, S/P, D]   this rank's shard
     gather_seq         # [B, S, D]     backward: reduce-scatter of the ranks' input gradients
     module on heads    # [B, S, D]     this rank's heads' share of out_proj (a partial sum)
     reduce_scatter_seq # [B, S/P, D]   the sum over ranks, this rank's shard; backward: all-gather
 
-``"gather"`` (exact, not scalable) -- for the other recurrent mixers (Mamba, whose ``x_proj``
-mixes all channels into dt, B and C; one-group Mamba2; Falcon-H1; OLMo hybrid; Bailing),
+``"gather"`` (exact, not scalable) -- for the other recurrent mixers (Zamba's Mamba, Falcon-H1's
+Mamba2, OLMo hybrid's and Bailing's delta rules) and where a split does not fit (biases, LoRA),
 whose state would have to cross ranks inside the model's kernels: every rank all-gathers the
 layer's input sequence, runs the module on the whole sequence, keeps its own slice; backward
 reduce-scatters the input gradient. The mixer's compute is repeated on all P ranks and its input
@@ -83,7 +85,7 @@ HANDLED_MIXERS: dict[str, str] = {
     "BambaMixer": HEADS, "FalconH1Mixer": GATHER, "NemotronHMamba2Mixer": HEADS, "Zamba2MambaMixer": HEADS,
     "GraniteMoeHybridMambaLayer": HEADS, "Mamba2Mixer": GATHER,
     # Mamba (S6): causal conv1d, then the selective scan
-    "JambaMambaMixer": GATHER, "ZambaMambaMixer": GATHER, "MambaMixer": GATHER, "FalconMambaMixer": GATHER,
+    "JambaMambaMixer": HEADS, "ZambaMambaMixer": GATHER, "MambaMixer": GATHER, "FalconMambaMixer": GATHER,
     # LFM2: in_proj per token, a causal depthwise convolution of L_cache taps, out_proj per token
     "Lfm2ShortConv": HALO, "Lfm2MoeShortConv": HALO, "Lfm3ShortConv": HALO,
 }
@@ -360,11 +362,47 @@ def _mamba2_heads(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup)
         out_proj=_shell(out, {"weight": out.weight[:, x[0]:x[1]], "bias": None}))
 
 
+class _SummedLinear(nn.Module):
+    """``x [..., channels of this rank] @ weight[:, those channels]^T``, summed over ``group``: a
+    linear layer over channels spread across ranks (all-reduce with autograd: its backward
+    all-reduces the gradient, as every rank's output fed every rank's loss)."""
+
+    def __init__(self, weight: Tensor, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.weight, self.group = weight, group
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(nn.functional.linear(x, self.weight), group=self.group)
+
+
+def _mamba_channels(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup) -> nn.Module:
+    """Jamba's Mamba (S6) restricted to inner channels ``lo .. hi``: the selective scan is per
+    channel, but ``x_proj`` reads every channel to make dt, B and C -- its product over this
+    rank's channels is summed across the ranks (:class:`_SummedLinear`), so each rank gets the
+    whole dt, B, C (and runs the small dt / B / C norms on them). ``in_proj`` rows ``[x | z]``,
+    convolution channels, ``dt_proj`` rows, ``A_log`` / ``D`` and ``out_proj`` columns are sliced."""
+    i_size = module.intermediate_size
+    conv, proj, dt, out = module.conv1d, module.in_proj, module.dt_proj, module.out_proj
+    return _shell(
+        module, {"A_log": module.A_log[lo:hi], "D": module.D[lo:hi]}, intermediate_size=hi - lo,
+        in_proj=_shell(proj, {"weight": torch.cat([proj.weight[lo:hi], proj.weight[i_size + lo:i_size + hi]]),
+                              "bias": None}),
+        conv1d=_shell(conv, {"weight": conv.weight[lo:hi], "bias": None if conv.bias is None else conv.bias[lo:hi]},
+                      in_channels=hi - lo, out_channels=hi - lo, groups=hi - lo),
+        x_proj=_SummedLinear(module.x_proj.weight[:, lo:hi], group),
+        dt_proj=_shell(dt, {"weight": dt.weight[lo:hi], "bias": None if dt.bias is None else dt.bias[lo:hi]}),
+        out_proj=_shell(out, {"weight": out.weight[:, lo:hi], "bias": None}))
+
+
 def _head_units(module: nn.Module) -> int:
     """How many units the heads approach splits: key heads (Gated DeltaNet), heads (Kimi) or
     groups (Mamba2)."""
     if hasattr(module, "num_k_heads"):
         return module.num_k_heads
+    if hasattr(module, "x_proj"):  # Mamba: inner channels
+        return module.intermediate_size
     if hasattr(module, "forget_gate") or module.n_groups == 1:
         return module.num_heads
     return module.n_groups
@@ -375,12 +413,19 @@ def _head_part(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup) ->
         return _gdn_heads(module, lo, hi)
     if hasattr(module, "forget_gate"):
         return _kda_heads(module, lo, hi)
+    if hasattr(module, "x_proj"):
+        return _mamba_channels(module, lo, hi, group)
     return _mamba2_heads(module, lo, hi, group) if module.n_groups == 1 else _mamba2_groups(module, lo, hi)
 
 
 def _heads_fit(module: nn.Module, p: int) -> bool:
     """The head split needs plain bias-free projections (a bias is not a per-head partial sum; a
     wrapped layer, e.g. LoRA, is not sliced) and whole value-head groups per key head."""
+    if hasattr(module, "x_proj"):  # Mamba (Jamba): every rank some channels (x_proj's all-reduce needs them all)
+        lins = [module.in_proj, module.x_proj, module.dt_proj, module.out_proj]
+        return (all(type(m) is nn.Linear for m in lins) and module.in_proj.bias is None
+                and module.out_proj.bias is None and type(module.conv1d) is nn.Conv1d and module.intermediate_size >= p
+                and tuple(module.A_log.shape) == (module.intermediate_size, module.ssm_state_size))
     if hasattr(module, "forget_gate"):  # Kimi
         gate = module.forget_gate
         lins = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_b_proj", "o_proj")]
