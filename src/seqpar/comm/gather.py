@@ -1,4 +1,4 @@
-"""All-gather and split along the sequence, with autograd, for uneven shards."""
+"""All-gather and split along the sequence, with autograd, for uneven shards; a summing all-reduce."""
 
 from __future__ import annotations
 
@@ -135,3 +135,28 @@ def reduce_scatter_seq(x: Tensor, *, dim: int = 1, group: Group, sizes: Sequence
     if sum(sizes) != x.shape[dim]:
         raise ValueError(f"sizes {list(sizes)} sum to {sum(sizes)}, but dim {dim} has {x.shape[dim]}")
     return _ReduceScatterSeq.apply(x, dim, sizes, group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: the sum over ranks of a tensor every rank holds (its own partial). Backward: the
+    sum over ranks of the gradient -- every rank's output is the same sum, and each rank's loss
+    may read it, so a partial's gradient is the total of the outputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def all_reduce_sum(x: Tensor, *, group: Group) -> Tensor:
+    """Sum per-rank partials over ``group`` with autograd (for a layer whose channels are spread
+    over the ranks: a partial matrix product, a partial sum of squares)."""
+    return _AllReduceSum.apply(x, group)

@@ -67,7 +67,7 @@ from ..attention.layout import inverse_permutation
 from ..attention.shard import SeqShard, shard_cache
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.collectives import split_offsets, split_sizes
-from ..comm.gather import gather_seq, reduce_scatter_seq
+from ..comm.gather import all_reduce_sum, gather_seq, reduce_scatter_seq
 from ..comm.halo import halo_exchange
 from ..comm.mesh import Axis, axis_group
 
@@ -317,20 +317,18 @@ class _SplitGatedNorm(nn.Module):
     """The Mamba2 gated RMS norm (``x * silu(gate)``, normalized over the group, times ``weight``)
     of a group whose channels are spread over the ranks of ``group``: each rank holds its heads'
     channels and the group's mean square is the sum over ranks of the local sums of squares
-    (``torch.distributed.nn.functional.all_reduce``: its backward all-reduces the gradient)."""
+    (:func:`seqpar.comm.gather.all_reduce_sum`: its backward all-reduces the gradient)."""
 
     def __init__(self, weight: Tensor, size: int, eps: float, group: dist.ProcessGroup) -> None:
         super().__init__()
         self.weight, self.size, self.variance_epsilon, self.group = weight, size, eps, group
 
     def forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
-        from torch.distributed.nn.functional import all_reduce
-
         dtype = hidden_states.dtype
         h = hidden_states.to(torch.float32)  # [..., channels of this rank's heads]
         if gate is not None:
             h = h * nn.functional.silu(gate.to(torch.float32))
-        square = all_reduce(h.pow(2).sum(-1, keepdim=True), group=self.group)  # [..., 1], the whole group's
+        square = all_reduce_sum(h.pow(2).sum(-1, keepdim=True), group=self.group)  # [..., 1], the whole group's
         h = h * torch.rsqrt(square / self.size + self.variance_epsilon)
         return self.weight * h.to(dtype)
 
@@ -364,17 +362,14 @@ def _mamba2_heads(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup)
 
 class _SummedLinear(nn.Module):
     """``x [..., channels of this rank] @ weight[:, those channels]^T``, summed over ``group``: a
-    linear layer over channels spread across ranks (all-reduce with autograd: its backward
-    all-reduces the gradient, as every rank's output fed every rank's loss)."""
+    linear layer over channels spread across ranks (:func:`seqpar.comm.gather.all_reduce_sum`)."""
 
     def __init__(self, weight: Tensor, group: dist.ProcessGroup) -> None:
         super().__init__()
         self.weight, self.group = weight, group
 
     def forward(self, x: Tensor) -> Tensor:
-        from torch.distributed.nn.functional import all_reduce
-
-        return all_reduce(nn.functional.linear(x, self.weight), group=self.group)
+        return all_reduce_sum(nn.functional.linear(x, self.weight), group=self.group)
 
 
 def _mamba_channels(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup) -> nn.Module:
