@@ -2,7 +2,7 @@
 gathered (every rank runs the whole layer), one mixer layer forward + backward on the same inputs, in
 one run, on local gloo processes.
 
-    python benchmarks/bench_mixers.py                 # P = 2 and 4, S = 4096, hidden 256, float32
+    python benchmarks/bench_mixers.py                 # P = 2 and 4, S = 2048, hidden 256, float32
 
 Families: Gated DeltaNet (Qwen3-Next), Mamba2 with one group (Bamba: heads split, the group's norm
 summed across ranks), Mamba (Jamba: inner channels split, x_proj summed). Each rank alternates the
@@ -64,9 +64,9 @@ def _work(rank: int, world: int, seq: int, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     print(f"S={args.seq}, one mixer layer forward + backward, float32, median of {args.repeats}, slowest rank")
     print(f"{'P':>2}  {'mixer':30} {'split ms':>9} {'gathered ms':>12} {'split / gathered':>17}")
