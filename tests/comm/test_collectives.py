@@ -10,7 +10,7 @@ import torch.distributed as dist
 from seqpar.comm.agree import fence
 from seqpar.comm.collectives import all_to_all, all_to_all_multi, even_ranges, split_sizes
 from seqpar.comm.counting import count_collectives
-from seqpar.comm.gather import gather_seq, split_seq
+from seqpar.comm.gather import all_reduce_sum, gather_seq, reduce_scatter_seq, split_seq
 from seqpar.comm.guard import Guard
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.p2p import RingShift
@@ -92,6 +92,26 @@ def _worker(rank, world):
             if part.numel() else 0.0
         (part * 5).sum().backward()
         errs[f"split bwd S={s_total}"] = float((whole.grad - 5).abs().max())
+
+    # reduce_scatter_seq (gather backward) and all_reduce_sum (sum backward): per-rank partials of
+    # a whole sequence, rank r's partial = (r + 1) * full, so the sum is P (P + 1) / 2 * full
+    tri = world * (world + 1) / 2
+    for s_total in (5, 1, 9):
+        full = _global(13, 2, s_total, 3)
+        seq = split_sizes(s_total, world)
+        off = sum(seq[:rank])
+        partial = (full * (rank + 1)).requires_grad_(True)
+        mine = reduce_scatter_seq(partial, dim=1, group=g, sizes=seq)
+        errs[f"reduce-scatter fwd S={s_total}"] = float((mine - tri * full[:, off:off + seq[rank]]).abs().max()) \
+            if mine.numel() else 0.0
+        (mine * (rank + 2)).sum().backward()  # rank r's shard weighted r + 2: every partial's gradient
+        want = torch.cat([torch.full((2, n, 3), float(r + 2), dtype=full.dtype) for r, n in enumerate(seq)], dim=1)
+        errs[f"reduce-scatter bwd S={s_total}"] = float((partial.grad - want).abs().max())
+        partial = (full * (rank + 1)).requires_grad_(True)
+        total = all_reduce_sum(partial, group=g)
+        errs[f"all-reduce fwd S={s_total}"] = float((total - tri * full).abs().max())
+        (total * (rank + 2)).sum().backward()  # each rank's use of the sum, weighted r + 2
+        errs[f"all-reduce bwd S={s_total}"] = float((partial.grad - (tri + world)).abs().max())
 
     # ring shift: after P shifts every rank has its own tensor back, having seen all others
     shift = RingShift(g)
