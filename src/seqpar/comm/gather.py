@@ -117,12 +117,15 @@ def split_seq(x: Tensor, *, dim: int = 1, group: Group, sizes: Sequence[int] | N
     """This rank's shard of a tensor every rank holds whole (tensor_split convention unless
     ``sizes`` is given); the backward all-gathers."""
     dim = dim % x.dim()
-    sizes = tuple(_sizes_for(None, x.shape[dim], sizes, group))
-    if sum(sizes) != x.shape[dim]:
-        raise ValueError(f"sizes {list(sizes)} sum to {sum(sizes)}, but dim {dim} has {x.shape[dim]}")
-    return _SplitSeq.apply(x, dim, sizes, group)
+    return _SplitSeq.apply(x, dim, _whole_sizes(x, dim, sizes, group), group)
 
 
+def _whole_sizes(x: Tensor, dim: int, sizes: Sequence[int] | None, group: Group) -> tuple[int, ...]:
+    """The shard lengths of a tensor every rank holds whole along ``dim``, checked to cover it."""
+    out = tuple(_sizes_for(None, x.shape[dim], sizes, group))
+    if sum(out) != x.shape[dim]:
+        raise ValueError(f"sizes {list(out)} sum to {sum(out)}, but dim {dim} has {x.shape[dim]}")
+    return out
 
 
 def reduce_scatter_seq(x: Tensor, *, dim: int = 1, group: Group, sizes: Sequence[int] | None = None) -> Tensor:
@@ -131,10 +134,7 @@ def reduce_scatter_seq(x: Tensor, *, dim: int = 1, group: Group, sizes: Sequence
     all-gathers. The dual of :func:`gather_seq`: a layer that splits its work by heads runs on the
     gathered sequence and returns its partial output through this."""
     dim = dim % x.dim()
-    sizes = tuple(_sizes_for(None, x.shape[dim], sizes, group))
-    if sum(sizes) != x.shape[dim]:
-        raise ValueError(f"sizes {list(sizes)} sum to {sum(sizes)}, but dim {dim} has {x.shape[dim]}")
-    return _ReduceScatterSeq.apply(x, dim, sizes, group)
+    return _ReduceScatterSeq.apply(x, dim, _whole_sizes(x, dim, sizes, group), group)
 
 
 class _AllReduceSum(torch.autograd.Function):
