@@ -51,6 +51,9 @@ SPLIT = {
     "granitemoehybrid/2-groups": ("granitemoehybrid", {"layer_types": ["mamba", "attention"], "mamba_n_groups": 2}),
     "zamba2/2-groups": ("zamba2", {**VARIANTS["zamba2/hybrid-layers"][1], "mamba_ngroups": 2}),
 }
+# a projection the split cannot slice (a bias: not a per-head partial sum) -> the mixer runs gathered
+FALLBACK = {"qwen3_next/out_proj-bias": ("qwen3_next", "out_proj"), "jamba/x_proj-bias": ("jamba/attention-layers",
+                                                                                          "x_proj")}
 # (batch, sequence length, strategy, layout): lengths no P divides evenly. Default run: every mixer
 # padded (Ulysses) and packed (ring on doc-zigzag: the gathered mixers put tokens back in order);
 # the halo (contiguous layout) packed too.
@@ -61,6 +64,14 @@ HEAVY = [*QUICK, *QUICK_HALO, ("plain", 13, "ulysses", "zigzag"), ("padded", 16,
 
 
 def _model(family):
+    if family in FALLBACK:
+        base, attr = FALLBACK[family]
+        model = _model(base)
+        g = torch.Generator().manual_seed(5)
+        for _, mixer in token_mixers(model):
+            lin = getattr(mixer, attr)
+            lin.bias = torch.nn.Parameter(torch.randn(lin.out_features, generator=g, dtype=lin.weight.dtype))
+        return model
     model_type, overrides = SPLIT.get(family) or VARIANTS.get(family, (family, {}))
     return build_tiny(model_type, **overrides)
 
@@ -111,7 +122,8 @@ def _default_run(rank, world):
     return {"parity": _parity(rank, world, list(FAMILIES.values()), (world,), grids), "halo": _halo(rank, world),
             "counts": _layer_counts(rank, world), "grouped": _parity(rank, world, list(SPLIT), (world,), QUICK),
             "approaches": {f: sorted({(mixer_approach(m), _heads_fit(m, world)) for _, m in token_mixers(_model(f))})
-                           for f in SPLIT}}
+                           for f in [*SPLIT, *FALLBACK]},
+            "fallback": _parity(rank, world, list(FALLBACK), (world,), QUICK)}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +149,8 @@ def test_kimi_and_mamba2_split_by_heads_exact_at_p2(default_run):
     """Kimi delta attention, Mamba2 mixers (Bamba, NemotronH, Granite hybrid, Zamba2) with two
     groups (one group per rank at P = 2) and Bamba with one group (its heads split, the group's
     gated norm summed across ranks) run split by heads and stay exact, padded and packed."""
-    assert all(a == [(HEADS, True)] for a in default_run[0]["approaches"].values()), default_run[0]["approaches"]
+    approaches = default_run[0]["approaches"]
+    assert all(approaches[f] == [(HEADS, True)] for f in SPLIT), approaches
     rows = default_run[0]["grouped"]
     assert {r["family"] for r in rows} == set(SPLIT) and len(rows) == len(SPLIT) * len(QUICK)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
@@ -294,3 +307,13 @@ def test_gated_deltanet_splits_its_heads(default_run):
     assert all(len(s) == 1 for s in scans), scans  # padded rows: one call over the batch
     assert sum(h for s in scans for h, _ in s) == heads and all(h < heads for s in scans for h, _ in s), scans
     assert all(t == seq for s in scans for _, t in s), scans  # each over the whole sequence
+
+
+def test_unsliceable_mixer_runs_gathered_and_exact(default_run):
+    """A split mixer with a biased projection (Qwen3-Next's out_proj, Jamba's x_proj) does not fit
+    the split: it runs gathered, and stays exact."""
+    approaches = default_run[0]["approaches"]
+    assert all(approaches[f] == [(HEADS, False)] for f in FALLBACK), approaches
+    rows = default_run[0]["fallback"]
+    assert {r["family"] for r in rows} == set(FALLBACK) and len(rows) == len(FALLBACK) * len(QUICK)
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]

@@ -215,6 +215,11 @@ def _shell(module: nn.Module, tensors: dict[str, Tensor | None], **attrs: Any) -
     return new
 
 
+def _rows(w: Tensor, *ranges: tuple[int, int]) -> Tensor:
+    """``w``'s rows ``a .. e`` of each range, in order (a slice's copy; gradients reach ``w``)."""
+    return torch.cat([w[a:e] for a, e in ranges])
+
+
 def _gdn_heads(module: nn.Module, lo: int, hi: int) -> nn.Module:
     """The Gated DeltaNet ``module`` restricted to key heads ``lo .. hi`` and their value heads
     (each key head serves ``r = num_v_heads / num_k_heads`` consecutive ones). Channels: the
@@ -225,13 +230,10 @@ def _gdn_heads(module: nn.Module, lo: int, hi: int) -> nn.Module:
     r, n = nv // nk, hi - lo
     kd = nk * hk
 
-    def rows(w: Tensor, *ranges: tuple[int, int]) -> Tensor:  # w's rows a..b of each range, in order
-        return torch.cat([w[a:b] for a, b in ranges])
-
     qkv = ((lo * hk, hi * hk), (kd + lo * hk, kd + hi * hk), (2 * kd + lo * r * hv, 2 * kd + hi * r * hv))
     conv = module.conv1d
-    subs = {"conv1d": _shell(conv, {"weight": rows(conv.weight, *qkv),
-                                    "bias": None if conv.bias is None else rows(conv.bias, *qkv)},
+    subs = {"conv1d": _shell(conv, {"weight": _rows(conv.weight, *qkv),
+                                    "bias": None if conv.bias is None else _rows(conv.bias, *qkv)},
                              in_channels=2 * n * hk + n * r * hv, out_channels=2 * n * hk + n * r * hv,
                              groups=2 * n * hk + n * r * hv)}
     if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: [nk, 2 hk + 2 r hv] and [nk, 2 r] rows
@@ -240,7 +242,7 @@ def _gdn_heads(module: nn.Module, lo: int, hi: int) -> nn.Module:
         w = module.in_proj_ba.weight
         subs["in_proj_ba"] = _shell(module.in_proj_ba, {"weight": w[lo * 2 * r:hi * 2 * r], "bias": None})
     else:  # Qwen3.5
-        subs["in_proj_qkv"] = _shell(module.in_proj_qkv, {"weight": rows(module.in_proj_qkv.weight, *qkv),
+        subs["in_proj_qkv"] = _shell(module.in_proj_qkv, {"weight": _rows(module.in_proj_qkv.weight, *qkv),
                                                           "bias": None})
         for name, width in (("in_proj_z", hv), ("in_proj_b", 1), ("in_proj_a", 1)):
             lin = getattr(module, name)
@@ -264,20 +266,17 @@ def _mamba2_groups(module: nn.Module, lo: int, hi: int) -> nn.Module:
     c = (i_size + g * n_state + lo * n_state, i_size + g * n_state + hi * n_state)
     conv_dim = i_size + 2 * g * n_state
 
-    def rows(w: Tensor, *ranges: tuple[int, int]) -> Tensor:
-        return torch.cat([w[a:e] for a, e in ranges])
-
     conv, proj, out, norm = module.conv1d, module.in_proj, module.out_proj, module.norm
     sub_conv = n * width + 2 * n * n_state
     heads = (lo * per_group, hi * per_group)
     return _shell(
         module, {name: getattr(module, name)[heads[0]:heads[1]] for name in ("dt_bias", "A_log", "D")},
         num_heads=n * per_group, n_groups=n, intermediate_size=n * width, conv_dim=sub_conv,
-        in_proj=_shell(proj, {"weight": rows(proj.weight, x, *((i_size + a, i_size + e) for a, e in (x, b, c)),
+        in_proj=_shell(proj, {"weight": _rows(proj.weight, x, *((i_size + a, i_size + e) for a, e in (x, b, c)),
                                              (i_size + conv_dim + heads[0], i_size + conv_dim + heads[1])),
                               "bias": None}),
-        conv1d=_shell(conv, {"weight": rows(conv.weight, x, b, c),
-                             "bias": None if conv.bias is None else rows(conv.bias, x, b, c)},
+        conv1d=_shell(conv, {"weight": _rows(conv.weight, x, b, c),
+                             "bias": None if conv.bias is None else _rows(conv.bias, x, b, c)},
                       in_channels=sub_conv, out_channels=sub_conv, groups=sub_conv),
         norm=_shell(norm, {"weight": norm.weight[x[0]:x[1]]}),
         out_proj=_shell(out, {"weight": out.weight[:, x[0]:x[1]], "bias": None}))
@@ -301,7 +300,7 @@ def _kda_heads(module: nn.Module, lo: int, hi: int) -> nn.Module:
         module, {}, num_heads=n, qkv_dim=n * d, conv_dim=3 * n * d,
         q_proj=lin(module.q_proj), k_proj=lin(module.k_proj), v_proj=lin(module.v_proj), g_b_proj=lin(module.g_b_proj),
         b_proj=_shell(module.b_proj, {"weight": module.b_proj.weight[lo:hi], "bias": None}),
-        conv1d=_shell(conv, {"weight": torch.cat([conv.weight[a:e] for a, e in qkv]), "bias": None},
+        conv1d=_shell(conv, {"weight": _rows(conv.weight, *qkv), "bias": None},
                       in_channels=3 * n * d, out_channels=3 * n * d, groups=3 * n * d),
         forget_gate=_shell(gate, {"dt_bias": gate.dt_bias[ch[0]:ch[1]], "A_log": gate.A_log[:, :, lo:hi]},
                            num_heads=n, qkv_dim=n * d, f_b_proj=lin(gate.f_b_proj)),
@@ -343,18 +342,15 @@ def _mamba2_heads(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup)
     conv_dim = i_size + 2 * n_state
     sub_conv = (hi - lo) * hd + 2 * n_state
 
-    def rows(w: Tensor, *ranges: tuple[int, int]) -> Tensor:
-        return torch.cat([w[a:e] for a, e in ranges])
-
     conv, proj, out, norm = module.conv1d, module.in_proj, module.out_proj, module.norm
     return _shell(
         module, {name: getattr(module, name)[lo:hi] for name in ("dt_bias", "A_log", "D")},
         num_heads=hi - lo, intermediate_size=(hi - lo) * hd, conv_dim=sub_conv, training=False,
-        in_proj=_shell(proj, {"weight": rows(proj.weight, x, (i_size + x[0], i_size + x[1]),
+        in_proj=_shell(proj, {"weight": _rows(proj.weight, x, (i_size + x[0], i_size + x[1]),
                                              (i_size + bc[0], i_size + bc[1]),
                                              (i_size + conv_dim + lo, i_size + conv_dim + hi)), "bias": None}),
-        conv1d=_shell(conv, {"weight": rows(conv.weight, x, bc),
-                             "bias": None if conv.bias is None else rows(conv.bias, x, bc)},
+        conv1d=_shell(conv, {"weight": _rows(conv.weight, x, bc),
+                             "bias": None if conv.bias is None else _rows(conv.bias, x, bc)},
                       in_channels=sub_conv, out_channels=sub_conv, groups=sub_conv),
         norm=_SplitGatedNorm(norm.weight[x[0]:x[1]], i_size, norm.variance_epsilon, group),
         out_proj=_shell(out, {"weight": out.weight[:, x[0]:x[1]], "bias": None}))
@@ -382,7 +378,7 @@ def _mamba_channels(module: nn.Module, lo: int, hi: int, group: dist.ProcessGrou
     conv, proj, dt, out = module.conv1d, module.in_proj, module.dt_proj, module.out_proj
     return _shell(
         module, {"A_log": module.A_log[lo:hi], "D": module.D[lo:hi]}, intermediate_size=hi - lo,
-        in_proj=_shell(proj, {"weight": torch.cat([proj.weight[lo:hi], proj.weight[i_size + lo:i_size + hi]]),
+        in_proj=_shell(proj, {"weight": _rows(proj.weight, (lo, hi), (i_size + lo, i_size + hi)),
                               "bias": None}),
         conv1d=_shell(conv, {"weight": conv.weight[lo:hi], "bias": None if conv.bias is None else conv.bias[lo:hi]},
                       in_channels=hi - lo, out_channels=hi - lo, groups=hi - lo),
@@ -391,45 +387,62 @@ def _mamba_channels(module: nn.Module, lo: int, hi: int, group: dist.ProcessGrou
         out_proj=_shell(out, {"weight": out.weight[:, lo:hi], "bias": None}))
 
 
-def _head_units(module: nn.Module) -> int:
-    """How many units the heads approach splits: key heads (Gated DeltaNet), heads (Kimi) or
-    groups (Mamba2)."""
+def _split_kind(module: nn.Module) -> str:
+    """Which slicer a split mixer takes: ``"gdn"`` (key heads), ``"kda"`` (heads), ``"mamba"``
+    (inner channels) or ``"mamba2"`` (groups, or heads of its one group)."""
     if hasattr(module, "num_k_heads"):
+        return "gdn"
+    if hasattr(module, "forget_gate"):
+        return "kda"
+    return "mamba" if hasattr(module, "x_proj") else "mamba2"
+
+
+def _head_units(module: nn.Module) -> int:
+    """How many units the heads approach splits over the ranks."""
+    kind = _split_kind(module)
+    if kind == "gdn":
         return module.num_k_heads
-    if hasattr(module, "x_proj"):  # Mamba: inner channels
+    if kind == "mamba":
         return module.intermediate_size
-    if hasattr(module, "forget_gate") or module.n_groups == 1:
-        return module.num_heads
-    return module.n_groups
+    return module.num_heads if kind == "kda" or module.n_groups == 1 else module.n_groups
 
 
 def _head_part(module: nn.Module, lo: int, hi: int, group: dist.ProcessGroup) -> nn.Module:
-    if hasattr(module, "num_k_heads"):
+    """The copy of ``module`` that computes units ``lo .. hi``."""
+    kind = _split_kind(module)
+    if kind == "gdn":
         return _gdn_heads(module, lo, hi)
-    if hasattr(module, "forget_gate"):
+    if kind == "kda":
         return _kda_heads(module, lo, hi)
-    if hasattr(module, "x_proj"):
+    if kind == "mamba":
         return _mamba_channels(module, lo, hi, group)
     return _mamba2_heads(module, lo, hi, group) if module.n_groups == 1 else _mamba2_groups(module, lo, hi)
 
 
+def _plain(*modules: nn.Module | None) -> bool:
+    """Plain bias-free ``nn.Linear`` / ``nn.Conv1d`` (exactly those classes): what the slicers cut."""
+    return all(type(m) in (nn.Linear, nn.Conv1d) and m.bias is None for m in modules)
+
+
 def _heads_fit(module: nn.Module, p: int) -> bool:
-    """The head split needs plain bias-free projections (a bias is not a per-head partial sum; a
-    wrapped layer, e.g. LoRA, is not sliced) and whole value-head groups per key head."""
-    if hasattr(module, "x_proj"):  # Mamba (Jamba): every rank some channels (x_proj's all-reduce needs them all)
-        lins = [module.in_proj, module.x_proj, module.dt_proj, module.out_proj]
-        return (all(type(m) is nn.Linear for m in lins) and module.in_proj.bias is None
-                and module.out_proj.bias is None and type(module.conv1d) is nn.Conv1d and module.intermediate_size >= p
+    """Whether the split is exact for this module at ``p`` ranks: plain bias-free projections (a
+    bias is not a per-unit partial sum; a wrapped layer, e.g. LoRA, is not sliced -- a convolution
+    bias is sliced), and the shapes each slicer assumes; else the module runs gathered."""
+    conv_ok = type(module.conv1d) is nn.Conv1d
+    kind = _split_kind(module)
+    if kind == "mamba":  # every rank some channels: x_proj's all-reduce needs them all
+        return (conv_ok and _plain(module.in_proj, module.x_proj, module.out_proj)
+                and type(module.dt_proj) is nn.Linear and module.intermediate_size >= p
                 and tuple(module.A_log.shape) == (module.intermediate_size, module.ssm_state_size))
-    if hasattr(module, "forget_gate"):  # Kimi
+    if kind == "kda":
         gate = module.forget_gate
-        lins = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_b_proj", "o_proj")]
-        return (all(type(m) is nn.Linear and m.bias is None for m in [*lins, getattr(gate, "f_b_proj", None)])
-                and type(module.conv1d) is nn.Conv1d and module.conv1d.bias is None
+        return (_plain(module.conv1d, *(getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "b_proj",
+                                                                          "g_b_proj", "o_proj")),
+                       getattr(gate, "f_b_proj", None))
                 and tuple(getattr(gate, "A_log", torch.empty(0)).shape) == (1, 1, module.num_heads, 1))
     lins = [m for n, m in module.named_children() if n.startswith("in_proj") or n == "out_proj"]
-    plain = all(type(m) is nn.Linear and m.bias is None for m in lins) and type(module.conv1d) is nn.Conv1d
-    if hasattr(module, "num_k_heads"):  # Gated DeltaNet: whole value-head groups per key head
+    plain = conv_ok and _plain(*lins)
+    if kind == "gdn":  # whole value-head groups per key head
         return (plain and module.num_v_heads % module.num_k_heads == 0
                 and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv")))
     # Mamba2: whole groups (two or more), or, with one group, every rank at least one head (the
