@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.attention.ring import ring_attention
 from seqpar.attention.shard import SeqShard
 from seqpar.attention.ulysses import ulysses_attention
 from seqpar.comm.counting import count_collectives
@@ -45,6 +46,12 @@ def _worker(rank, world):
         out[name] = (dict(fwd), dict(bwd))
     out["copies"] = _exchange_copies(q, k, v, world)
     out["ring groups"] = _ring_hop_groups(q, k, v, world)
+    alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])  # a ring of this rank only
+    try:  # the world as its grad group: other ranks than the ring's
+        ring_attention(q, k, v, group=alone, grad_group=dist.group.WORLD, causal=True)
+        out["bad grad group"] = None
+    except ValueError as e:
+        out["bad grad group"] = str(e)
     return out
 
 
@@ -148,3 +155,10 @@ def test_ring_grads_travel_on_their_own_group(counts):
         groups = per_rank["ring groups"]
         assert groups["forward"] == ["sp"] * (p - 1)
         assert sorted(groups["backward"]) == sorted(["sp"] * (p - 1) + ["grad"] * p), groups["backward"]
+
+
+def test_a_grad_group_over_other_ranks_is_refused_on_every_rank(counts):
+    """grad_group must hold the ring's ranks (in its order): a clear ValueError, before any collective."""
+    for per_rank in counts:
+        said = per_rank["bad grad group"]
+        assert said is not None and "grad_group holds ranks" in said and "omit grad_group" in said, said

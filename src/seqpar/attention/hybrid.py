@@ -34,7 +34,7 @@ from ..comm.agree import share
 from ..comm.guard import Guard
 from .blocks import RingStats
 from .kernels import KernelArg
-from .ring import resolve_shard, ring_options, run_ring
+from .ring import check_grad_group, resolve_shard, ring_options, run_ring
 from .shard import SeqShard, deferred_check, gather_global_masks, shard_cache
 from .spec import AttnSpec, check_supported
 from .ulysses import heads_to_seq, idle_output, local_heads, seq_to_heads
@@ -78,6 +78,7 @@ def hybrid_attention(
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, chunk=chunk, sinks=sinks)
     kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,
                         masks_given=key_padding_mask is not None or segment_ids is not None)
+    check_grad_group(ring_group, ring_grad_group)
     n_u, n_r = dist.get_world_size(ulysses_group), dist.get_world_size(ring_group)
     u, r = dist.get_rank(ulysses_group), dist.get_rank(ring_group)
     if shard is not None and len(shard.seq_lens) != n_u * n_r:

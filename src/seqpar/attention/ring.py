@@ -241,6 +241,7 @@ def ring_attention(
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, chunk=chunk, sinks=sinks)
     kern = ring_options(q, spec, kernel=kernel, dropout=dropout, comm=comm, shard=shard,
                         masks_given=key_padding_mask is not None or segment_ids is not None)
+    check_grad_group(group, grad_group)
     p = dist.get_world_size(group)
     if shard is not None and len(shard.seq_lens) != p:
         raise ValueError(f"the SeqShard has {len(shard.seq_lens)} shard lengths for a ring of {p} ranks: build it"
@@ -257,6 +258,15 @@ def ring_attention(
                    stats=stats, guard=guard, grad_group=grad_group)
     guard.fence("forward")
     return out
+
+
+def check_grad_group(group: dist.ProcessGroup, grad_group: dist.ProcessGroup | None) -> None:
+    """A ring's ``grad_group`` must hold ``group``'s ranks in the same order (dK/dV go back to the
+    rank that owns the block). Local: the same answer on every rank, before any collective."""
+    if grad_group is not None and dist.get_process_group_ranks(grad_group) != dist.get_process_group_ranks(group):
+        raise ValueError(f"grad_group holds ranks {dist.get_process_group_ranks(grad_group)} but the ring's group "
+                         f"{dist.get_process_group_ranks(group)}: pass a group over the same ranks in the same order "
+                         "(seqpar.init_mesh makes one), or omit grad_group")
 
 
 def ring_options(q: Tensor, spec: AttnSpec, *, kernel: KernelArg | None, dropout: float, comm: str,
