@@ -1,7 +1,7 @@
 """The local attention kernels on one device, forward + backward of one block, in one run: the
-varlen lse kernel ``auto`` picks (``cuda_flash`` on CUDA, ``flash_cpu`` on CPU) and ``tiled``
-against SDPA with a dense mask (``sdpa_dense``, the O(S^2) peer), on plain causal rows and on rows
-packed with fixed-length documents. Printed: time and peak memory ratios (ours / dense) measured
+varlen lse kernel ``auto`` picks (``cuda_flash`` on CUDA, ``flash_cpu`` on CPU), ``flex`` (CUDA)
+and ``tiled`` against SDPA with a dense mask (``sdpa_dense``, the O(S^2) peer), on plain causal rows
+and on rows packed with fixed-length documents. Printed: time and peak memory ratios (ours / dense) measured
 in the same process, and each kernel's max error against the float64 oracle at the smallest length.
 
     python benchmarks/bench_kernels.py                        # CUDA if present: bf16, S = 8k..64k
@@ -99,6 +99,7 @@ def main() -> None:
     spec = AttnSpec(causal=True)
     # on CUDA the fused kernel itself (auto uses it only once it is verified on a GPU)
     ours = "cuda_flash" if device.type == "cuda" else lse_kernel_for(device, dtype, spec)
+    names = (ours, *(["flex"] if device.type == "cuda" else []), "tiled")  # flex: compiled, opt-in until verified
     lengths = [int(s) for s in args.seq.split(",")]
     print(f"{device} {args.dtype}, H={args.heads}/{args.kv_heads}, D={args.dim}, causal, fwd+bwd, "
           f"median of {args.repeats}; packed rows: {args.doc}-token documents")
@@ -109,7 +110,7 @@ def main() -> None:
         for rows, mask in (("plain", None), ("packed", MaskInfo(q_seg=seg, k_seg=seg))):
             dense_ok = seq * seq / 2**30 <= args.dense_limit
             got = {}
-            for name in (ours, "tiled", *(["sdpa_dense"] if dense_ok else [])):
+            for name in (*names, *(["sdpa_dense"] if dense_ok else [])):
                 got[name] = _measure(name, q, k, v, spec, mask, args.repeats)
             for name, (t, m) in got.items():
                 ratio = (f"{t / got['sdpa_dense'][0]:10.2f} {m / max(got['sdpa_dense'][1], 1e-9):9.2f}"
@@ -118,7 +119,7 @@ def main() -> None:
     q, k, v = _inputs(min(lengths), args.heads, args.kv_heads, args.dim, dtype, device)
     seg = (torch.arange(min(lengths), device=device) // args.doc)[None]
     mask = MaskInfo(q_seg=seg, k_seg=seg)
-    errors = {name: _error(name, q, k, v, spec, mask) for name in (ours, "tiled", "sdpa_dense")}
+    errors = {name: _error(name, q, k, v, spec, mask) for name in (*names, "sdpa_dense")}
     print(f"max |err| vs float64, packed S={min(lengths)}: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
 
 

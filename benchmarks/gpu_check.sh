@@ -35,7 +35,7 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'transform
 
 SAVE=${SAVE:-/tmp/seqpar-gpu-runs}  # the runs' metrics and checkpoints
 RUN=($PY -m torch.distributed.run --standalone --nproc-per-node 1 -m seqpar.cli.main train --sp 1 --no-progress)
-TAIL=40 step tests 200 $PY -m pytest -p no:cacheprovider -m gpu -v -rfEs --tb=short \
+TAIL=40 step tests 420 $PY -m pytest -p no:cacheprovider -m gpu -v -rfEs --tb=short \
     tests/attention/test_lse_kernels.py tests/attention/test_cuda_path.py
 step train 150 "${RUN[@]}" --save-dir "$SAVE/run"
 step bench-kernels 120 $PY benchmarks/bench_kernels.py --seq 8192,32768 --repeats 3

@@ -217,4 +217,11 @@ def test_auto_picks_sdpa_only_where_its_flag_suffices(monkeypatch):
     assert lse_kernel_for(cuda, torch.float64, AttnSpec(causal=True)) == "tiled"
     monkeypatch.setattr(kernels, "CUDA_FLASH_VERIFIED", True)
     assert lse_kernel_for(cuda, torch.float64, AttnSpec(causal=True)) == "tiled"
-    assert lse_kernel_for(cuda, torch.float16, AttnSpec(softcap=3.0)) == "tiled"
+    assert not kernels.FLEX_VERIFIED  # built without a GPU: softcap stays on tiled, said once, flex opt-in
+    monkeypatch.setattr(kernels, "_warned", set())
+    with pytest.warns(UserWarning, match="flex has not been verified on a GPU"):
+        assert lse_kernel_for(cuda, torch.float16, AttnSpec(softcap=3.0)) == "tiled"
+    monkeypatch.setattr(kernels, "FLEX_VERIFIED", True)
+    assert lse_kernel_for(cuda, torch.float16, AttnSpec(softcap=3.0)) == "flex"
+    assert lse_kernel_for(cuda, torch.float16, AttnSpec(causal=True, window=4)) == "cuda_flash"  # still first
+    assert lse_kernel_for(cuda, torch.float64, AttnSpec(softcap=3.0)) == "tiled"

@@ -6,6 +6,7 @@ No communication: every rank plans its blocks from the global token positions it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,27 @@ def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     weight = torch.exp(sinks.to(acc)[None, :, None] - lse)  # [B, H, Sq]
     d = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # [B, H, Sq]
     return -(weight * d).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def merged_block_grads(block: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]], dout: Tensor, q: Tensor,
+                       k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of one block merged into a row's ``out``/``lse``, for a kernel that has
+    autograd but no backward taking a given ``out`` and ``lse``: recompute the block's
+    ``(out_b, lse_b) = block(q, k, v)`` with autograd and pull the merged output's gradient back
+    through both. With ``w_b = exp(lse_b - lse)``, ``out = sum_b w_b out_b`` and
+    ``lse = logsumexp_b lse_b``, so ``dL/d out_b = w_b dout`` and
+    ``dL/d lse_b = w_b * rowsum(dout * (out_b - out))``. Rows that see no key in the block
+    (``lse_b = -inf``) or anywhere (``lse = -inf``) weigh 0. Costs one more forward of the block."""
+    with torch.enable_grad():
+        ins = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        out_b, lse_b = block(*ins)
+        acc = lse.dtype
+        seen = torch.isfinite(lse) & torch.isfinite(lse_b.detach())  # [B, H, Sq]
+        w = torch.where(seen, torch.exp(lse_b.detach().to(acc) - torch.where(seen, lse, 0.0)), 0.0)
+        d_out = (dout.to(acc) * w[..., None]).to(out_b.dtype)
+        d_lse = w * (dout.to(acc) * (out_b.detach().to(acc) - out.to(acc))).sum(dim=-1)
+        grads = torch.autograd.grad((out_b, lse_b), ins, (d_out, d_lse.to(lse_b.dtype)), allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, (q, k, v), strict=True))
 
 
 @dataclass

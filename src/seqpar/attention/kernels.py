@@ -9,6 +9,8 @@ The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. The re
 ``flash_cpu``  fused CPU op per document rectangle, with lse (window, chunk)
 ``cuda_flash`` torch's FlashAttention-2 / memory-efficient CUDA ops per rectangle, with lse
                (opt-in until verified on a GPU: :data:`CUDA_FLASH_VERIFIED`)
+``flex``       FlexAttention, compiled, with a BlockMask from the batch's structure: softcap on
+               CUDA (opt-in until verified on a GPU: :data:`FLEX_VERIFIED`)
 ``tiled``      the reference math per tile: every option (softcap), any dtype and device, O(S) memory
 ``sdpa``       torch's SDPA with its causal flag only (any backend, dropout; no lse); a block that
                needs a mask is refused -- use ``auto``, or ``sdpa_dense`` to accept an ``S x S`` mask
@@ -34,6 +36,7 @@ from ..comm.guard import Guard, guarded
 from .blocks import fold_sinks, sinks_grad
 from .cuda import CudaFlashKernel
 from .flash_cpu import CpuFlashKernel
+from .flex import FlexKernel
 from .reference import ReferenceKernel
 from .spec import AttnSpec, Kernel, LocalKernel, LseKernel, MaskInfo, acc_dtype, check_supported
 from .tiled import TiledKernel
@@ -202,6 +205,7 @@ KERNELS: dict[str, Kernel] = {
     "auto": AutoKernel(),
     "flash_cpu": CpuFlashKernel(),
     "cuda_flash": CudaFlashKernel(),
+    "flex": FlexKernel(),
     "tiled": TiledKernel(),
     "sdpa": SdpaKernel(),
     "sdpa_dense": DenseSdpaKernel(),
@@ -219,19 +223,31 @@ tests could find. ``auto`` picks it only while this holds: a kernel that never r
 is opt-in (``kernel="cuda_flash"``), so it cannot be silently wrong by default."""
 
 
+FLEX_VERIFIED = False
+"""Whether ``flex`` has passed its gpu-marked tests on a GPU (``make gpu-check``): not yet -- it
+was built in a session without one, and on the CPU torch gives flex a forward only. Until then
+``auto`` does not pick it (softcap on CUDA runs ``tiled``, said once) and ``kernel="flex"`` opts in."""
+
+
 def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> str:
-    """The varlen lse kernel ``auto`` uses on ``device`` for ``spec``: ``flash_cpu`` (CPU) or
-    ``cuda_flash`` (CUDA: float16 / bfloat16 / float32, once :data:`CUDA_FLASH_VERIFIED`) where they
-    honour the options (sinks are folded around any lse kernel), else ``tiled`` -- said once."""
+    """The varlen lse kernel ``auto`` uses on ``device`` for ``spec``: ``flash_cpu`` (CPU), or on
+    CUDA (float16 / bfloat16 / float32) ``cuda_flash`` (once :data:`CUDA_FLASH_VERIFIED`), else
+    ``flex`` for softcap (once :data:`FLEX_VERIFIED`), where they honour the options (sinks are
+    folded around any lse kernel); else ``tiled`` -- said once."""
     options = spec.options() - {"sinks"}
     if device.type == "cpu" and options <= KERNELS["flash_cpu"].supports:
         return "flash_cpu"
-    fused = device.type == "cuda" and dtype in _CUDA_DTYPES and options <= KERNELS["cuda_flash"].supports
+    cuda = device.type == "cuda" and dtype in _CUDA_DTYPES
+    fused = cuda and options <= KERNELS["cuda_flash"].supports
     if fused and CUDA_FLASH_VERIFIED:
         return "cuda_flash"
+    flex = cuda and not fused and options <= KERNELS["flex"].supports
+    if flex and FLEX_VERIFIED:
+        return "flex"
     if device.type != "cpu" and "tiled" not in _warned:
         _warned.add("tiled")
         why = ("cuda_flash has not been verified on a GPU yet (make gpu-check; kernel='cuda_flash' opts in)" if fused
+               else "flex has not been verified on a GPU yet (make gpu-check; kernel='flex' opts in)" if flex
                else f"no fused attention kernel on {device.type} honours {sorted(options) or dtype}")
         warnings.warn(f"{why}: running 'tiled' (exact, O(S) memory, plain PyTorch per tile: slower than a fused "
                       "kernel)", stacklevel=2)
