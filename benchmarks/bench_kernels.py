@@ -1,6 +1,6 @@
 """The local attention kernels on one device, forward + backward of one block, in one run: the
-varlen lse kernel ``auto`` picks (``cuda_flash`` on CUDA, ``flash_cpu`` on CPU), ``flex`` (CUDA)
-and ``tiled`` against SDPA with a dense mask (``sdpa_dense``, the O(S^2) peer), on plain causal rows
+varlen lse kernel ``auto`` picks (``cuda_flash`` on CUDA, ``flash_cpu`` on CPU), ``cuda_cudnn`` and
+``flex`` (CUDA) and ``tiled`` against SDPA with a dense mask (``sdpa_dense``, the O(S^2) peer), on plain causal rows
 and on rows packed with fixed-length documents. Printed: time and peak memory ratios (ours / dense) measured
 in the same process, and each kernel's max error against the float64 oracle at the smallest length.
 
@@ -99,7 +99,7 @@ def main() -> None:
     spec = AttnSpec(causal=True)
     # on CUDA the fused kernel itself (auto uses it only once it is verified on a GPU)
     ours = "cuda_flash" if device.type == "cuda" else lse_kernel_for(device, dtype, spec)
-    names = (ours, *(["flex"] if device.type == "cuda" else []), "tiled")  # flex: compiled, opt-in until verified
+    names = (ours, *(["cuda_cudnn", "flex"] if device.type == "cuda" else []), "tiled")  # opt-in until verified
     lengths = [int(s) for s in args.seq.split(",")]
     print(f"{device} {args.dtype}, H={args.heads}/{args.kv_heads}, D={args.dim}, causal, fwd+bwd, "
           f"median of {args.repeats}; packed rows: {args.doc}-token documents")

@@ -66,7 +66,7 @@ def _steady(layers: nn.ModuleList) -> list:
             layers[0].register_full_backward_hook(mode("default"))]
 
 
-@pytest.mark.parametrize("kernel", ["cuda_flash", "flex", "tiled"])
+@pytest.mark.parametrize("kernel", ["cuda_flash", "cuda_cudnn", "flex", "tiled"])
 @pytest.mark.parametrize("kind", ["padded", "packed"])
 @pytest.mark.parametrize("strategy", ["ulysses", "ring", "hybrid"])
 def test_steady_state_layers_do_not_sync(meshes, strategy, kind, kernel):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from seqpar.attention.blocks import merge_partials, merged_block_grads
-from seqpar.attention.cuda import CudaFlashKernel
+from seqpar.attention.cuda import CudaFlashKernel, CudnnKernel
 from seqpar.attention.flex import FlexKernel, flex_blocks
 from seqpar.attention.kernels import KERNELS
 from seqpar.attention.layout import layout_permutation
@@ -191,11 +191,11 @@ def test_flex_backward_off_cuda_is_a_clear_error():
 
 def test_cuda_ops_plumbing_on_meta_tensors():
     """No GPU needed: the aten CUDA ops' meta kernels check every argument and give the shapes, so
-    both paths (FlashAttention for unmasked half-precision tiles, memory-efficient with a tile mask
-    otherwise), GQA, a v head dim other than q's and the backward's arguments are exercised."""
-    kern = CudaFlashKernel()
+    every path (FlashAttention or cuDNN for unmasked half-precision tiles, memory-efficient with a
+    tile mask otherwise), GQA, a v head dim other than q's and the backward's arguments are exercised."""
     pos = torch.arange(37, device="meta")
-    for dtype, how in itertools.product((torch.bfloat16, torch.float32), ("none", "causal", "positions")):
+    for kern, dtype, how in itertools.product((CudaFlashKernel(), CudnnKernel()), (torch.bfloat16, torch.float32),
+                                              ("none", "causal", "positions")):
         q = torch.empty(2, 4, 37, 12, device="meta", dtype=dtype)
         k = torch.empty(2, 2, 37, 12, device="meta", dtype=dtype)
         v = torch.empty(2, 2, 37, 5, device="meta", dtype=dtype)
@@ -208,7 +208,7 @@ def test_cuda_ops_plumbing_on_meta_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("name", ["cuda_flash", "flex", "tiled"])
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "flex", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_kernels_as_ring_blocks_match_the_oracle(name, dtype):
     """Errors against the float64 oracle within twice those of torch's own SDPA (dense mask) in the

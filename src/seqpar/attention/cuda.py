@@ -8,7 +8,11 @@ Each tile of :class:`~seqpar.attention.rect_kernel.RectKernel`'s rectangle loop 
 * ``aten._scaled_dot_product_efficient_attention`` (memory-efficient, any float dtype) otherwise,
   with an additive mask of the tile's own size (``"positions"`` tiles: windows, permuted layouts).
 
-Both return the log-sum-exp and have a backward that takes a given ``out`` and ``lse`` -- the
+``cuda_cudnn`` is the same loop with cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``)
+in place of FlashAttention-2 for the tiles that op would take (head dim <= 128); opt-in until its
+gpu-marked tests pass on a GPU.
+
+All return the log-sum-exp and have a backward that takes a given ``out`` and ``lse`` -- the
 whole row's, merged over tiles and ring blocks -- so every share is exact. KV heads are repeated
 for the ops (GQA) and their gradients summed back; head dims are zero-padded to a common multiple
 of 8 as SDPA pads them (zero columns change no score; the scale stays the real ``D``'s). Rows of a
@@ -118,4 +122,37 @@ class CudaFlashKernel(RectKernel):
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
                 *(_bmhk(x) for x in (dop, qp, kp, vp)), bias, _bmhk(outp), lse, no_rng[1], no_rng[1], 0.0,
                 [True, True, True, False], causal, scale=scale)
+        return dq[..., :d], _sum_heads(dk[..., :d], n_kv), _sum_heads(dv[..., :dv_dim], n_kv)
+
+
+MAX_CUDNN_DIM = 128
+
+
+class CudnnKernel(CudaFlashKernel):
+    """:class:`CudaFlashKernel` with cuDNN's fused attention for unmasked and causal half-precision
+    tiles (head dim <= 128); other tiles as ``cuda_flash``."""
+
+    name = "cuda_cudnn"
+
+    def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
+                     k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        qp, kp, vp, dim = self._prepare(q, k, v)
+        if not (uses_flash(how, q.dtype, dim) and dim <= MAX_CUDNN_DIM):
+            return super().tile_forward(q, k, v, spec, how, q_pos, k_pos)
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qp, kp, vp, None, True, 0.0, how == "causal", False, scale=spec.scale_for(q.shape[-1]))[:2]
+        return out[..., :v.shape[-1]], lse.reshape(q.shape[:3]).float()  # cuDNN's lse: [B, H, Sq, 1]
+
+    def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        d, dv_dim, n_kv = q.shape[-1], v.shape[-1], k.shape[1]
+        qp, kp, vp, dim = self._prepare(q, k, v)
+        if not (uses_flash(how, q.dtype, dim) and dim <= MAX_CUDNN_DIM):
+            return super().tile_backward(dout, q, k, v, out, lse, spec, how, q_pos, k_pos)
+        dop, outp = pad_head_dim(dout, dim), pad_head_dim(out, dim)
+        rng = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: never read
+        # no bias, and None for the cumulative lengths (undefined: not the nested-tensor path)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            *(_bmhk(x) for x in (dop, qp, kp, vp, outp)), lse.float().contiguous()[..., None], rng, rng, None, None,
+            None, q.shape[2], k.shape[2], 0.0, how == "causal", scale=spec.scale_for(d))
         return dq[..., :d], _sum_heads(dk[..., :d], n_kv), _sum_heads(dv[..., :dv_dim], n_kv)

@@ -9,6 +9,8 @@ The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. The re
 ``flash_cpu``  fused CPU op per document rectangle, with lse (window, chunk)
 ``cuda_flash`` torch's FlashAttention-2 / memory-efficient CUDA ops per rectangle, with lse
                (opt-in until verified on a GPU: :data:`CUDA_FLASH_VERIFIED`)
+``cuda_cudnn`` ``cuda_flash`` with cuDNN's fused attention for its unmasked / causal tiles (opt-in:
+               not yet run on a GPU)
 ``flex``       FlexAttention, compiled, with a BlockMask from the batch's structure: softcap on
                CUDA (opt-in until verified on a GPU: :data:`FLEX_VERIFIED`)
 ``tiled``      the reference math per tile: every option (softcap), any dtype and device, O(S) memory
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from ..comm.guard import Guard, guarded
 from .blocks import fold_sinks, sinks_grad
-from .cuda import CudaFlashKernel
+from .cuda import CudaFlashKernel, CudnnKernel
 from .flash_cpu import CpuFlashKernel
 from .flex import FlexKernel
 from .reference import ReferenceKernel
@@ -205,6 +207,7 @@ KERNELS: dict[str, Kernel] = {
     "auto": AutoKernel(),
     "flash_cpu": CpuFlashKernel(),
     "cuda_flash": CudaFlashKernel(),
+    "cuda_cudnn": CudnnKernel(),
     "flex": FlexKernel(),
     "tiled": TiledKernel(),
     "sdpa": SdpaKernel(),
