@@ -5,8 +5,8 @@ results merged -- the varlen loop every fused kernel shares (CPU, CUDA and the p
 each at most ``tile x tile``; a subclass supplies the tile op (``tile_forward`` / ``tile_backward``)
 for one rectangle, given how it must be masked: ``"none"``, ``"causal"`` (the op's own causal flag)
 or ``"positions"`` (the rectangle's global positions: a mask of the rectangle's size at most).
-The forward merges the rectangles' ``(out, lse)`` with
-:func:`~seqpar.attention.blocks.merge_partials`; the backward gives each rectangle the whole row's
+The forward merges the rectangles' ``(out, lse)`` in place with
+:func:`~seqpar.attention.blocks.merge_into`; the backward gives each rectangle the whole row's
 ``out`` and ``lse`` -- exact, as a ring block's share is. Memory is linear in the block's length
 (plus one tile), work proportional to the visible pairs, and nothing of size ``Sq x Sk`` exists.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .blocks import merge_partials
+from .blocks import merge_into
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported, position_mask
 from .varlen import TILE, Rect, document_rects
 
@@ -76,7 +76,7 @@ class RectKernel(LseKernel):
                                          v[rows_of, :, k0:k0 + nk], spec, rect.how, q_pos[q0:q0 + nq],
                                          k_pos[k0:k0 + nk])
             rows = (rows_of, slice(None), slice(q0, q0 + nq))
-            out[rows], lse[rows] = merge_partials(out[rows], lse[rows], o_r, l_r.to(acc))
+            merge_into(out[rows], lse[rows], o_r, l_r.to(acc))  # in place: views of the rows
         return out.to(q.dtype), lse
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: AttnSpec,
