@@ -16,6 +16,10 @@ repeats of the slowest rank; an overhead is the median of the per-repeat differe
 overhead is the same difference in process CPU time (every thread, gloo's included): the work
 done, which a machine busy with other jobs disturbs less than the wall time. Also printed: the
 collectives each variant issues per call, counted.
+
+Also timed: the *bytes alone* -- the same messages between ready buffers, nothing else: the floor of
+any implementation's communication on this transport (gloo over loopback TCP, whose copies are CPU
+work), unless it overlaps the transfers with the kernel.
 """
 
 from __future__ import annotations
@@ -35,6 +39,35 @@ from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 
 KERNEL = "kernel alone"
+BYTES = "bytes alone"
+
+
+def _raw_exchange(sends: list[torch.Tensor | None], recvs: list[torch.Tensor | None], group) -> None:
+    """One batch of point-to-point transfers of ready, contiguous buffers: nothing copied."""
+    ops = [dist.P2POp(op, t, dist.get_global_rank(group, peer), group=group)
+           for peer, (s, r) in enumerate(zip(sends, recvs, strict=True)) if s is not None
+           for op, t in ((dist.isend, s), (dist.irecv, r))]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+
+
+class _BytesAlone(torch.autograd.Function):
+    """The bytes a Ulysses call must move, moved alone: the q/k/v and out exchanges forward, the
+    dout and dq/dk/dv ones backward, each one message per peer of what goes to it, from buffers
+    that need no copy -- the floor of any implementation's communication on this transport."""
+
+    @staticmethod
+    def forward(ctx, x, qkv, out, group):
+        _raw_exchange(*qkv, group)
+        _raw_exchange(*out, group)
+        ctx.qkv, ctx.out, ctx.group = qkv, out, group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _raw_exchange(*ctx.out, ctx.group)
+        _raw_exchange(*ctx.qkv, ctx.group)
+        return grad, None, None, None
 
 
 def _sdpa_bshd(q, k, v, *args, **kwargs):
@@ -57,9 +90,22 @@ def _variants(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_d
     qg, kg, vg = (torch.randn(1, seq, n, head_dim, generator=g, requires_grad=True)  # [B, S, H/P, D]
                   for n in (q_ranges[rank][1], kv_ranges[rank][1], kv_ranges[rank][1]))
     shard = SeqShard((s_local,) * world)
+
+    def buffers(to: list[int], back: list[int]) -> tuple[list, list]:  # numel to / from each peer
+        return ([torch.randn(n) if p != rank else None for p, n in enumerate(to)],
+                [torch.empty(n) if p != rank else None for p, n in enumerate(back)])
+
+    heads_of = [qr[1] + 2 * kr[1] for qr, kr in zip(q_ranges, kv_ranges, strict=True)]  # q, k, v heads per rank
+    # forward: my tokens x their heads go, their tokens x my heads come (every rank holds s_local tokens);
+    # then the output: my heads over their tokens go, their heads over my tokens come
+    qkv_bytes = buffers([s_local * n * head_dim for n in heads_of], [s_local * heads_of[rank] * head_dim] * world)
+    out_bytes = buffers([s_local * q_ranges[rank][1] * head_dim] * world,
+                        [s_local * qr[1] * head_dim for qr in q_ranges])
+    x = torch.zeros(1, requires_grad=True)
     variants = {"seqpar ulysses": lambda: ulysses_attention(q, k, v, group=group, causal=True, kernel="sdpa",
                                                             shard=shard, validate=False),
-                KERNEL: lambda: _sdpa_bshd(qg, kg, vg)}
+                KERNEL: lambda: _sdpa_bshd(qg, kg, vg),
+                BYTES: lambda: _BytesAlone.apply(x, qkv_bytes, out_bytes, group)}
     try:
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
@@ -69,7 +115,7 @@ def _variants(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_d
         variants["deepspeed ulysses"] = lambda: ds(q, k, v, 0)
     except ImportError:
         pass
-    return variants, [q, k, v, qg, kg, vg]
+    return variants, [q, k, v, qg, kg, vg, x]
 
 
 def _worker(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
@@ -102,15 +148,16 @@ def _worker(rank: int, world: int, seq: int, heads: int, kv_heads: int, head_dim
 
     def overhead(ts: dict[str, list[float]]) -> dict[str, float]:
         return {n: statistics.median(t - k for t, k in zip(v, ts[KERNEL], strict=True)) for n, v in ts.items()
-                if n != KERNEL}
+                if n not in (KERNEL, BYTES)}
 
     return {"median_s": {n: statistics.median(ts) for n, ts in times.items()}, "overhead_s": overhead(times),
-            "cpu_overhead_s": overhead(cpu), "collectives": calls}
+            "cpu_overhead_s": overhead(cpu), "bytes_cpu_s": statistics.median(cpu[BYTES]), "collectives": calls}
 
 
 def _report(p: int, res: dict) -> None:
     med, over, cpu = res["median_s"], res["overhead_s"], res["cpu_overhead_s"]
     print(f"{p:>2}  {KERNEL:<20} {med[KERNEL] * 1e3:9.1f}")
+    print(f"{p:>2}  {BYTES:<20} {med[BYTES] * 1e3:9.1f} {'(the floor)':>12} {res['bytes_cpu_s'] * 1e3:12.1f}")
     for name in over:
         print(f"{p:>2}  {name:<20} {med[name] * 1e3:9.1f} {over[name] * 1e3:12.1f} {cpu[name] * 1e3:12.1f}"
               f" {res['collectives'][name]:>17}")
@@ -121,6 +168,9 @@ def _report(p: int, res: dict) -> None:
     overhead = f"{over[sp] / over[ds]:.2f}x" if over[ds] > 0 else "n/a (no deepspeed overhead measured)"
     print(f"{p:>2}  seqpar / deepspeed: total {med[sp] / med[ds]:.2f}x (goal <= 0.95x), "
           f"overhead {overhead} (goal <= 0.60x), cpu overhead {cpu[sp] / cpu[ds]:.2f}x")
+    if over[ds] > 0:
+        print(f"{p:>2}  moving the bytes alone takes {med[BYTES] / over[ds]:.2f}x deepspeed's overhead; above that "
+              f"floor: seqpar {(over[sp] - med[BYTES]) * 1e3:.1f} ms, deepspeed {(over[ds] - med[BYTES]) * 1e3:.1f} ms")
 
 
 def main() -> None:
