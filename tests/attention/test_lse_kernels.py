@@ -180,6 +180,33 @@ def test_merged_block_grads_is_exact():
         assert max(_errors(*got, *_oracle(q, k, v, spec, mask, dout))) < 1e-10, spec
 
 
+def test_compiled_flex_makes_one_graph_for_every_mask(monkeypatch):
+    """Compiled flex must not recompile per batch, mask structure, option value or length: past
+    dynamo's limit (8 per function) it would run uncompiled -- O(S^2) -- or, as seqpar sets it,
+    raise. Traced here by dynamo itself (its eager backend: the guards are the same as with
+    inductor on CUDA, which the CPU cannot run with lse): the first batch's cases make four graphs
+    (with and without softcap, each with and without full tiles), and batches of other lengths,
+    documents and padding reuse them."""
+    import seqpar.attention.flex as flex_module
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    traced = torch.compile(flex_attention, backend="eager", dynamic=True)  # as seqpar compiles it
+    monkeypatch.setattr(flex_module, "_flex", lambda compiled: traced)
+    graphs = []
+    for seed, s in ((0, 300), (1, 300), (2, 260), (3, 230)):
+        (q, k, v), seg, keep, pos = _case(seed, "cpu", torch.float32, s=s)
+        for spec, mask in _flex_masks(seg, keep, pos):
+            out, lse = _ring_forward(FlexKernel(), q, k, v, spec, mask)
+            want_out, want_lse, _ = _oracle(q, k, v, spec, mask, torch.zeros(*q.shape[:3], 16))
+            assert float((out - want_out).abs().max()) < 1e-5, spec
+        graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs == [4, 4, 4, 4], graphs
+
+
 @pytest.mark.filterwarnings("ignore:kernel='flex' on cpu runs torch's uncompiled flex")
 def test_flex_backward_off_cuda_is_a_clear_error():
     (q, k, v), seg, keep, pos = _case(0, "cpu", torch.float64)

@@ -105,49 +105,55 @@ def _tail(t: Tensor) -> Tensor:
     return torch.cat([t, t.new_zeros((*t.shape[:-1], BLOCK))], dim=-1)
 
 
-def mask_mod(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: torch.device) -> Callable | None:
-    """flex's per-pair rule for ``spec`` and ``mask`` (None: every pair visible)."""
+def mask_mod(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int, device: torch.device
+             ) -> Callable | None:
+    """flex's per-pair rule for ``spec`` and ``mask`` (None: every pair visible). One rule for every
+    structure -- what a batch lacks is a neutral value (distances unbounded, one chunk, one
+    document, no padding), every value a tensor -- so compiled flex makes one graph per dtype
+    whatever the masks, options and lengths (dynamo's recompile limit is 8 per function)."""
     mask = mask or MaskInfo()
     span = _allowed_distances(spec)
     if span is None and spec.chunk is None and mask.q_seg is None and mask.key_keep is None:
         return None
+    lo, hi = span if span is not None else (-_BIG, _BIG)
+    lo, hi, chunk = (torch.tensor(x, device=device) for x in (lo, hi, spec.chunk or _BIG))
     # a tile at the end of a length that is no multiple of BLOCK may ask for indices past it (flex
     # drops those pairs): the captured tensors carry BLOCK more entries, so no lookup is out of bounds
-    q_pos, k_pos = (_tail(p.to(device)) for p in mask.positions(sq, sk, device))
-    q_seg, k_seg, keep = (None if t is None else _tail(t.to(device)) for t in (mask.q_seg, mask.k_seg, mask.key_keep))
-    chunk = spec.chunk
+    q_pos, k_pos = (_tail(p.to(device, torch.long)) for p in mask.positions(sq, sk, device))
+
+    def rows(t: Tensor | None, n: int, fill: int) -> Tensor:  # [B, n + BLOCK], contiguous: same guards always
+        if t is None:
+            return torch.full((batch, n + BLOCK), fill, device=device, dtype=torch.long)
+        return _tail(t.to(device, torch.long)).expand(batch, -1).contiguous()
+
+    q_seg, k_seg, keep = rows(mask.q_seg, sq, 0), rows(mask.k_seg, sk, 0), rows(mask.key_keep, sk, 1)
 
     def visible(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         qp, kp = q_pos[qi], k_pos[ki]
-        ok = qp >= 0  # True: positions are indices
-        if span is not None:
-            ok = ok & (qp - kp >= span[0]) & (qp - kp <= span[1])
-        if chunk is not None:
-            ok = ok & (qp // chunk == kp // chunk)
-        if q_seg is not None:
-            ok = ok & (q_seg[b, qi] == k_seg[b, ki])
-        if keep is not None:
-            ok = ok & keep[b, ki]
-        return ok
+        return ((qp - kp >= lo) & (qp - kp <= hi) & (qp // chunk == kp // chunk)
+                & (q_seg[b, qi] == k_seg[b, ki]) & (keep[b, ki] == 1))
 
     return visible
 
 
-def _softcap(cap: float) -> Callable:
+def _softcap(cap: float, device: torch.device) -> Callable:
+    cap_t = torch.tensor(cap, device=device)  # a tensor: another cap is no new graph
+
     def capped(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
-        return cap * torch.tanh(score / cap)
+        return cap_t * torch.tanh(score / cap_t)
 
     return capped
 
 
 @functools.cache
 def _flex(compiled: bool) -> Callable:
-    """flex_attention, compiled or not. Compiled, a new batch (new tensors in a new ``mask_mod``
-    closure) reuses the graph -- dynamo guards the closure's code, not its identity -- and a new
-    length makes the graph dynamic once (checked on the CPU with dynamo's eager backend)."""
+    """flex_attention, compiled or not. Compiled with dynamic shapes from the start, and with
+    every structure behind one ``mask_mod`` of tensors (:func:`mask_mod`), a new batch -- new
+    tensors in a new closure, another length, other documents -- reuses the graphs the first made
+    (dynamo guards a closure's code, not its identity; checked on the CPU with its eager backend)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if compiled else flex_attention
+    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
 
 
 def _block_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int, device: torch.device):
@@ -157,14 +163,16 @@ def _block_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: 
     # the tile lists are the batch's (kept while its tensors live); the mask_mod, which holds those
     # tensors, is made per call -- kept in the per-batch store it would keep them alive
     lists = per_batch(info, ("flex", spec.causal, spec.window, spec.chunk, sq, sk, batch, BLOCK, str(device)),
-                      lambda: _tile_lists(*flex_blocks(spec, info, sq, sk, batch, BLOCK, device)))
-    return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=BLOCK, mask_mod=mask_mod(spec, info, sq, sk, device),
+                      lambda: _tile_lists(*(t.expand(batch, -1, -1) for t in flex_blocks(spec, info, sq, sk, batch,
+                                                                                         BLOCK, device))))
+    return BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=BLOCK, mask_mod=mask_mod(spec, info, sq, sk, batch, device),
                                     seq_lengths=(sq, sk))
 
 
 def _tile_lists(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """flex's ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)`` ``[B, 1, nq(, nk)]``:
-    per query tile, how many key tiles of each kind and which (first), int32."""
+    per query tile, how many key tiles of each kind and which (first), int32 -- one per row even
+    where the rows are alike, so that compiled flex sees one batch shape."""
     def listed(kind: Tensor) -> tuple[Tensor, Tensor]:
         order = torch.argsort((~kind).to(torch.int8), dim=-1, stable=True)  # listed tiles first, in order
         return kind.sum(dim=-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
@@ -197,7 +205,7 @@ class FlexKernel(LseKernel):
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             out, res = _flex(compiled)(
-                q, k, v, score_mod=None if spec.softcap is None else _softcap(spec.softcap), block_mask=bm,
+                q, k, v, score_mod=None if spec.softcap is None else _softcap(spec.softcap, q.device), block_mask=bm,
                 scale=spec.scale_for(q.shape[-1]), enable_gqa=q.shape[1] != k.shape[1], **aux)
         return out, (res.lse if hasattr(res, "lse") else res).to(acc_dtype(q.dtype))
 
