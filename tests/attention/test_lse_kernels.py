@@ -187,9 +187,10 @@ def test_compiled_flex_makes_one_graph_for_every_mask(monkeypatch):
     inductor on CUDA, which the CPU cannot run with lse): the first batch's cases make four graphs
     (with and without softcap, each with and without full tiles), and batches of other lengths,
     documents and padding reuse them."""
-    import seqpar.attention.flex as flex_module
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import flex_attention
+
+    import seqpar.attention.flex as flex_module
 
     torch._dynamo.reset()
     counters.clear()
@@ -235,8 +236,10 @@ def test_cuda_ops_plumbing_on_meta_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "flex", "tiled"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("name", "dtype"), [
+    *itertools.product(["cuda_flash", "tiled"], [torch.bfloat16, torch.float16, torch.float32]),
+    ("cuda_cudnn", torch.bfloat16), ("cuda_cudnn", torch.float16),  # cuDNN takes half-precision tiles only
+    ("flex", torch.bfloat16), ("flex", torch.float32)])  # flex compiles per dtype: the lease is short
 def test_cuda_kernels_as_ring_blocks_match_the_oracle(name, dtype):
     """Errors against the float64 oracle within twice those of torch's own SDPA (dense mask) in the
     same dtype, plus float32 rounding of the merge (8 ulp of float32 at the oracle's largest value:
@@ -271,7 +274,7 @@ def test_cuda_kernels_as_ring_blocks_match_the_oracle(name, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # the graphs of the test above
 def test_flex_with_softcap_and_chunks_matches_the_oracle(dtype):
     """What only flex does fused (softcap, chunks, a window without causal), as ring blocks: within
     twice the errors of ``tiled`` (verified on CUDA above; the reference math per tile) in the same
