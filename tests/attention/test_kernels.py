@@ -225,3 +225,13 @@ def test_auto_picks_sdpa_only_where_its_flag_suffices(monkeypatch):
     assert lse_kernel_for(cuda, torch.float16, AttnSpec(softcap=3.0)) == "flex"
     assert lse_kernel_for(cuda, torch.float16, AttnSpec(causal=True, window=4)) == "cuda_flash"  # still first
     assert lse_kernel_for(cuda, torch.float64, AttnSpec(softcap=3.0)) == "tiled"
+
+
+def test_verify_names_the_cuda_kernels_not_yet_run_on_a_gpu(monkeypatch):
+    from seqpar.cli.verify import cuda_note
+
+    note = cuda_note(1)
+    assert "1 CUDA device(s)" in note and "make gpu-check" in note
+    assert "opt-in: flex, cuda_cudnn" in note and "cuda_flash" not in note.split("opt-in")[1]
+    monkeypatch.setattr(kernels, "FLEX_VERIFIED", True)
+    assert "opt-in: cuda_cudnn" in cuda_note(1)

@@ -232,6 +232,12 @@ was built in a session without one, and on the CPU torch gives flex a forward on
 ``auto`` does not pick it (softcap on CUDA runs ``tiled``, said once) and ``kernel="flex"`` opts in."""
 
 
+def gpu_verified() -> dict[str, bool]:
+    """Each CUDA kernel: has it passed its gpu-marked tests on a GPU? ``cuda_cudnn`` has not (and
+    ``auto`` does not pick it: once it has, bench_kernels must show it faster than ``cuda_flash``)."""
+    return {"cuda_flash": CUDA_FLASH_VERIFIED, "flex": FLEX_VERIFIED, "cuda_cudnn": False}
+
+
 def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> str:
     """The varlen lse kernel ``auto`` uses on ``device`` for ``spec``: ``flash_cpu`` (CPU), or on
     CUDA (float16 / bfloat16 / float32) ``cuda_flash`` (once :data:`CUDA_FLASH_VERIFIED`), else
