@@ -116,7 +116,8 @@ def mask_mod(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int
     if span is None and spec.chunk is None and mask.q_seg is None and mask.key_keep is None:
         return None
     lo, hi = span if span is not None else (-_BIG, _BIG)
-    lo, hi, chunk = (torch.tensor(x, device=device) for x in (lo, hi, spec.chunk or _BIG))
+    # filled on the device (no host-to-device copy, which would synchronize)
+    lo, hi, chunk = (torch.full((), x, dtype=torch.long, device=device) for x in (lo, hi, spec.chunk or _BIG))
     # a tile at the end of a length that is no multiple of BLOCK may ask for indices past it (flex
     # drops those pairs): the captured tensors carry BLOCK more entries, so no lookup is out of bounds
     q_pos, k_pos = (_tail(p.to(device, torch.long)) for p in mask.positions(sq, sk, device))
@@ -137,7 +138,7 @@ def mask_mod(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int
 
 
 def _softcap(cap: float, device: torch.device) -> Callable:
-    cap_t = torch.tensor(cap, device=device)  # a tensor: another cap is no new graph
+    cap_t = torch.full((), cap, dtype=torch.float64, device=device)  # a tensor: another cap, no new graph
 
     def capped(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         return cap_t * torch.tanh(score / cap_t)
