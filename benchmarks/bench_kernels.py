@@ -1,8 +1,9 @@
 """The local attention kernels on one device, forward + backward of one block, in one run: the
-varlen lse kernel ``auto`` picks (``cuda_flash`` on CUDA, ``flash_cpu`` on CPU), ``cuda_cudnn`` and
-``flex`` (CUDA) and ``tiled`` against SDPA with a dense mask (``sdpa_dense``, the O(S^2) peer), on plain causal rows
-and on rows packed with fixed-length documents. Printed: time and peak memory ratios (ours / dense) measured
-in the same process, and each kernel's max error against the float64 oracle at the smallest length.
+varlen lse kernel ``auto`` picks (``cuda_flash`` on CUDA, ``flash_cpu`` on CPU), with ``--opt-in``
+``cuda_cudnn`` and ``flex`` (CUDA), and ``tiled`` against SDPA with a dense mask (``sdpa_dense``,
+the O(S^2) peer), on plain causal rows and on rows packed with fixed-length documents. Printed:
+time and peak memory ratios (ours / dense) measured in the same process, and each kernel's max
+error against the float64 oracle at the smallest length.
 
     python benchmarks/bench_kernels.py                        # CUDA if present: bf16, S = 8k..64k
     python benchmarks/bench_kernels.py --device cpu --seq 1024,2048 --dtype float32   # a dry run
@@ -94,12 +95,15 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dense-limit", type=float, default=8.0, help="GiB the dense mask may take")
+    parser.add_argument("--opt-in", action="store_true",
+                        help="also the CUDA kernels not yet verified on a GPU (cuda_cudnn, flex: flex compiles first)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     spec = AttnSpec(causal=True)
     # on CUDA the fused kernel itself (auto uses it only once it is verified on a GPU)
     ours = "cuda_flash" if device.type == "cuda" else lse_kernel_for(device, dtype, spec)
-    names = (ours, *(["cuda_cudnn", "flex"] if device.type == "cuda" else []), "tiled")  # opt-in until verified
+    opt_in = ["cuda_cudnn", "flex"] if device.type == "cuda" and args.opt_in else []  # not yet verified on a GPU
+    names = (ours, *opt_in, "tiled")
     lengths = [int(s) for s in args.seq.split(",")]
     print(f"{device} {args.dtype}, H={args.heads}/{args.kv_heads}, D={args.dim}, causal, fwd+bwd, "
           f"median of {args.repeats}; packed rows: {args.doc}-token documents")

@@ -3,7 +3,8 @@
 # machine whose python3 has torch and transformers: `PY=python3 bash benchmarks/gpu_check.sh`):
 #   1. the gpu-marked tests: each CUDA kernel's out, lse and gradients as ring blocks against the
 #      float64 oracle; no CUDA sync (set_sync_debug_mode("error")) in steady-state layers of
-#      Ulysses, ring and hybrid over a one-rank NCCL group;
+#      Ulysses, ring and hybrid over a one-rank NCCL group (the opt-in kernels, flex and cuda_cudnn,
+#      last: their tests and their bench_kernels figures);
 #   2. `seqpar train` under torchrun with NCCL (bf16, FSDP2, sharded init) on its default task;
 #   3. `seqpar train` without torchrun on a GPU host (it must say that it runs on the CPU);
 #   4. the kernels' time and memory against dense SDPA (benchmarks/bench_kernels.py);
@@ -35,8 +36,9 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'transform
 
 SAVE=${SAVE:-/tmp/seqpar-gpu-runs}  # the runs' metrics and checkpoints
 RUN=($PY -m torch.distributed.run --standalone --nproc-per-node 1 -m seqpar.cli.main train --sp 1 --no-progress)
-TAIL=40 step tests 420 $PY -m pytest -p no:cacheprovider -m gpu -v -rfEs --tb=short \
-    tests/attention/test_lse_kernels.py tests/attention/test_cuda_path.py
+GPU_TESTS=(tests/attention/test_lse_kernels.py tests/attention/test_cuda_path.py)
+TAIL=40 step tests 240 $PY -m pytest -p no:cacheprovider -m gpu -v -rfEs --tb=short -k "not flex and not cudnn" \
+    "${GPU_TESTS[@]}"
 step train 150 "${RUN[@]}" --save-dir "$SAVE/run"
 step bench-kernels 120 $PY benchmarks/bench_kernels.py --seq 8192,32768 --repeats 3
 step train-packed 90 "${RUN[@]}" --packing --steps 30 --eval-rows 2 --save-dir "$SAVE/packed"
@@ -46,6 +48,11 @@ for seq in 131072 1048576; do
 done
 step train-cpu 60 $PY -m seqpar.cli.main train --steps 2 --seq-len 256 --eval-rows 2 --no-progress \
     --save-dir "$SAVE/cpu"
+# last, so that their compiles (flex: a few graphs per dtype) cannot starve the steps above: the
+# opt-in kernels' gpu tests, then their time and memory (pass: set FLEX_VERIFIED / list cuDNN as verified)
+TAIL=40 step tests-opt-in 420 $PY -m pytest -p no:cacheprovider -m gpu -v -rfEs --tb=short -k "flex or cudnn" \
+    "${GPU_TESTS[@]}"
+step bench-opt-in 180 $PY benchmarks/bench_kernels.py --seq 8192,32768 --repeats 3 --opt-in
 
 echo "failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} = 0 ]
