@@ -68,9 +68,17 @@ class RectKernel(LseKernel):
         mask = mask or MaskInfo()
         q_pos, k_pos = mask.positions(q.shape[2], k.shape[2], q.device)
         acc = acc_dtype(q.dtype)
+        rects = document_rects(spec, mask, q.shape[2], k.shape[2], q.shape[0], self.tile)
+        if len(rects) == 1 and rects[0].row is None and rects[0].q == (0, q.shape[2]) and rects[0].how != "positions":
+            # one tile holds every row, and every row sees a key of it (a plain or causal block that
+            # fits a tile): its result is the block's -- no accumulator, no merge, no cast back
+            (k0, nk), how = rects[0].k, rects[0].how
+            o_r, l_r = self.tile_forward(q, k[:, :, k0:k0 + nk], v[:, :, k0:k0 + nk], spec, how, q_pos,
+                                         k_pos[k0:k0 + nk])
+            return o_r.to(q.dtype), l_r.to(acc)
         out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)  # [B, H, Sq, Dv]
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)  # [B, H, Sq]
-        for rect in document_rects(spec, mask, q.shape[2], k.shape[2], q.shape[0], self.tile):
+        for rect in rects:
             (q0, nq), (k0, nk), rows_of = rect.q, rect.k, _rows(rect)
             o_r, l_r = self.tile_forward(q[rows_of, :, q0:q0 + nq], k[rows_of, :, k0:k0 + nk],
                                          v[rows_of, :, k0:k0 + nk], spec, rect.how, q_pos[q0:q0 + nq],
@@ -85,8 +93,13 @@ class RectKernel(LseKernel):
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc)
         mask = mask or MaskInfo()
         q_pos, k_pos = mask.positions(q.shape[2], k.shape[2], q.device)
+        rects = document_rects(spec, mask, q.shape[2], k.shape[2], q.shape[0], self.tile)
+        if len(rects) == 1 and rects[0].row is None and rects[0].q == (0, q.shape[2]) and rects[0].k == (0, k.shape[2]):
+            # one tile holds the whole block: its gradients are the block's, no accumulators
+            g = self.tile_backward(dout, q, k, v, out, lse, spec, rects[0].how, q_pos, k_pos)
+            return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-        for rect in document_rects(spec, mask, q.shape[2], k.shape[2], q.shape[0], self.tile):
+        for rect in rects:
             (q0, nq), (k0, nk), rows_of = rect.q, rect.k, _rows(rect)
             qs = (rows_of, slice(None), slice(q0, q0 + nq))
             ks = (rows_of, slice(None), slice(k0, k0 + nk))
