@@ -49,6 +49,11 @@ def uses_flash(how: str, dtype: torch.dtype, dim: int) -> bool:
     return how != "positions" and dtype in FLASH_DTYPES and dim <= MAX_FLASH_DIM
 
 
+def _op_dim(q: Tensor, v: Tensor) -> int:
+    """The head dim the ops get: q's and v's, the larger, zero-padded to a multiple of 8 (as SDPA pads)."""
+    return -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
+
+
 def _bmhk(x: Tensor) -> Tensor:
     """``x [B, H, S, D]`` in the memory layout the memory-efficient op's forward produces and its
     backward assumes: ``[B, S, H, D]`` contiguous. Given tensors contiguous as ``[B, H, S, D]``
@@ -75,7 +80,7 @@ class CudaFlashKernel(RectKernel):
     tile = TILE
 
     def _prepare(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
-        dim = -(-max(q.shape[-1], v.shape[-1]) // 8) * 8  # the ops want a multiple of 8 (as SDPA pads)
+        dim = _op_dim(q, v)
         n_rep = q.shape[1] // k.shape[1]
         return (pad_head_dim(q, dim), pad_head_dim(_repeat(k, n_rep), dim), pad_head_dim(_repeat(v, n_rep), dim),
                 dim)
@@ -128,6 +133,13 @@ class CudaFlashKernel(RectKernel):
 MAX_CUDNN_DIM = 128
 
 
+def _uses_cudnn(how: str, q: Tensor, v: Tensor) -> bool:
+    """Whether ``cuda_cudnn`` runs a tile on cuDNN (decided before K/V are repeated and padded,
+    so that the other tiles are prepared once, by ``cuda_flash``)."""
+    dim = _op_dim(q, v)
+    return uses_flash(how, q.dtype, dim) and dim <= MAX_CUDNN_DIM
+
+
 class CudnnKernel(CudaFlashKernel):
     """:class:`CudaFlashKernel` with cuDNN's fused attention for unmasked and causal half-precision
     tiles (head dim <= 128); other tiles as ``cuda_flash``."""
@@ -136,19 +148,19 @@ class CudnnKernel(CudaFlashKernel):
 
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
                      k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        qp, kp, vp, dim = self._prepare(q, k, v)
-        if not (uses_flash(how, q.dtype, dim) and dim <= MAX_CUDNN_DIM):
+        if not _uses_cudnn(how, q, v):
             return super().tile_forward(q, k, v, spec, how, q_pos, k_pos)
+        qp, kp, vp, _ = self._prepare(q, k, v)
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             qp, kp, vp, None, True, 0.0, how == "causal", False, scale=spec.scale_for(q.shape[-1]))[:2]
         return out[..., :v.shape[-1]], lse.reshape(q.shape[:3]).float()  # cuDNN's lse: [B, H, Sq, 1]
 
     def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                       spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if not _uses_cudnn(how, q, v):
+            return super().tile_backward(dout, q, k, v, out, lse, spec, how, q_pos, k_pos)
         d, dv_dim, n_kv = q.shape[-1], v.shape[-1], k.shape[1]
         qp, kp, vp, dim = self._prepare(q, k, v)
-        if not (uses_flash(how, q.dtype, dim) and dim <= MAX_CUDNN_DIM):
-            return super().tile_backward(dout, q, k, v, out, lse, spec, how, q_pos, k_pos)
         dop, outp = pad_head_dim(dout, dim), pad_head_dim(out, dim)
         rng = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: never read
         # no bias, and None for the cumulative lengths (undefined: not the nested-tensor path)
