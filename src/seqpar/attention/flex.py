@@ -191,7 +191,7 @@ class FlexKernel(LseKernel):
               ) -> tuple[Tensor, Tensor]:
         from torch.nn.attention import flex_attention as fa
 
-        if q.device.type != "cuda" and torch.is_grad_enabled() and q.requires_grad:
+        if q.device.type != "cuda" and any(x.requires_grad for x in (q, k, v)):  # as torch's check reads it
             raise ValueError(f"kernel='flex' has no backward on {q.device.type}: torch runs FlexAttention's "
                              "backward on CUDA only; use kernel='auto' (flash_cpu on CPU)")
         sq, sk = q.shape[2], k.shape[2]
