@@ -20,6 +20,7 @@ from .batch.sharding import count_target_tokens, shard_batch
 from .comm.collectives import all_to_all
 from .comm.gather import gather_seq, split_seq
 from .comm.mesh import init_mesh
+from .errors import Refused
 from .integrations.fsdp import apply_ddp, apply_fsdp
 from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize
 from .integrations.memory import memory_switches, reduce_memory, restore_memory, token_stats
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Plan",
+    "Refused",
     "SeqShard",
     "all_to_all",
     "apply_ddp",

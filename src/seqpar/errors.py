@@ -1,0 +1,16 @@
+"""Layer 0: seqpar's own exception types (imports nothing of seqpar).
+
+A user error is a ``ValueError`` (the input or an option is wrong: change it). A *refusal* is the
+subset that says "seqpar will not run this exactly, by design": a model, layer, mask or option
+whose sharded result would not equal the unsharded one. It is raised as :class:`Refused`, so a
+test or the zoo can tell a deliberate refusal from an accident (an incidental ``ValueError`` from
+torch or transformers is a bug, not a refusal).
+"""
+
+from __future__ import annotations
+
+
+class Refused(ValueError):
+    """seqpar refuses this model, layer, mask or option because it cannot run it exactly under
+    sequence parallelism; the message names the mechanism and what to change. A ``ValueError``, so
+    code that catches user errors keeps catching it."""
