@@ -34,30 +34,29 @@ FAMILIES = {  # a built-in or zoo model with the mixer, sized so that the mixer'
 
 def _work(rank: int, world: int, seq: int, repeats: int) -> dict:
     import seqpar
-    import seqpar.integrations.token_mixers as tm
     from seqpar.batch.sharding import BATCH_KWARG
+    from seqpar.comm.mesh import axis_group
+    from seqpar.integrations.mixers import GATHER, HEADS, run_token_mixer, token_mixers
     from seqpar.testing.zoo import build_tiny
 
     torch.set_num_threads(1)
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    group = axis_group(mesh, "sp")
     out = {}
     for name, (model_type, overrides) in FAMILIES.items():
         model = build_tiny(model_type, **overrides).float()
         seqpar.parallelize(model, mesh)
         ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(1))
         local = seqpar.shard_batch({"input_ids": ids, "labels": ids}, mesh)
-        _, mixer = tm.token_mixers(model)[0]
+        _, mixer = token_mixers(model)[0]
         x = torch.randn(1, local["input_ids"].shape[1], model.config.hidden_size, requires_grad=True)
-        cls = type(mixer).__name__
         times: dict[str, list[float]] = {"split": [], "gathered": []}
         for step in range(repeats + 1):
-            for approach in ("split", "gathered"):
-                tm.HANDLED_MIXERS[cls] = tm.HEADS if approach == "split" else tm.GATHER
+            for approach, mode in (("split", HEADS), ("gathered", GATHER)):
                 t0 = time.perf_counter()
-                mixer(x, seqpar_batch=local[BATCH_KWARG]).sum().backward()
+                run_token_mixer(mixer, x, local[BATCH_KWARG], group, mode=mode).sum().backward()
                 if step:  # the first step warms up
                     times[approach].append(time.perf_counter() - t0)
-        tm.HANDLED_MIXERS[cls] = tm.HEADS
         out[name] = {a: statistics.median(t) for a, t in times.items()}
     return out
 

@@ -10,8 +10,18 @@ import pytest
 import torch
 from torch import nn
 
-from seqpar.integrations.mixers import check_token_mixers, unsupported_mixers
-from seqpar.integrations.token_mixers import HANDLED_MIXERS, mixer_approach, token_mixers
+from seqpar.errors import Refused
+from seqpar.integrations.mixers import (
+    GATHER,
+    HANDLED_MIXERS,
+    HEADS,
+    check_token_mixers,
+    family_of,
+    mode_named,
+    token_mixers,
+    unsupported_mixers,
+)
+from seqpar.integrations.mixers.views import view_module
 
 
 def _build(model_type, **overrides):
@@ -84,7 +94,7 @@ def test_unknown_mixer_in_a_custom_model_is_refused(mixer, named):
     for family, overrides in (("llama", {}), ("bamba", {})):
         model = _build(family, **overrides)
         model.model.layers[0].extra = _Tiny(mixer)
-        with pytest.raises(ValueError, match="cannot parallelize") as info:
+        with pytest.raises(Refused, match="cannot parallelize") as info:
             check_token_mixers(model)
         assert f"layers.0.extra.time_mix: {named}" in str(info.value), str(info.value)
         assert "not a token mixer seqpar handles" in str(info.value)
@@ -95,9 +105,9 @@ def test_a_layer_type_without_a_handled_mixer_is_refused():
     module): the layer type is no longer backed by a mixer seqpar handles."""
     model = _build("qwen3_next")
     layer = next(m for m in model.model.layers if hasattr(m, "linear_attn"))
-    assert mixer_approach(layer.linear_attn) == "heads"
+    assert family_of(layer.linear_attn).modes[0] == HEADS
     layer.linear_attn = _Tiny(nn.Linear(32, 32))
-    with pytest.raises(ValueError, match="'linear_attention'") as info:
+    with pytest.raises(Refused, match="'linear_attention'") as info:
         check_token_mixers(model)
     assert "has no token mixer seqpar handles" in str(info.value)
 
@@ -106,7 +116,7 @@ def test_a_layer_type_without_a_handled_mixer_is_refused():
 def test_hybrid_families_are_refused_naming_the_module(family):
     overrides, named = HYBRIDS[family]
     model = _build(family, **overrides)
-    with pytest.raises(ValueError, match="cannot parallelize") as info:
+    with pytest.raises(Refused, match="cannot parallelize") as info:
         check_token_mixers(model)
     assert named in str(info.value), str(info.value)
     assert "silently wrong" in str(info.value)
@@ -115,7 +125,7 @@ def test_hybrid_families_are_refused_naming_the_module(family):
 def test_chunked_attention_alone_is_accepted():
     """Llama 4 without NoPE temperature tuning: chunked layers are a mask feature seqpar honours."""
     assert unsupported_mixers(_build("llama4_text", attn_temperature_tuning=False)) == []
-    with pytest.raises(ValueError, match="which layers are chunked"):  # a chunk size without layer types
+    with pytest.raises(Refused, match="which layers are chunked"):  # a chunk size without layer types
         check_token_mixers(_build("llama", attention_chunk_size=8))
 
 
@@ -126,7 +136,7 @@ def test_attention_only_families_pass(family):
 
 def test_every_causal_lm_class_is_classified():
     """Each class either passes (all its token mixers are attention), is refused with reasons, or
-    is refused by decoder_config (no single head count): a ValueError, never another exception."""
+    is refused by decoder_config (no single head count): Refused, never another exception."""
     outcome = {}
     for model_type in _causal_lm_types():
         try:
@@ -136,7 +146,7 @@ def test_every_causal_lm_class_is_classified():
             continue
         try:
             outcome[model_type] = "refused" if unsupported_mixers(model) else "attention only"
-        except ValueError:
+        except Refused:
             outcome[model_type] = "refused (decoder config)"
     assert len(outcome) == len(_causal_lm_types()) > 150
     for family in HYBRIDS:
@@ -146,3 +156,40 @@ def test_every_causal_lm_class_is_classified():
         assert outcome[family] in ("attention only", "unbuildable default config"), (family, outcome[family])
     for family in ("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"):  # no attention at all
         assert outcome[family].startswith("refused"), (family, outcome[family])
+
+
+def test_every_handled_class_has_one_family_whose_modes_end_gathered():
+    """Each family declares its classes and run modes; every mode is registered, and the last one
+    is the gather that always fits."""
+    families = {id(f): f for f in HANDLED_MIXERS.values()}.values()
+    assert sum(len(f.classes) for f in families) == len(HANDLED_MIXERS) >= 19
+    for family in families:
+        assert family.modes[-1] == GATHER, family
+        assert all(mode_named(m).name == m for m in family.modes), family
+        assert all(HANDLED_MIXERS[c] is family for c in family.classes), family
+
+
+def test_view_module_reads_the_real_module_and_never_writes_it():
+    """A view of an nn.Linear / nn.Conv1d: the sliced weights give the sliced layer's output, the
+    gradient reaches the real weight, the real module keeps its parameters, attributes and hooks
+    (which do not run on the view), and the view has no instance forward."""
+    torch.manual_seed(0)
+    lin, conv = nn.Linear(6, 4, bias=False).double(), nn.Conv1d(5, 5, 3, groups=5, bias=True).double()
+    calls = []
+    lin.register_forward_hook(lambda *_: calls.append("hook"))
+    lin.forward = lin.forward  # an instance forward, as seqpar's wrapper sets: not copied
+    before = {n: p for n, p in [*lin.named_parameters(), *conv.named_parameters()]}
+    part = view_module(lin, {"weight": lin.weight[1:3]})
+    cpart = view_module(conv, {"weight": conv.weight[2:4], "bias": conv.bias[2:4]}, in_channels=2, out_channels=2,
+                        groups=2)
+    x, y = torch.randn(3, 6, dtype=torch.float64), torch.randn(1, 2, 7, dtype=torch.float64)
+    assert type(part) is nn.Linear and "forward" not in vars(part) and part.bias is None
+    torch.testing.assert_close(part(x), x @ lin.weight[1:3].T, rtol=0, atol=0)
+    torch.testing.assert_close(cpart(y), nn.functional.conv1d(y, conv.weight[2:4], conv.bias[2:4], groups=2),
+                               rtol=0, atol=0)
+    (part(x).sum() + cpart(y).sum()).backward()
+    assert calls == [] and lin.weight.grad[[0, 3]].abs().max() == 0 and lin.weight.grad[1:3].abs().min() > 0
+    assert conv.bias.grad[[0, 1, 4]].abs().max() == 0 and conv.bias.grad[2:4].abs().min() > 0
+    assert {n: p for n, p in [*lin.named_parameters(), *conv.named_parameters()]} == before
+    assert (conv.in_channels, conv.groups, lin.weight.shape) == (5, 5, (4, 6))
+    assert list(part.parameters()) == [] and dict(part.named_children()) == {}

@@ -19,8 +19,8 @@ from seqpar.comm.counting import count_collectives
 from seqpar.comm.halo import halo_exchange
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.mesh import axis_group
+from seqpar.integrations.mixers import HALO, HEADS, family_of, token_mixers
 from seqpar.integrations.models import decoder_config
-from seqpar.integrations.token_mixers import HALO, HEADS, _heads_fit, mixer_approach, token_mixers
 from seqpar.testing.model_parity import (
     ModelCase,
     case_batch,
@@ -121,8 +121,8 @@ def _default_run(rank, world):
     grids = {f: QUICK + (QUICK_HALO if f == FAMILIES["short-conv"] else []) for f in FAMILIES.values()}
     return {"parity": _parity(rank, world, list(FAMILIES.values()), (world,), grids), "halo": _halo(rank, world),
             "counts": _layer_counts(rank, world), "grouped": _parity(rank, world, list(SPLIT), (world,), QUICK),
-            "approaches": {f: sorted({(mixer_approach(m), _heads_fit(m, world)) for _, m in token_mixers(_model(f))})
-                           for f in [*SPLIT, *FALLBACK]},
+            "approaches": {f: sorted({(family_of(m).modes[0], family_of(m).split_fits(m, world))
+                                      for _, m in token_mixers(_model(f))}) for f in [*SPLIT, *FALLBACK]},
             "fallback": _parity(rank, world, list(FALLBACK), (world,), QUICK)}
 
 
@@ -219,7 +219,8 @@ def test_halo_exchange_uneven_p3():
 
 def _layer_counts(rank, world):
     """Collectives of one mixer layer's forward and backward (called directly with the batch), and
-    of a whole Qwen3-Next forward; the wrapping after unparallelize and in a deep copy."""
+    of a whole Qwen3-Next forward; the wrapping after unparallelize and in a deep copy (bound to the
+    copy, and undone by unparallelizing the copy without touching the original)."""
     torch.set_num_threads(1)
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     out = {}
@@ -255,12 +256,15 @@ def _layer_counts(rank, world):
             loss.backward()
         copied = copy.deepcopy(model)
         bound_to_copy = all(m.forward.__self__ is m for _, m in token_mixers(copied))
+        seqpar.unparallelize(copied)  # the copy's undo unwraps the copy's modules, not the original's
+        copy_undone = (all("forward" not in vars(m) for _, m in token_mixers(copied))
+                       and all("forward" in vars(m) for _, m in token_mixers(model)))
         seqpar.unparallelize(model)
         mixers = len(token_mixers(model))
-        out[family] = {"approach": mixer_approach(mixer), "fwd": dict(fwd), "bwd": dict(bwd), "scan": rule_heads,
+        out[family] = {"approach": family_of(mixer).modes[0], "fwd": dict(fwd), "bwd": dict(bwd), "scan": rule_heads,
                        "heads": (mixer.num_v_heads, local["input_ids"].shape[1]) if family == "qwen3_next" else None,
                        "whole": (dict(whole_fwd), dict(whole_bwd)), "layers": mixers,
-                       "attention": len(model.config.layer_types) - mixers, "copy": bound_to_copy,
+                       "attention": len(model.config.layer_types) - mixers, "copy": bound_to_copy and copy_undone,
                        "unwrapped": all("forward" not in vars(m) for _, m in token_mixers(model))}
     return out
 

@@ -4,6 +4,7 @@ P = 2 and 3 (one spawn per P; P = 3 in `make verify`). Each family must end exac
 mismatch (silently wrong) or a crash fails, and so does a family the zoo could not run at all."""
 
 import pytest
+import torch
 
 from seqpar.comm.launch import run_distributed
 from seqpar.testing.zoo import VARIANTS, causal_lm_types, run_zoo
@@ -73,3 +74,44 @@ def test_refusals_say_what_and_why(zoo):
     assert "attn_temperature_tuning" in temperature
     assert "takes no position_ids" in next(r.detail for r in rows if r.family == "bart")
     assert "padding_idx" in next(r.detail for r in rows if r.family == "roberta")
+
+
+def _classified(rank, world):
+    """One family through the zoo with the sharded run (or parallelize) replaced by one that raises:
+    a Refused is "refused", a plain ValueError -- an incidental error, not a refusal -- "crashed",
+    and a refusal on one rank next to a plain error on another "crashed" on every rank (this rank's rows)."""
+    import seqpar.testing.zoo as zoo
+    from seqpar.comm.mesh import init_mesh
+    from seqpar.errors import Refused
+
+    torch.set_num_threads(1)
+    mesh, solo = init_mesh(sp=world, device_type="cpu"), init_mesh(sp=1, device_type="cpu")
+    errors = {"refusal": lambda r: Refused("seqpar cannot shard this mixer exactly"),
+              "plain ValueError": lambda r: ValueError("an incidental error"),
+              "mixed": lambda r: Refused("seqpar cannot shard this") if r == 0 else ValueError("an incidental error")}
+    out, real = {}, (zoo.compare_models, zoo.parallelize)
+    try:
+        for name, error in errors.items():
+            def raising(*args, _error=error, **kwargs):
+                raise _error(rank)
+
+            zoo.compare_models, zoo.parallelize = raising, real[1]
+            out[f"run: {name}"] = [(r.outcome, r.detail) for r in zoo.zoo_family("llama", mesh, ("ulysses",), solo)]
+            zoo.compare_models, zoo.parallelize = real[0], raising
+            out[f"parallelize: {name}"] = [(r.outcome, r.detail) for r in zoo.zoo_family("llama", mesh, ("ulysses",),
+                                                                                         solo)]
+    finally:
+        zoo.compare_models, zoo.parallelize = real
+    return out
+
+
+def test_only_refused_counts_as_refused():
+    per_rank = run_distributed(_classified, 2, timeout=600)
+    for out in per_rank:
+        assert [o for o, _ in out["run: refusal"]] == ["refused", "refused"], out  # padded and packed rows
+        assert [o for o, _ in out["run: plain ValueError"]] == ["crashed", "crashed"], out
+        assert all(d.startswith("ValueError: an incidental error") for _, d in out["run: plain ValueError"]), out
+        assert [o for o, _ in out["run: mixed"]] == ["crashed", "crashed"], out  # the worst rank's verdict
+        assert out["parallelize: refusal"] == [("refused", "seqpar cannot shard this mixer exactly")], out
+        assert out["parallelize: plain ValueError"] == [("crashed", "ValueError: an incidental error")], out
+        assert [o for o, _ in out["parallelize: mixed"]] == ["crashed"], out

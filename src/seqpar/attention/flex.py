@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..errors import Refused
 from .blocks import merged_block_grads
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported
 from .varlen import per_batch
@@ -192,8 +193,8 @@ class FlexKernel(LseKernel):
         from torch.nn.attention import flex_attention as fa
 
         if q.device.type != "cuda" and any(x.requires_grad for x in (q, k, v)):  # as torch's check reads it
-            raise ValueError(f"kernel='flex' has no backward on {q.device.type}: torch runs FlexAttention's "
-                             "backward on CUDA only; use kernel='auto' (flash_cpu on CPU)")
+            raise Refused(f"kernel='flex' has no backward on {q.device.type}: torch runs FlexAttention's "
+                          "backward on CUDA only; use kernel='auto' (flash_cpu on CPU)")
         sq, sk = q.shape[2], k.shape[2]
         bm = _block_mask(spec, mask, sq, sk, q.shape[0], q.device)
         aux = {"return_aux": fa.AuxRequest(lse=True)} if hasattr(fa, "AuxRequest") else {"return_lse": True}

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..comm.guard import Guard, guarded
+from ..errors import Refused
 from .blocks import fold_sinks, sinks_grad
 from .cuda import CudaFlashKernel, CudnnKernel
 from .flash_cpu import CpuFlashKernel
@@ -57,9 +58,9 @@ class SdpaKernel(LocalKernel):
         check_supported(self, spec)
         causal = mask_flag(spec, mask, q.shape[2], k.shape[2], q.device)
         if causal is None:
-            raise ValueError("kernel='sdpa' would need a dense [B, 1, S, S] mask for this block (padding, packed "
-                             "documents, a window or chunk, or a permuted causal layout): use kernel='auto' (a varlen "
-                             "kernel, O(S) memory) or kernel='sdpa_dense' to accept the S x S mask")
+            raise Refused("kernel='sdpa' would need a dense [B, 1, S, S] mask for this block (padding, packed "
+                          "documents, a window or chunk, or a permuted causal layout): use kernel='auto' (a varlen "
+                          "kernel, O(S) memory) or kernel='sdpa_dense' to accept the S x S mask")
         return F.scaled_dot_product_attention(q, k, v, dropout_p=spec.dropout, is_causal=causal,
                                               scale=spec.scale_for(q.shape[-1]), enable_gqa=q.shape[1] != k.shape[1])
 
@@ -309,7 +310,7 @@ def lse_kernel(kernel: KernelArg, q: Tensor | None = None, spec: AttnSpec | None
         kernel = lse_kernel_for(q.device, q.dtype, spec)
     k = get_kernel(kernel)
     if not isinstance(k, LseKernel):
-        raise ValueError(f"ring attention needs a kernel that returns the log-sum-exp and has a backward;"
-                         f" {k.name!r} does not. Use kernel='auto' (flash_cpu on CPU, cuda_flash on CUDA,"
-                         " tiled elsewhere)")
+        raise Refused(f"ring attention needs a kernel that returns the log-sum-exp and has a backward;"
+                      f" {k.name!r} does not. Use kernel='auto' (flash_cpu on CPU, cuda_flash on CUDA,"
+                      " tiled elsewhere)")
     return k

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.guard import Guard, guarded
+from ..errors import Refused
 from .blocks import BlockPlan, RingStats, fold_sinks, merge_into, plan_block, sinks_grad
 from .kernels import KernelArg, lse_kernel
 from .layout import layout_permutation, layout_seq_lens
@@ -275,8 +276,8 @@ def ring_options(q: Tensor, spec: AttnSpec, *, kernel: KernelArg | None, dropout
     same on every rank); returns the kernel. Whether it supports ``spec`` is checked after the
     cross-rank validation, where ``spec`` is known to agree."""
     if dropout:
-        raise ValueError(f"ring attention has no dropout (got dropout={dropout}): set the attention dropout"
-                         " to 0 or use strategy='ulysses' with kernel='sdpa'")
+        raise Refused(f"ring attention has no dropout (got dropout={dropout}): set the attention dropout"
+                      " to 0 or use strategy='ulysses' with kernel='sdpa'")
     if comm not in COMMS:
         raise ValueError(f"unknown ring comm {comm!r}: choose one of {sorted(COMMS)}")
     if shard is not None and masks_given:

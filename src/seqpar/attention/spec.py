@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..errors import Refused
+
 
 @dataclass(frozen=True)
 class AttnSpec:
@@ -170,7 +172,7 @@ def check_supported(kernel: Kernel, spec: AttnSpec) -> None:
     if isinstance(kernel, LseKernel):
         missing.discard("sinks")  # folded into (out, lse) around the kernel
     if missing:
-        raise ValueError(
+        raise Refused(
             f"attention kernel {kernel.name!r} cannot honour {sorted(missing)}; use kernel='auto' (picks one that"
             f" does{': dropout only sdpa samples' if 'dropout' in missing else ''}) or drop the option"
         )

@@ -28,6 +28,7 @@ from ..attention.shard import SeqShard
 from ..comm.gather import gather_seq
 from ..comm.guard import check_failures, pending_failure
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
+from ..errors import Refused
 from .sharding import BATCH_KWARG, LocalBatch
 from .targets import IGNORE_INDEX
 
@@ -110,8 +111,8 @@ def sharded_loss_inputs(kwargs: dict[str, Any], labels: Tensor | None, shift_lab
         raise ValueError("a seqpar-parallelized model computes its loss from a sharded batch: call "
                          "model(**seqpar.shard_batch(batch, mesh)), or seqpar.unparallelize(model) first")
     if batch.attention_calls == 0:
-        raise ValueError("the model's attention never went through seqpar (it does not use "
-                         "transformers' AttentionInterface?): its loss would use local attention only")
+        raise Refused("the model's attention never went through seqpar (it does not use "
+                      "transformers' AttentionInterface?): its loss would use local attention only")
     targets = shift_labels if shift_labels is not None else labels
     if targets is None or tuple(targets.shape) != shape:
         raise ValueError(f"labels must be the [batch, local_seq_len] = {list(shape)} targets shard_batch returns")

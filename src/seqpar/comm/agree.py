@@ -4,7 +4,9 @@ Each rank puts the facts that must agree into one row of numbers and, if its own
 a problem text. One all-gather gives every rank the whole table; a second one, only when some
 rank has a problem, carries the texts. Every rank then runs the *same* checks on the *same* table,
 so a rank whose input is wrong and the ranks whose input is right raise the same ValueError -- no
-rank is left waiting in a collective its peers never join::
+rank is left waiting in a collective its peers never join. A problem that is a deliberate refusal
+(:class:`seqpar.errors.Refused`: seqpar cannot run this exactly) says so in its row, and every rank
+raises Refused when every problem was one::
 
     rank 0: facts {"len": 5, ...}, problem None          \\
     rank 1: facts {"len": 5, ...}, problem "q must be 4-D" -- all-gather --> Table on every rank
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..errors import Refused
 from . import collectives
 
 MISSING = -1.0
@@ -55,25 +58,29 @@ def shape_facts(name: str, t: Tensor | None, ndim: int) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Table:
-    """Every rank's facts (``rows[r]``) and problem text (``problems[r]``, None where fine)."""
+    """Every rank's facts (``rows[r]``) and problem text (``problems[r]``, None where fine);
+    ``refusals``: the ranks whose problem is a refusal (:class:`~seqpar.errors.Refused`)."""
 
     rows: list[dict[str, float]]
     problems: list[str | None]
+    refusals: frozenset[int] = frozenset()
 
     def column(self, name: str) -> list[float]:
         return [row[name] for row in self.rows]
 
 
 def share(facts: Mapping[str, float], group: dist.ProcessGroup, *, problem: str | None = None,
-          device: torch.device | None = None) -> Table:
-    """All-gather one row of named numbers and this rank's problem text, if any.
+          refused: bool = False, device: torch.device | None = None) -> Table:
+    """All-gather one row of named numbers and this rank's problem text, if any; ``refused``: the
+    problem is a deliberate refusal (raised as :class:`~seqpar.errors.Refused` by :func:`check`).
 
     One collective when no rank has a problem, two when one does (the texts, padded to the
     longest). Every rank calls it with the same fact names, in the same order.
     """
     device = device or collectives.comm_device(group)
     text = (problem or "").encode()
-    values = [1.0 if problem else 0.0, float(len(text)), *(float(v) for v in facts.values())]
+    flag = (2.0 if refused else 1.0) if problem else 0.0  # 0: fine, 1: a problem, 2: a refusal
+    values = [flag, float(len(text)), *(float(v) for v in facts.values())]
     table = _all_gather_row(torch.tensor(values, dtype=torch.float64, device=device), group).tolist()
     rows = [dict(zip(facts.keys(), vals[2:], strict=True)) for vals in table]
     problems: list[str | None] = [None] * len(table)
@@ -84,7 +91,7 @@ def share(facts: Mapping[str, float], group: dist.ProcessGroup, *, problem: str 
         texts = _all_gather_row(padded, group)
         problems = [bytes(texts[r, :int(vals[1])].tolist()).decode(errors="replace") if vals[0] else None
                     for r, vals in enumerate(table)]
-    return Table(rows, problems)
+    return Table(rows, problems, frozenset(r for r, vals in enumerate(table) if vals[0] == 2.0))
 
 
 def _all_gather_row(row: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -100,8 +107,9 @@ def _all_gather_row(row: Tensor, group: dist.ProcessGroup) -> Tensor:
 def check(table: Table, *, what: str, same: Sequence[str] = (), describe: Callable[[str], str] = str,
           hint: str = "") -> None:
     """Raise one ValueError, identical on every rank, if a rank reported a problem or the ranks
-    disagree on a fact of ``same``. ``describe(fact)`` says what a fact is and how to fix it;
-    ``hint`` closes the message when the ranks disagree."""
+    disagree on a fact of ``same``: :class:`~seqpar.errors.Refused` when every problem was a
+    refusal and the ranks agree. ``describe(fact)`` says what a fact is and how to fix it; ``hint``
+    closes the message when the ranks disagree."""
     problems = [f"rank {r}: {msg}" for r, msg in enumerate(table.problems) if msg]
     differ = []
     for name in same:
@@ -111,7 +119,9 @@ def check(table: Table, *, what: str, same: Sequence[str] = (), describe: Callab
             differ.append(f"{describe(name)} differs across ranks: {shown} (rank 0..{len(vals) - 1})")
     if problems or differ:
         tail = f"\n  {hint}" if differ and hint else ""
-        raise ValueError(f"seqpar: invalid {what}:\n  " + "\n  ".join(problems + differ) + tail)
+        refused = not differ and all(r in table.refusals for r, msg in enumerate(table.problems) if msg)
+        kind = Refused if refused else ValueError
+        raise kind(f"seqpar: invalid {what}:\n  " + "\n  ".join(problems + differ) + tail)
 
 
 def fence(groups: dist.ProcessGroup | Sequence[dist.ProcessGroup], error: BaseException | None, *,
@@ -124,22 +134,26 @@ def fence(groups: dist.ProcessGroup | Sequence[dist.ProcessGroup], error: BaseEx
     same on every rank and names each failing rank (its global rank) and its error. The failing
     rank raises its own exception type (falling back to RuntimeError when that type cannot be
     built from a message), chained to the original; the others raise RuntimeError, or ValueError
-    when a failing rank's error was one (bad input stays bad input).
+    when a failing rank's error was one (bad input stays bad input), or :class:`~seqpar.errors.Refused`
+    when every failing rank's error was one (a refusal stays a refusal on every rank; a refusal
+    next to another failure is raised as a plain ValueError, as the other ranks raise it).
     """
     stages = [groups] if isinstance(groups, dist.ProcessGroup) else list(groups)
     problem = None if error is None else f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
-    value_error = float(isinstance(error, ValueError))
+    facts = {"value_error": float(isinstance(error, ValueError)),
+             "not_refused": float(error is not None and not isinstance(error, Refused))}
     for group in stages:
-        table = share({"value_error": value_error}, group, problem=problem)
+        table = share(facts, group, problem=problem)
         problem = "\n".join(m for m in table.problems if m) or None
-        value_error = max(table.column("value_error"))
+        facts = {name: max(table.column(name)) for name in facts}
     if problem is None:
         return
     text = f"seqpar: {what} failed, so every rank stops here:\n  " + problem.replace("\n", "\n  ")
+    refused = not facts["not_refused"]  # every failing rank's error was a refusal
     if error is None:
-        raise (ValueError if value_error else RuntimeError)(text)
+        raise (Refused if refused else ValueError if facts["value_error"] else RuntimeError)(text)
     try:
-        mine = type(error)(text)
+        mine = ValueError(text) if isinstance(error, Refused) and not refused else type(error)(text)
     except Exception:
         mine = RuntimeError(text)
     raise mine from error

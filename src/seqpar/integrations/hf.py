@@ -46,11 +46,11 @@ from ..attention.shard import chunked_documents
 from ..batch.loss import make_loss_function
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.mesh import Axis, as_mesh, axis_group
+from ..errors import Refused
 from .hf_kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
-from .mixers import check_token_mixers
+from .mixers import check_token_mixers, wrap_token_mixers
 from .models import decoder_config
-from .token_mixers import unwrap_token_mixers, wrap_token_mixers
 
 _ATTR = "_seqpar_parallel"  # our own attribute on the model: how to undo parallelize
 _names = itertools.count()
@@ -75,6 +75,7 @@ class _Parallel:
     num_heads: int
     num_kv_heads: int
     hook: Any  # the forward pre-hook's handle
+    unwrap_mixers: Callable[[], None] = lambda: None  # undoes wrap_token_mixers
 
 
 def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str, config: Any,
@@ -99,14 +100,14 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
             # attention against keys every rank holds whole is already exact locally.
             fn = eager_function(module) if original == "eager" else AttentionInterface().get(original)
             if fn is None:
-                raise ValueError(f"seqpar cannot run a {original!r} attention whose keys are not the sharded "
-                                 "sequence; use attn_implementation='sdpa' or 'eager'")
+                raise Refused(f"seqpar cannot run a {original!r} attention whose keys are not the sharded "
+                              "sequence; use attn_implementation='sdpa' or 'eager'")
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if attention_mask is not None:
             # transformers builds no mask for seqpar's name, so this one is the model's own
             # (a prefix-LM or image mask...): it describes the local shard, seqpar cannot use it
-            raise ValueError(f"{type(module).__name__} passes its own attention mask, which seqpar cannot shard; "
-                             "seqpar masks padding and packed documents itself (from shard_batch)")
+            raise Refused(f"{type(module).__name__} passes its own attention mask, which seqpar cannot shard; "
+                          "seqpar masks padding and packed documents itself (from shard_batch)")
         if batch.sp_size != p or query.shape[2] != batch.local_len:
             raise ValueError(f"the batch was sharded for sp={batch.sp_size} with {batch.local_len} tokens on rank "
                              f"{me}, but the model runs over sp={p} with {query.shape[2]}: shard the batch with "
@@ -150,13 +151,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     kernel :func:`seqpar.sp_attention` accepts. Returns the model.
 
     Hybrid models: the Mamba, Mamba2, Gated DeltaNet, Kimi and LFM2 short-convolution layers of
-    :data:`.token_mixers.HANDLED_MIXERS` are exact too. LFM2's short convolutions take a halo of the
+    :data:`.mixers.HANDLED_MIXERS` are exact too. LFM2's short convolutions take a halo of the
     previous rank's last inputs (scalable); Gated DeltaNet, Kimi and most Mamba2 layers are split
     by heads and Jamba's Mamba by inner channels (each rank runs its share on the whole sequence:
     compute split P ways, input held whole); the rest (Zamba's Mamba, Falcon-H1) are *gathered*:
     every rank runs such a layer on the whole sequence (its compute repeated P times), see
-    :mod:`.token_mixers` and
-    :func:`.token_mixers.describe_token_mixers`.
+    :mod:`.mixers` and
+    :func:`.mixers.describe_token_mixers`.
 
     Raises ValueError if the model is not a transformers model whose attention goes through
     ``AttentionInterface``, has no attention heads, mixes tokens by other means too (convolutions,
@@ -183,16 +184,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     if original is not None and original.startswith("seqpar_"):
         raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
     if original == "sdpa" and getattr(config, "attn_logit_softcapping", None) and kernel is None:
-        raise ValueError(f"{type(model).__name__} uses attn_logit_softcapping, which transformers' sdpa does not "
-                         "support: load it with attn_implementation='eager' (or pass kernel='auto')")
+        raise Refused(f"{type(model).__name__} uses attn_logit_softcapping, which transformers' sdpa does not "
+                      "support: load it with attn_implementation='eager' (or pass kernel='auto')")
     name = f"seqpar_{strategy}_{next(_names)}"  # no "flash" in it: transformers would fetch a Hub kernel
     last = _LastBatch()
     AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last))
     model.set_attn_implementation(name if sub is None else {sub: name})
     if config._attn_implementation != name:
         AttentionInterface.register(name, _released)
-        raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
-                         "AttentionInterface, so seqpar cannot wrap it (its attention would stay local)")
+        raise Refused(f"{type(model).__name__} does not route its attention through transformers' "
+                      "AttentionInterface, so seqpar cannot wrap it (its attention would stay local)")
 
     def catch_batch(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
         last.batch = kwargs.get(BATCH_KWARG)
@@ -202,7 +203,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
                       num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
                       hook=model.register_forward_pre_hook(catch_batch, with_kwargs=True))
     model.loss_function = make_loss_function(mesh)
-    wrap_token_mixers(model, mesh, lambda: last.batch)  # Mamba, Gated DeltaNet, short convolutions
+    state.unwrap_mixers = wrap_token_mixers(model, mesh, lambda: last.batch)  # Mamba, Gated DeltaNet, short convs
     setattr(model, _ATTR, state)
     return model
 
@@ -251,7 +252,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     model.set_attn_implementation(state.original if state.sub_config is None else {state.sub_config: state.original})
     model.loss_function = state.loss_function
     state.hook.remove()
-    unwrap_token_mixers(model)
+    state.unwrap_mixers()
     delattr(model, _ATTR)
     return model
 

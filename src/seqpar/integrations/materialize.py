@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..errors import Refused
+
 
 def _local_part(full: Tensor, like: Tensor) -> Tensor:
     """This rank's part of ``full`` for a parameter laid out as ``like`` (a DTensor: its local
@@ -71,9 +73,9 @@ def _module_on_temporaries(module: nn.Module, init_dtype: torch.dtype, params: b
                     continue
                 full = table[name]
                 if full.is_floating_point() and bool(full.isnan().any()):
-                    raise ValueError(f"{type(module).__name__}.{name} is not set by the model's own weight "
-                                     "initialisation (_init_weights), so it cannot be initialized sharded: build "
-                                     "the model unsharded (--fsdp off) or load its weights from a checkpoint")
+                    raise Refused(f"{type(module).__name__}.{name} is not set by the model's own weight "
+                                  "initialisation (_init_weights), so it cannot be initialized sharded: build "
+                                  "the model unsharded (--fsdp off) or load its weights from a checkpoint")
                 _write(real, full.detach())
     finally:
         for table, name, real in saved:

@@ -41,6 +41,7 @@ from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import check_tile, tiled_token_stats
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, axis_group
+from ..errors import Refused
 from .tiled_head import TiledLossFunction, decoder_of, last_hidden, output_head, shifted_targets
 from .tiling import TileContext, checkpoint_layer, is_per_token_mlp, tile_mlp, untile
 
@@ -79,12 +80,12 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 def _mlps(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
     mlps = [getattr(layer, "mlp", None) for layer in layers]
     if not layers or any(m is None for m in mlps):
-        raise ValueError(f"tiled_mlp: no MLP found in {type(model).__name__}'s decoder layers (layer.mlp): "
-                         "use tiled_mlp=False")
+        raise Refused(f"tiled_mlp: no MLP found in {type(model).__name__}'s decoder layers (layer.mlp): "
+                      "use tiled_mlp=False")
     refused = sorted({type(m).__name__ for m in mlps if not is_per_token_mlp(m)})
     if refused:
-        raise ValueError(f"tiled_mlp: {', '.join(refused)} is not a module seqpar knows to be per-token (accepted: "
-                         "gated MLPs such as LlamaMLP, Qwen3MLP, Gemma2MLP; not MoE blocks): use tiled_mlp=False")
+        raise Refused(f"tiled_mlp: {', '.join(refused)} is not a module seqpar knows to be per-token (accepted: "
+                      "gated MLPs such as LlamaMLP, Qwen3MLP, Gemma2MLP; not MoE blocks): use tiled_mlp=False")
     return mlps
 
 
@@ -133,15 +134,15 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
                          "(model.gradient_checkpointing_disable()) or pass checkpoint='none'")
     layers = _layers(model)
     if checkpoint != "none" and not layers:
-        raise ValueError(f"checkpoint={checkpoint!r}: no decoder layers found in {type(model).__name__} "
-                         "(its _no_split_modules): use checkpoint='none'")
+        raise Refused(f"checkpoint={checkpoint!r}: no decoder layers found in {type(model).__name__} "
+                      "(its _no_split_modules): use checkpoint='none'")
     mlps = _mlps(model, layers) if tiled_mlp else []
     if tiled_loss:
         output_head(model)
         decoder_of(model)
         if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-            raise ValueError(f"tiled_loss: {type(model).__name__}.forward takes no logits_to_keep, so its head would "
-                             "make the full logits anyway: use tiled_loss=False")
+            raise Refused(f"tiled_loss: {type(model).__name__}.forward takes no logits_to_keep, so its head would "
+                          "make the full logits anyway: use tiled_loss=False")
     offload = _offload_mode(model) if checkpoint == "offload" else ""
     state = _Memory(tiled_loss, tiled_mlp, checkpoint, loss_tile, mlp_tile, mesh, TileContext(),
                     getattr(model, "loss_function", None), mlps, layers if checkpoint != "none" else [], offload)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import Refused
+
 BUILTIN_MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "small-llama3"]
 # hybrids (issue 13): a Gated DeltaNet layer then an attention layer (Qwen3-Next, dense MLPs), and a
 # Mamba2 layer then an attention layer (Bamba)
@@ -133,13 +135,13 @@ def decoder_config(config: Any) -> tuple[Any, str | None]:
         try:
             return getattr(c, key, None)
         except Exception as e:  # e.g. a per-layer head count transformers refuses to read as one number
-            raise ValueError(f"{type(c).__name__}.{key} is not one number ({type(e).__name__}): seqpar needs the "
-                             "same attention head count in every layer") from None
+            raise Refused(f"{type(c).__name__}.{key} is not one number ({type(e).__name__}): seqpar needs the "
+                          "same attention head count in every layer") from None
 
     if get(config, "num_attention_heads"):
         return config, None
     text = get(config, "text_config")
     if text is not None and get(text, "num_attention_heads"):
         return text, "text_config"
-    raise ValueError(f"{type(config).__name__} has no num_attention_heads (nor text_config.num_attention_heads):"
-                     " seqpar needs a transformers model with self-attention")
+    raise Refused(f"{type(config).__name__} has no num_attention_heads (nor text_config.num_attention_heads):"
+                  " seqpar needs a transformers model with self-attention")

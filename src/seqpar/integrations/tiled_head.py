@@ -21,6 +21,7 @@ from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import Head, tiled_loss_sum
 from ..comm.agree import check, share
 from ..comm.mesh import Axis, axis_group
+from ..errors import Refused
 
 if TYPE_CHECKING:
     from .memory import _Memory
@@ -35,8 +36,8 @@ def output_head(model: nn.Module) -> Head:
     ValueError for a head seqpar cannot reproduce exactly."""
     lin = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(lin) is not nn.Linear:
-        raise ValueError(f"tiled_loss: {type(model).__name__}'s output head is {type(lin).__name__}, not an "
-                         "nn.Linear seqpar can tile exactly: use tiled_loss=False")
+        raise Refused(f"tiled_loss: {type(model).__name__}'s output head is {type(lin).__name__}, not an "
+                      "nn.Linear seqpar can tile exactly: use tiled_loss=False")
     config = model.config
     kind = str(getattr(config, "model_type", ""))
     scale = getattr(model, "logit_scale", None) if kind.startswith("cohere") else None
@@ -49,8 +50,8 @@ def output_head(model: nn.Module) -> Head:
 def decoder_of(model: nn.Module) -> nn.Module:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if not isinstance(decoder, nn.Module) or decoder is model:
-        raise ValueError(f"tiled_loss: {type(model).__name__} has no separate decoder module (get_decoder()) whose "
-                         "hidden states feed the head: use tiled_loss=False")
+        raise Refused(f"tiled_loss: {type(model).__name__} has no separate decoder module (get_decoder()) whose "
+                      "hidden states feed the head: use tiled_loss=False")
     return decoder
 
 
@@ -74,9 +75,9 @@ def check_head(model: nn.Module, head: Head, hidden: Tensor, logits: Tensor, gro
                        f"by {diff:.3g}): the model transforms them in a way tiled_loss does not know; use "
                        "tiled_loss=False")
     if group is not None:
-        check(share({}, group, problem=problem), what="tiled_loss head")
+        check(share({}, group, problem=problem, refused=True), what="tiled_loss head")
     elif problem:
-        raise ValueError(problem)
+        raise Refused(problem)
 
 
 class TiledLossFunction:

@@ -31,6 +31,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import Refused
+
 PER_TOKEN_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
                             "CohereMLP", "GraniteMLP", "Olmo2MLP", "Phi3MLP"})
 """MLP classes accepted for tiling: gated MLPs of linear layers and an activation, token by token
@@ -107,8 +109,8 @@ class _TiledMLP(torch.autograd.Function):
 def _tiled_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     tile, context = self._seqpar_mlp_tile
     if x.dim() != 3:
-        raise ValueError(f"{type(self).__name__} got a {x.dim()}-D input; tiled_mlp splits [batch, seq, hidden] "
-                         "along the sequence: use tiled_mlp=False for this model")
+        raise Refused(f"{type(self).__name__} got a {x.dim()}-D input; tiled_mlp splits [batch, seq, hidden] "
+                      "along the sequence: use tiled_mlp=False for this model")
     n = agreed_tiles(x.shape[1], context.longest, tile)
     context.tiles_run.append(n)
     if not torch.is_grad_enabled():

@@ -53,6 +53,7 @@ from ..batch.targets import CU_SEQLENS_KEYS
 from ..comm.agree import Table, check, share
 from ..comm.gather import gather_seq
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size, init_mesh
+from ..errors import Refused
 from .hf import parallelize
 
 DERIVED_KEYS = ("max_length_q", "max_length_k", "seq_idx")
@@ -230,8 +231,8 @@ def _check_loss_options(trainer: Any) -> None:
     }
     named = [k for k, on in refused.items() if on]
     if named:
-        raise ValueError(f"seqpar's Trainer integration computes the causal-LM token mean only; it would ignore "
-                         f"{', '.join(named)}: turn {'it' if len(named) == 1 else 'them'} off to train with seqpar")
+        raise Refused(f"seqpar's Trainer integration computes the causal-LM token mean only; it would ignore "
+                      f"{', '.join(named)}: turn {'it' if len(named) == 1 else 'them'} off to train with seqpar")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -267,8 +268,8 @@ def _split_loader(loader: Any, num: int, index: int) -> Any:
     elif isinstance(getattr(loader, "dataset", None), IterableDatasetShard):
         loader.dataset.num_processes, loader.dataset.process_index = num, index
     elif dist.get_world_size() > 1:
-        raise ValueError(f"seqpar cannot split this data loader ({type(loader).__name__}) over dp: use a "
-                         "map-style or iterable dataset through the Trainer's own get_*_dataloader")
+        raise Refused(f"seqpar cannot split this data loader ({type(loader).__name__}) over dp: use a "
+                      "map-style or iterable dataset through the Trainer's own get_*_dataloader")
     return loader
 
 

@@ -25,6 +25,7 @@ from ..batch.loss import sync_gradients
 from ..batch.sharding import shard_batch
 from ..batch.targets import IGNORE_INDEX
 from ..comm.mesh import init_mesh
+from ..errors import Refused
 from ..integrations.hf import parallelize, unparallelize
 from ..integrations.models import BUILTIN_MODELS, build_model, builtin_config, decoder_config
 from ..planner import hybrid_split
@@ -280,10 +281,10 @@ def compare(case: ModelCase, mesh: DeviceMesh, p: int) -> dict[str, Any]:
     packed = batch if case.batch == "packed" else case_batch(replace(case, batch="packed"), vocab)
     floor = precision_floor(model, packed)
     head = {"label": case.label(), "case": asdict(case), "P": p}
-    try:  # a model seqpar refuses is an outcome to report, not a crash
+    try:  # a model seqpar refuses is an outcome to report; any other error (a ValueError too) propagates
         parallelize(model, mesh, strategy=case.strategy)
         unparallelize(model)
-    except ValueError as e:
+    except Refused as e:
         return {**head, "refused": str(e)}
     sp_model = copy.deepcopy(model)
     if case.checkpointing is not None:

@@ -12,9 +12,11 @@ compare_models` runs the model with and without seqpar. Outcomes::
     exact (float32 model)  the same, where the model computes some things in float32 itself
                  (measured: :func:`~seqpar.testing.model_parity.precision_floor`,
                  :func:`attention_floor`): those compared relative to float32 precision
-    refused      parallelize (or the first sharded forward) raised ValueError on every rank
+    refused      parallelize (or the first sharded forward) raised :class:`seqpar.errors.Refused`
+                 on every rank: a deliberate refusal
     mismatch     ran, but the loss or a gradient differs: silently wrong -- a bug
-    crashed      any other exception -- a bug
+    crashed      any other exception, a ValueError that is not Refused included (an incidental
+                 error of torch, transformers or seqpar is not a refusal) -- a bug
     unbuildable  transformers cannot build or run the family's tiny config without seqpar
                  (its own config validation or code); then the default config is built on the
                  meta device and parallelize must still refuse it or accept it (``refused`` /
@@ -34,6 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.agree import share
+from ..errors import Refused
 from ..integrations.hf import parallelize, unparallelize
 from ..integrations.models import decoder_config
 from .eager64 import register_eager_float64
@@ -222,9 +225,17 @@ def meta_verdict(model_type: str) -> tuple[str, str]:
         return "unbuildable", f"{type(e).__name__}: {e}".splitlines()[0][:160]
     try:
         parallelize(model, init_mesh(sp=1, device_type="cpu"))
-    except ValueError as e:
-        return "refused", str(e)
+    except Exception as e:
+        return verdict(e)
     return "accepted, not run", ""
+
+
+def verdict(error: Exception) -> tuple[str, str]:
+    """``(outcome, detail)`` of a run that raised: ``"refused"`` for a deliberate refusal
+    (:class:`~seqpar.errors.Refused`), ``"crashed"`` for anything else -- a plain ValueError too."""
+    if isinstance(error, Refused):
+        return "refused", str(error)
+    return "crashed", f"{type(error).__name__}: {error}"
 
 
 @dataclass(frozen=True)
@@ -260,7 +271,7 @@ def attention_floor(model: nn.Module, batch: dict[str, Any], reference: tuple[fl
     try:
         r = compare_models(copy.deepcopy(model), batch, solo, strategy="ring", reference=reference,
                            floor=Floor(attention=True))
-    except ValueError:  # refused: nothing to measure
+    except Refused:  # nothing to measure
         return False
     tight = r["loss_diff"] <= LOSS_TOL and r["grad_max"] <= GRAD_TOL and r["f32_rel"] == 0.0
     return r["ok"] and not tight
@@ -290,16 +301,21 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
     try:
         model = build_tiny(model_type, **overrides)
     except Exception:
-        verdict, why = meta_verdict(model_type)
-        return [ZooRow(name, "-", "-", p, verdict, why or "its tiny config does not build")]
+        outcome, why = meta_verdict(model_type)
+        return [ZooRow(name, "-", "-", p, outcome, why or "its tiny config does not build")]
     rows, runnable = [], []
     for strategy in strategies:
+        outcome, detail = "exact", ""
         try:  # a refusal needs no run (and some refused models cannot even be copied)
             parallelize(model, mesh, strategy=strategy)
             unparallelize(model)
+        except Exception as e:
+            outcome, detail = verdict(e)
+        outcome, detail = _agreed(outcome, detail, group)  # every rank runs the same strategies
+        if outcome == "exact":
             runnable.append(strategy)
-        except ValueError as e:
-            rows.append(ZooRow(name, strategy, "-", p, "refused", str(e)[:2000]))
+        else:
+            rows.append(ZooRow(name, strategy, "-", p, outcome, detail[:2000]))
     if not runnable:
         return rows
     refs, floor = {}, Floor()
@@ -323,10 +339,8 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
                 loss_diff, grad_max = r["loss_diff"], r["grad_max"]
                 if not r["ok"]:
                     outcome, detail = "mismatch", f"worst {r['worst_param']}"
-            except ValueError as e:
-                outcome, detail = "refused", str(e)
             except Exception as e:
-                outcome, detail = "crashed", f"{type(e).__name__}: {e}"
+                outcome, detail = verdict(e)
             outcome, detail = _agreed(outcome, detail, group)
             rows.append(ZooRow(name, strategy, kind, p, outcome, detail[:2000], loss_diff, grad_max))
     return rows

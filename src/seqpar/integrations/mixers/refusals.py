@@ -1,8 +1,8 @@
 """Which token mixers a model has that seqpar cannot make exact (yet): refused at ``parallelize``.
 
 seqpar makes attention exact across ranks, and the state-space, linear-attention and short-
-convolution mixers of :data:`.token_mixers.HANDLED_MIXERS` (Mamba, Mamba2, Gated DeltaNet, LFM2;
-:mod:`.token_mixers`). A decoder that mixes tokens along the sequence by any other means -- an
+convolution mixers of :data:`.registry.HANDLED_MIXERS` (Mamba, Mamba2, Gated DeltaNet, Kimi, LFM2;
+the families of this package). A decoder that mixes tokens along the sequence by any other means -- an
 unknown convolution over time or recurrent layer, lightning or indexed (sparse) attention -- would
 run it on each rank's shard alone, from a zero state, and give a plausible but wrong loss. Such a
 model is refused with the module and the reason instead. Pure: reads the model's config and
@@ -34,8 +34,9 @@ import inspect
 
 from torch import nn
 
-from .models import decoder_config
-from .token_mixers import HANDLED_MIXERS, mixer_approach
+from ...errors import Refused
+from ..models import decoder_config
+from .registry import HANDLED_MIXERS, family_of
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 PER_TOKEN_LAYER_TYPES = frozenset({"mlp", "moe"})
@@ -64,7 +65,7 @@ def unsupported_mixers(model: nn.Module) -> list[str]:
                        "a config with attn_temperature_tuning=False is a different model, not a fix")
     reasons += _positional(model, decoder)
     convs: dict[str, str] = {}  # class of the module that owns the convolution -> its first path
-    handled = [name for name, m in decoder.named_modules() if mixer_approach(m) is not None]
+    handled = [name for name, m in decoder.named_modules() if family_of(m) is not None]
     for name, module in decoder.named_modules():
         if any(name == h or name.startswith(h + ".") for h in handled):
             continue  # inside a token mixer seqpar handles (its own convolution)
@@ -89,7 +90,7 @@ def _unhandled_layer_types(config: object, decoder: nn.Module, odd: set[str]) ->
         return {k: "seqpar cannot find the decoder layers these types describe" for k in odd}
     out: dict[str, str] = {}
     for i, (kind, layer) in enumerate(zip(types, layers, strict=True)):
-        if kind in odd and kind not in out and not any(mixer_approach(m) for m in layer.modules()):
+        if kind in odd and kind not in out and not any(family_of(m) for m in layer.modules()):
             names = sorted({type(c).__name__ for c in layer.children()})
             out[kind] = f"layer {i} ({type(layer).__name__}: {', '.join(names)}) has no token mixer seqpar handles"
     return out
@@ -112,14 +113,15 @@ def _positional(model: nn.Module, decoder: nn.Module) -> list[str]:
 
 
 def check_token_mixers(model: nn.Module) -> None:
-    """Raise ValueError naming every token mixer of ``model`` seqpar cannot make exact."""
+    """Raise :class:`~seqpar.errors.Refused` naming every token mixer of ``model`` seqpar cannot
+    make exact."""
     reasons = unsupported_mixers(model)
     if reasons:
-        raise ValueError(
+        raise Refused(
             f"seqpar cannot parallelize {type(model).__name__} yet: these parts mix tokens along the sequence (or "
             "read their position in it) in a way seqpar does not shard exactly; each rank would run them on its "
             "shard alone and get silently wrong losses and gradients:\n  " + "\n  ".join(reasons)
             + "\n  seqpar supports models whose token mixers are all self-attention (full, sliding-window or "
             "chunked) fed by position ids, or the state-space / linear-attention / short-convolution mixers of "
-            "seqpar.integrations.token_mixers.HANDLED_MIXERS; for this one train without sequence parallelism "
+            "seqpar.integrations.mixers.HANDLED_MIXERS; for this one train without sequence parallelism "
             "(sp=1) for now.")
