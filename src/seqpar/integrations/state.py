@@ -81,6 +81,9 @@ class Step:
 
 @dataclass
 class ModelState:
+    """The record on a model: each part's state (None: that part is off) and the undo steps of all
+    parts, oldest first. Changed only through :meth:`push` and :func:`undo`."""
+
     parallel: ParallelState | None = None
     memory: MemoryState | None = None
     steps: list[Step] = field(default_factory=list)
