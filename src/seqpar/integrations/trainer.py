@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.layout import inverse_permutation
-from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, _checksum, count_target_tokens, shard_batch
+from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, checksum, count_target_tokens, shard_batch
 from ..batch.targets import CU_SEQLENS_KEYS
 from ..comm.agree import Table, check, share
 from ..comm.gather import gather_seq
@@ -296,7 +296,7 @@ def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: Devi
         ok = isinstance(ids, Tensor) and ids.dim() == 2
         facts[f"{m}.batch"] = float(ids.shape[0]) if ok else -1.0
         facts[f"{m}.seq"] = float(ids.shape[1]) if ok else -1.0
-        facts[f"{m}.ids"] = _checksum(ids) if ok else -1.0
+        facts[f"{m}.ids"] = checksum(ids) if ok else -1.0
         unknown = set(b) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - set(DERIVED_KEYS) - {BATCH_KWARG} if b else set()
         if b is not None and (not ok or unknown) and problem is None:
             problem = (f"micro-batch {m} has no [batch, seq_len] input_ids" if not ok else
