@@ -51,6 +51,7 @@ from .layer_spec import layer_options
 from .mixers import check_token_mixers
 from .models import decoder_config
 from .token_mixers import unwrap_token_mixers, wrap_token_mixers
+from .vlm import install_vision
 
 _ATTR = "_seqpar_parallel"  # our own attribute on the model: how to undo parallelize
 _names = itertools.count()
@@ -75,6 +76,7 @@ class _Parallel:
     num_heads: int
     num_kv_heads: int
     hook: Any  # the forward pre-hook's handle
+    vision_hook: Any = None  # the vision pre-hook's handle (.vlm: images divided over the SP ranks)
 
 
 def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str, config: Any,
@@ -202,6 +204,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
                       num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
                       hook=model.register_forward_pre_hook(catch_batch, with_kwargs=True))
     model.loss_function = make_loss_function(mesh)
+    state.vision_hook = install_vision(model, mesh)  # images: encoded once over the SP ranks, routed
     wrap_token_mixers(model, mesh, lambda: last.batch)  # Mamba, Gated DeltaNet, short convolutions
     setattr(model, _ATTR, state)
     return model
@@ -251,6 +254,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     model.set_attn_implementation(state.original if state.sub_config is None else {state.sub_config: state.original})
     model.loss_function = state.loss_function
     state.hook.remove()
+    state.vision_hook.remove()
     unwrap_token_mixers(model)
     delattr(model, _ATTR)
     return model
