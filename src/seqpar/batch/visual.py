@@ -114,8 +114,8 @@ def visual_problem(batch: Mapping[str, Any], b: int, s: int) -> str | None:
         if pv is None:
             return f"{grid_key} is given without {pixels}"
         rows = int(grid.prod(-1).sum())
-        if pv.dim() != 2 or pv.shape[0] != rows:
-            return (f"{pixels} must be [patches, channels] with one row per patch of {grid_key} ({rows} rows), "
+        if pv.dim() < 2 or pv.shape[0] != rows:
+            return (f"{pixels} must be [patches, ...] with one row per patch of {grid_key} ({rows} rows), "
                     f"got {list(pv.shape)}")
     sizes = present.get("image_sizes")
     if sizes is not None:

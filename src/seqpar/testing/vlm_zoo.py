@@ -41,7 +41,29 @@ VISION_TINY: dict[str, Any] = dict(
 )
 """Vision sub-config fields set where a family's vision config has them."""
 
-FAMILY_FIXES: dict[str, dict[str, Any]] = {}
+EXTRA_TINY: dict[str, int] = dict(
+    embed_dim=32, layers=2, attention_heads=4, ffn_dim=64, encoder_attention_heads=4, encoder_layers=2,
+    encoder_ffn_dim=64, projection_dim=32, projector_hidden_size=64, projection_hidden_size=32, latent_query_num=4,
+    num_query_tokens=4, base_channels=32,
+)
+"""Size fields of other names (Kosmos' text, audio encoders, projectors, VQ tokenizers), set in
+every (sub-)config that has them."""
+
+_PIXTRAL = {"vision_config": {"image_size": 16}}  # 4 x 4 patches, 2 x 2 merged: 4 tokens per image
+_ANYRES = {"image_grid_pinpoints": [[8, 8], [8, 16], [16, 8]]}  # LLaVA-NeXT crops at the tiny size
+_PER_ROW = {"vision_config": {"image_size": 16}}  # 4 x 4 patches, pixel-shuffled by 2: 4 tokens
+FAMILY_FIXES: dict[str, dict[str, Any]] = {
+    "gemma3": {"mm_tokens_per_image": 4}, "shieldgemma2": {"mm_tokens_per_image": 4},  # 2 x 2 pooled
+    "vipllava": {"vision_feature_layer": [-2, -1]},  # its default reads layers -11 and 6
+    "aria": {"projector_patch_to_query_dict": {4: 2}},  # 4 patches -> 2 queries
+    "mistral3": _PIXTRAL, "mistral_large4": _PIXTRAL, "lighton_ocr": _PIXTRAL,
+    "llava_next": _ANYRES, "llava_next_video": _ANYRES, "llava_onevision": _ANYRES,
+    "step3p7": {"text_config": {"sliding_window": 8}},  # its default leaves the window unset
+    # their rope index reads config.vision_start_token_id, which their default configs do not set
+    "glm4v_moe": {"text_config": {"head_dim": 16}},  # partial rotary (0.5): 4 frequencies for the 3 sections
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 200}, "qwen3_omni_moe_thinker": {"vision_start_token_id": 200},
+    "idefics2": {**_PER_ROW, "perceiver_config": {"resampler_n_latents": 4}}, "idefics3": _PER_ROW, "smolvlm": _PER_ROW, "granite_docling": _PER_ROW,
+}
 """Per-family config fields (nested dicts merge into sub-configs), set after the generic shrink."""
 
 _VOCAB = int(TINY["vocab_size"])
@@ -82,6 +104,18 @@ def _merge(d: dict[str, Any], fixes: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _extra_tiny(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and ("model_type" in v or k.endswith("config")):
+            out[k] = _extra_tiny(v)
+        elif k in EXTRA_TINY and isinstance(v, int) and not isinstance(v, bool):
+            out[k] = EXTRA_TINY[k]
+        else:
+            out[k] = v
+    return out
+
+
 def _uses_rope_index(model_type: str) -> bool:
     return "def get_rope_index" in inspect.getsource(sys.modules[model_class(model_type).__module__])
 
@@ -91,7 +125,7 @@ def tiny_vlm_config(model_type: str) -> Any:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    d = shrink_config(config.to_dict())
+    d = _extra_tiny(shrink_config(config.to_dict()))
     for key, sub in list(d.items()):
         if isinstance(sub, dict) and "vision" in key:
             d[key] = {**sub, **{k: v for k, v in VISION_TINY.items() if k in sub}}
@@ -158,8 +192,8 @@ class VlmRow:
     detail: str = ""
     loss: float = 0.0
     vision_grads: int = 0  # vision-side parameters with a nonzero gradient
-    images: int = 0
-    videos: int = 0
+    images: int = 0  # image placeholder tokens in the batch
+    videos: int = 0  # video placeholder tokens
 
 
 def _first_line(e: BaseException) -> str:
@@ -189,7 +223,7 @@ def run_unsharded(model_type: str) -> VlmRow:
     except Exception as e:
         return VlmRow(model_type, "fails", _first_line(e))
     vision = [n for n in vision_params(model) if grads[n] is not None and bool(grads[n].abs().sum() > 0)]
-    counts = batch.get("image_grid_thw"), batch.get("video_grid_thw")
-    return VlmRow(model_type, "runs", "", loss, len(vision),
-                  images=len(counts[0]) if counts[0] is not None else 0,
-                  videos=len(counts[1]) if counts[1] is not None else 0)
+    ids = batch["input_ids"]
+    tokens = {m: getattr(model.config, f"{m}_token_id", None) for m in ("image", "video")}
+    n = {m: int((ids == t).sum()) if isinstance(t, int) else 0 for m, t in tokens.items()}
+    return VlmRow(model_type, "runs", "", loss, len(vision), images=n["image"], videos=n["video"])
