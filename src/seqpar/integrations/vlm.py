@@ -42,7 +42,7 @@ from ..comm.mesh import Axis, axis_group
 from ..comm.route import route_rows
 from ..errors import Refused
 from .vision import MODALITIES, PIXELS, RoutePlan, assign, merge_inputs, route_plan, units
-from .vlm_families import family_problem, frames_apart
+from .vlm_families import family_problem, frames_apart, placeholder_token
 
 ROPE_KEYS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 """The visual keys a model's get_rope_index may read (beside input_ids and attention_mask)."""
@@ -50,7 +50,8 @@ ROPE_KEYS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_pe
 
 def is_vision_language(model: nn.Module) -> bool:
     """Whether ``model`` has a vision entry point (transformers' public ``get_image_features``)."""
-    return any(callable(getattr(model, f"get_{m}_features", None)) for m in MODALITIES)
+    return any(callable(getattr(m, f"get_{k}_features", None)) for m in (model, getattr(model, "base_model", model))
+               for k in MODALITIES)
 
 
 def direct_input_problem(model: nn.Module, kwargs: dict[str, Any]) -> tuple[str, bool] | None:
@@ -70,7 +71,7 @@ def direct_input_problem(model: nn.Module, kwargs: dict[str, Any]) -> tuple[str,
     return None
 
 
-def _encoder_call(model: nn.Module, modality: str, inputs: dict[str, Tensor]) -> tuple[Tensor, bool]:
+def encoder_rows(model: nn.Module, modality: str, inputs: dict[str, Tensor]) -> tuple[Tensor, bool]:
     """``(feature rows [n, E], whether the model's pooler_output is a tensor)`` of one encoder
     call -- the base model's ``get_<modality>_features``, the entry transformers' generate uses."""
     fn = getattr(model.base_model, f"get_{modality}_features", None) or getattr(model, f"get_{modality}_features")
@@ -81,26 +82,27 @@ def _encoder_call(model: nn.Module, modality: str, inputs: dict[str, Tensor]) ->
 
 
 def _encode_share(model: nn.Module, visual: VisualBatch, p: int, me: int, device: torch.device,
-                  dtype: torch.dtype) -> tuple[dict[str, Tensor], bool | None]:
-    """This rank's share of the units, encoded: ``({modality: rows [n, E]}, pooler is a tensor)``."""
+                  dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, bool]]:
+    """This rank's share of the units, encoded: ``({modality: rows [n, E]}, {modality: the model's
+    pooler_output is a tensor})``."""
     work = units(visual.tensors, frames_apart(model))
     runs = assign([u.cost for u in work], p)
-    feats, is_tensor = {}, None
+    feats, is_tensor = {}, {}
     for modality, inputs in merge_inputs([work[i] for i in runs[me]]).items():
         # only this rank's share of the pixels moves to the model's device
-        rows, is_tensor = _encoder_call(model, modality, {k: v.to(device) for k, v in inputs.items()})
+        rows, is_tensor[modality] = encoder_rows(model, modality, {k: v.to(device) for k, v in inputs.items()})
         feats[modality] = rows.to(dtype)  # the model casts to its embeddings' dtype before merging
     return feats, is_tensor
 
 
-def _agree(feats: dict[str, Tensor], is_tensor: bool | None, error: BaseException | None,
-           group: dist.ProcessGroup) -> tuple[list[dict[str, int]], int, bool]:
+def _agree(feats: dict[str, Tensor], is_tensor: dict[str, bool], error: BaseException | None,
+           group: dist.ProcessGroup) -> tuple[list[dict[str, int]], int, dict[str, bool]]:
     """One all-gather: every rank's feature-row counts and width, and any rank's failure (raised
-    on every rank). Returns ``(rows per rank per modality, width, pooler is a tensor)``."""
+    on every rank). Returns ``(rows per rank per modality, width, {modality: pooler is a tensor})``."""
     facts = {f"rows.{m}": float(feats[m].shape[0]) if m in feats else 0.0 for m in MODALITIES}
     widths = {int(t.shape[1]) for t in feats.values()}
     facts["width"] = float(widths.pop()) if len(widths) == 1 else MISSING
-    facts["tensor"] = MISSING if is_tensor is None else float(is_tensor)
+    facts.update({f"tensor.{m}": float(is_tensor[m]) if m in is_tensor else MISSING for m in MODALITIES})
     facts["value_error"] = float(isinstance(error, ValueError))
     problem = None if error is None else f"{type(error).__name__}: {error}"
     table = share(facts, group, problem=problem)
@@ -111,10 +113,10 @@ def _agree(feats: dict[str, Tensor], is_tensor: bool | None, error: BaseExceptio
         raise kind(text) from error
     rows = [{m: int(row[f"rows.{m}"]) for m in MODALITIES} for row in table.rows]
     widths = {int(w) for w in table.column("width") if w != MISSING}
-    tensor = {bool(t) for t in table.column("tensor") if t != MISSING}
     if len(widths) > 1:
         raise ValueError(f"seqpar: the ranks' image features have different widths {sorted(widths)}")
-    return rows, widths.pop() if widths else 0, tensor.pop() if tensor else False
+    tensor = {m: any(t == 1.0 for t in table.column(f"tensor.{m}")) for m in MODALITIES}
+    return rows, widths.pop() if widths else 0, tensor
 
 
 def _placeholders(model: nn.Module, visual: VisualBatch) -> dict[str, Tensor]:
@@ -123,10 +125,11 @@ def _placeholders(model: nn.Module, visual: VisualBatch) -> dict[str, Tensor]:
     out = {}
     for m in MODALITIES:
         if PIXELS[m] in visual.tensors:
-            token = getattr(model.config, f"{m}_token_id", None)
+            name = f"{placeholder_token(model, m)}_token_id"
+            token = getattr(model.config, name, None)
             if token is None:
-                raise Refused(f"seqpar: {type(model).__name__} has no config.{m}_token_id, so seqpar cannot tell "
-                              f"which tokens take the {m} features")
+                raise Refused(f"seqpar: {type(model).__name__} has no config.{name}, so seqpar cannot tell which "
+                              f"tokens take the {m} features")
             out[m] = visual.input_ids == token
     return out
 
@@ -147,10 +150,10 @@ def _positions(model: nn.Module, visual: VisualBatch, me: int, device: torch.dev
     t = visual.tensors
     if rope_index is None or visual.positions_given or not ({"image_grid_thw", "video_grid_thw"} & set(t)):
         return None
-    if "mm_token_type_ids" not in t:
+    params = inspect.signature(rope_index).parameters
+    if "mm_token_type_ids" in params and "mm_token_type_ids" not in t:
         raise ValueError("seqpar: image_grid_thw / video_grid_thw were given without mm_token_type_ids, which this "
                          "model's M-RoPE positions need: pass the processor's mm_token_type_ids to shard_batch")
-    params = inspect.signature(rope_index).parameters
     kw = {k: t[k] for k in ROPE_KEYS if k in t and k in params}
     if "attention_mask" in params and visual.attention_mask is not None:
         kw["attention_mask"] = visual.attention_mask
@@ -159,7 +162,7 @@ def _positions(model: nn.Module, visual: VisualBatch, me: int, device: torch.dev
     return pos.index_select(-1, visual.pieces[me].to(pos.device)).to(device)
 
 
-def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor], is_tensor: bool) -> dict[str, Any]:
+def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor], is_tensor: dict[str, bool]) -> dict[str, Any]:
     """The model's ``mm_encoder_outputs`` for this rank: each modality's rows in placeholder order,
     in the container the model's own encoder returns (a list of tensors, or a tensor)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -171,7 +174,7 @@ def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor], is_tensor:
         if m in masks:
             rows = routed[start:start + plan.counts[m]]
             start += plan.counts[m]
-            out[m] = BaseModelOutputWithPooling(pooler_output=rows[None] if is_tensor else [rows])
+            out[m] = BaseModelOutputWithPooling(pooler_output=rows[None] if is_tensor[m] else [rows])
     return out
 
 
@@ -188,7 +191,7 @@ def _route_visual(model: nn.Module, batch: LocalBatch, group: dist.ProcessGroup,
     pos = _positions(model, visual, me, embed.device)
     if pos is not None:
         kwargs["position_ids"] = pos
-    feats, is_tensor, error = {}, None, None
+    feats, is_tensor, error = {}, {}, None
     try:
         feats, is_tensor = _encode_share(model, visual, p, me, embed.device, embed.dtype)
     except Exception as e:  # raised on every rank by _agree, not left to hang the others

@@ -62,7 +62,8 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     # their rope index reads config.vision_start_token_id, which their default configs do not set
     "glm4v_moe": {"text_config": {"head_dim": 16}},  # partial rotary (0.5): 4 frequencies for the 3 sections
     "qwen2_5_omni_thinker": {"vision_start_token_id": 200}, "qwen3_omni_moe_thinker": {"vision_start_token_id": 200},
-    "idefics2": {**_PER_ROW, "perceiver_config": {"resampler_n_latents": 4}}, "idefics3": _PER_ROW, "smolvlm": _PER_ROW, "granite_docling": _PER_ROW,
+    "idefics2": {**_PER_ROW, "perceiver_config": {"resampler_n_latents": 4}},
+    "idefics3": _PER_ROW, "smolvlm": _PER_ROW, "granite_docling": _PER_ROW,
 }
 """Per-family config fields (nested dicts merge into sub-configs), set after the generic shrink."""
 
@@ -111,6 +112,8 @@ def _extra_tiny(d: dict[str, Any]) -> dict[str, Any]:
             out[k] = _extra_tiny(v)
         elif k in EXTRA_TINY and isinstance(v, int) and not isinstance(v, bool):
             out[k] = EXTRA_TINY[k]
+        elif "drop" in k and isinstance(v, float):  # drop_path_rate too: no randomness in train mode
+            out[k] = 0.0
         else:
             out[k] = v
     return out
