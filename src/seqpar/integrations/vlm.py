@@ -178,10 +178,13 @@ def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor], is_tensor:
     return out
 
 
-def _route_visual(model: nn.Module, batch: LocalBatch, group: dist.ProcessGroup, kwargs: dict[str, Any]) -> None:
-    """Encode this rank's share, route the rows, set ``mm_encoder_outputs`` (and M-RoPE
-    ``position_ids``) in the model's ``kwargs``."""
+def route_visual(model: nn.Module, batch: LocalBatch, group: dist.ProcessGroup) -> dict[str, Any]:
+    """Encode this rank's share of the batch's images, route the feature rows: the keyword
+    arguments the model then takes -- ``mm_encoder_outputs`` (this rank's placeholder rows, in
+    order), and ``position_ids [3, B, S_local]`` for an M-RoPE model. Collective over ``group``
+    (one all-gather, one all-to-all); raises Refused / ValueError on every rank before them."""
     visual = batch.visual
+    kwargs: dict[str, Any] = {}
     p, me = dist.get_world_size(group), dist.get_rank(group)
     problem = family_problem(model)
     if problem is not None:
@@ -203,6 +206,7 @@ def _route_visual(model: nn.Module, batch: LocalBatch, group: dist.ProcessGroup,
     x = torch.cat(local) if local else embed.new_zeros((0, width))  # [n_local, E]
     routed = route_rows(x, plan.send_index, plan.recv_counts, group=group)  # [n_placeholders_here, E]
     kwargs["mm_encoder_outputs"] = _merge(routed, plan, masks, is_tensor)
+    return kwargs
 
 
 def install_vision(model: nn.Module, mesh: DeviceMesh) -> Any:
@@ -219,7 +223,7 @@ def install_vision(model: nn.Module, mesh: DeviceMesh) -> Any:
             return None
         if not is_vision_language(module):
             raise ValueError(f"seqpar: the batch has images ({batch.visual}) but {type(module).__name__} takes none")
-        _route_visual(module, batch, group, kwargs)
+        kwargs.update(route_visual(module, batch, group))
         return args, kwargs
 
     return model.register_forward_pre_hook(vision_hook, with_kwargs=True)

@@ -36,8 +36,8 @@ from .zoo import TINY, shrink_config
 
 VISION_TINY: dict[str, Any] = dict(
     depth=2, embed_dim=32, out_hidden_size=32, image_size=8, patch_size=4, window_size=16,
-    fullatt_block_indexes=[1], num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-    num_attention_heads=4, num_heads=4, projection_dim=32,
+    fullatt_block_indexes=[1], hidden_size=32, intermediate_size=64, num_attention_heads=4, num_heads=4,
+    projection_dim=32, text_hidden_size=32,
 )
 """Vision sub-config fields set where a family's vision config has them."""
 
@@ -59,6 +59,9 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "mistral3": _PIXTRAL, "mistral_large4": _PIXTRAL, "lighton_ocr": _PIXTRAL,
     "llava_next": _ANYRES, "llava_next_video": _ANYRES, "llava_onevision": _ANYRES,
     "step3p7": {"text_config": {"sliding_window": 8}},  # its default leaves the window unset
+    "glm5_next": {"text_config": {"index_kpool": 2}},  # index_topk (4) must be a multiple of it
+    "hy_v4_vl": {"text_config": {"qk_rope_head_dim": 8}},  # M-RoPE sections [2, 1, 1] need 4 frequencies
+    "apertus1p5": {"audio_config": {"codebook_dim": 32}},  # its audio tokenizer has no projection
     # their rope index reads config.vision_start_token_id, which their default configs do not set
     "glm4v_moe": {"text_config": {"head_dim": 16}},  # partial rotary (0.5): 4 frequencies for the 3 sections
     "qwen2_5_omni_thinker": {"vision_start_token_id": 200}, "qwen3_omni_moe_thinker": {"vision_start_token_id": 200},
@@ -131,14 +134,15 @@ def tiny_vlm_config(model_type: str) -> Any:
     d = _extra_tiny(shrink_config(config.to_dict()))
     for key, sub in list(d.items()):
         if isinstance(sub, dict) and "vision" in key:
-            d[key] = {**sub, **{k: v for k, v in VISION_TINY.items() if k in sub}}
+            d[key] = {**sub, **{k: ([v] * len(sub[k]) if isinstance(sub[k], list) and not isinstance(v, list) else v)
+                                for k, v in VISION_TINY.items() if k in sub}}  # [8, 8] where a list is taken
     taken: dict[int, str] = {}
     _token_ids(d, taken)
     text = d.get("text_config")
     if isinstance(text, dict):
         _token_ids(text, taken)
         rope = text.get("rope_parameters")
-        if isinstance(rope, dict) and _uses_rope_index(model_type):
+        if isinstance(rope, dict) and "rope_type" in rope and _uses_rope_index(model_type):
             text["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}  # head_dim 8: 4 frequencies
     d = _merge(d, FAMILY_FIXES.get(model_type, {}))
     for key in ("model_type", "transformers_version"):
