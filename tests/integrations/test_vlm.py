@@ -29,6 +29,7 @@ EXACT = ("exact", "exact (float32 model)")
 # positions (LLaVA), anyres crops and a video tensor (LLaVA-OneVision)
 FAMILIES_P2 = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision", "qwen3_5"]
 RUNS_WITH_IMAGES = sorted(f for f, fam in FAMILIES.items() if set(fam.mechanisms) <= SUPPORTED)
+TEXT_MODEL_REFUSED = {"mistral_large4"}  # parallelize refuses its text decoder (a mixer seqpar does not shard)
 
 
 def _attempt(fn):
@@ -39,13 +40,24 @@ def _attempt(fn):
         return type(e).__name__, str(e)
 
 
+def _images_first(batch):
+    """The batch with long text after every row: its images all sit in the first rank's shard, so
+    on today's code that rank's counts match and it enters attention while the others raise."""
+    pad = torch.randint(3, 100, (2, 3 * batch["input_ids"].shape[1]), generator=torch.Generator().manual_seed(3))
+    out = dict(batch, input_ids=torch.cat([batch["input_ids"], pad], 1), labels=torch.cat([batch["labels"], pad], 1),
+               attention_mask=torch.cat([torch.ones_like(batch["attention_mask"]), torch.ones_like(pad)], 1))
+    if "mm_token_type_ids" in batch:
+        out["mm_token_type_ids"] = torch.cat([batch["mm_token_type_ids"], torch.zeros_like(pad)], 1)
+    return out
+
+
 def _misuse(rank, world):
     """Every misuse on every rank: (exception type, message) or None."""
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     out = {}
     for family in ("qwen2_vl", "llava"):  # the issue's hang: pixels passed to the model directly
         model = build_tiny_vlm(family)
-        batch = vlm_batch(model)
+        batch = _images_first(vlm_batch(model))
         text = {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}
         pixels = {k: v for k, v in batch.items() if k not in text}
         seqpar.parallelize(model, mesh)
@@ -106,11 +118,7 @@ def _frozen_tower_no_images_here(rank, world):
     model = build_tiny_vlm("llava")
     for p in model.model.vision_tower.parameters():
         p.requires_grad_(False)
-    batch = vlm_batch(model)
-    pad = torch.randint(3, 100, (2, 3 * batch["input_ids"].shape[1]), generator=torch.Generator().manual_seed(3))
-    batch["input_ids"] = torch.cat([batch["input_ids"], pad], 1)
-    batch["labels"] = torch.cat([batch["labels"], pad], 1)
-    batch["attention_mask"] = torch.cat([torch.ones_like(batch["attention_mask"]), torch.ones_like(pad)], 1)
+    batch = _images_first(vlm_batch(model))
     ref = vlm_reference(model, batch)
     r = compare_models(copy.deepcopy(model), batch, mesh, strategy="ulysses", reference=ref)
     return r["loss_diff"], r["grad_max"], r["worst_param"]
@@ -137,9 +145,12 @@ def test_images_are_exact(results):
     families = {r.family for r in rows}
     assert families == set(FAMILIES_P2 if p == 2 else RUNS_WITH_IMAGES)
     bad = [f"{r.family} {r.strategy}: {r.outcome} loss {r.loss_diff:.1e} grad {r.grad_max:.1e} {r.detail[:300]}"
-           for r in rows if r.outcome not in EXACT]
+           for r in rows if r.outcome not in EXACT and r.family not in TEXT_MODEL_REFUSED]
     assert not bad, "\n".join(bad)
     for r in rows:
+        if r.family in TEXT_MODEL_REFUSED:
+            assert r.outcome == "refused" and "cannot parallelize" in r.detail, r
+            continue
         assert r.loss_diff <= LOSS_TOL and r.grad_max <= GRAD_TOL and r.f32_rel <= 1e-5, r
     assert {r.strategy for r in rows} == {"ulysses", "ring"} and all(r.p == p for r in rows)
     # images whose placeholder tokens cross a shard boundary are among them
@@ -152,7 +163,8 @@ def test_pixels_passed_to_the_model_are_an_error_on_every_rank(results):
         pytest.skip("the misuse cases run at P = 2")
     for family in ("qwen2_vl", "llava"):
         got = [out["misuse"][f"{family} pixels to the model"] for out in outs]
-        assert all(g is not None and g[0] == "ValueError" for g in got), got  # today: one raised, one hung
+        # today: the last rank raised transformers' count mismatch, the first waited in attention
+        assert all(g is not None and g[0] == "ValueError" for g in got), got
         assert all("shard_batch" in g[1] and "pixel_values" in g[1] for g in got), got
 
 
