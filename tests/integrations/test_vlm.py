@@ -29,7 +29,8 @@ EXACT = ("exact", "exact (float32 model)")
 # positions (LLaVA), anyres crops and a video tensor (LLaVA-OneVision)
 FAMILIES_P2 = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision", "qwen3_5"]
 RUNS_WITH_IMAGES = sorted(f for f, fam in FAMILIES.items() if set(fam.mechanisms) <= SUPPORTED)
-TEXT_MODEL_REFUSED = {"mistral_large4"}  # parallelize refuses its text decoder (a mixer seqpar does not shard)
+# parallelize refuses their text decoders (indexed, i.e. sparse, attention: seqpar does not shard it)
+TEXT_MODEL_REFUSED = {"mistral_large4", "hy_v4_vl"}
 
 
 def _attempt(fn):

@@ -60,10 +60,10 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["aria", "aya_vision", "cohere2_vision", "deepseek_vl", "exaone4_5", "got_ocr2", "pp_chart2table",
                      "hyperclovax_vision_v2", "internvl", "janus", "kimi_k25", "lighton_ocr", "llava", "llava_next",
                      "llava_next_video", "llava_onevision", "minimax_m3_vl", "mistral3", "mistral_large4",
-                     "qianfan_ocr", "step3p7", "video_llava", "vipllava"], _1D),
+                     "qianfan_ocr", "step3p7", "video_llava", "vipllava", "lfm3_vl"], _1D),
     # ... with 3-D M-RoPE positions from get_rope_index
     **dict.fromkeys(["qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "cosmos3_edge", "hunyuan_vl", "paddleocr_vl",
-                     "qwen2_5_omni_thinker"], _MROPE),
+                     "qwen2_5_omni_thinker", "hy_v4_vl"], _MROPE),
     **dict.fromkeys(["glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr"], _GLM),
     "ernie4_5_vl_moe": Family((PLACEHOLDER, MROPE, MODALITY_EXPERTS)),
     "ovis2": Family((PLACEHOLDER, EXTRA_OUTPUTS)),
@@ -84,7 +84,7 @@ FAMILIES: dict[str, Family] = {
     "mistral4": Family((NO_VISION,)),
     # placeholder merges by their modeling files, not run: their tiny configs do not build or run here
     **dict.fromkeys(["apertus1p5", "chameleon", "deepseek_ocr2", "dots3_note", "emu3", "fast_vlm", "gemma3n",
-                     "glm5_next", "hy_v4_vl", "inkling2", "inkling2_loop", "inkling_mm_model", "lfm3_vl", "llama4",
+                     "glm5_next", "inkling2", "inkling2_loop", "inkling_mm_model", "llama4",
                      "muse_glimmer", "muse_spark", "perception_lm", "qwen4_exp", "unlimited_ocr"], _UNVERIFIED),
 }
 """model_type -> :class:`Family`, for every key of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES."""
