@@ -90,25 +90,50 @@ def _misuse(rank, world):
 
 
 def _divided(rank, world):
-    """Which pixel rows this rank's vision tower saw, and what the images add to a step's collectives."""
+    """How often this rank's vision tower ran on a batch with images and a video (Qwen2-VL), which
+    images it encoded of an image batch (LLaVA), and what the images add to a step's collectives."""
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
-    model = build_tiny_vlm("qwen2_vl")
+    qwen = build_tiny_vlm("qwen2_vl")
+    both = vlm_batch(qwen)  # (before the hook: making the batch runs the tower per image)
+    calls = []
+    qwen.model.visual.register_forward_pre_hook(lambda m, args: calls.append(int(args[0].shape[0])))
+    seqpar.parallelize(qwen, mesh)
+    qwen(**seqpar.shard_batch(both, mesh)).loss.backward()
+    model = build_tiny_vlm("llava")
     batch = vlm_batch(model)
-    seen = []
-    handle = model.model.visual.register_forward_pre_hook(lambda m, args: seen.append(int(args[0].shape[0])))
+    seen = []  # (after making the batch, as above)
+    model.model.vision_tower.register_forward_pre_hook(lambda m, args: seen.append(int(args[0].shape[0])))
     seqpar.parallelize(model, mesh)
     text = {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}
     with count_collectives() as c_text:
         model(**seqpar.shard_batch(text, mesh)).loss.backward()
-    seen.clear()
     local = seqpar.shard_batch(batch, mesh)
     with count_collectives() as c_fwd:
         loss = model(**local).loss
     with count_collectives() as c_bwd:
         loss.backward()
-    handle.remove()
-    total = int(batch["pixel_values"].shape[0] + batch["pixel_values_videos"].shape[0])
-    return {"rows": sum(seen), "total": total, "text": dict(c_text), "fwd": dict(c_fwd), "bwd": dict(c_bwd)}
+    return {"rows": sum(seen), "total": int(batch["pixel_values"].shape[0]), "calls": len(calls),
+            "text": dict(c_text), "fwd": dict(c_fwd), "bwd": dict(c_bwd)}
+
+
+def _wrapped(rank, world):
+    """FSDP2 (the tower's blocks sharded too: each call all-gathers them) and DDP (every parameter
+    used on every rank): the rank without a video still runs the tower once for it."""
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    out = {}
+    for mode in ("fsdp", "ddp"):
+        model = build_tiny_vlm("qwen2_vl")
+        batch = vlm_batch(model)
+        ref_loss, ref_grads = vlm_reference(copy.deepcopy(model), batch)
+        seqpar.parallelize(model, mesh)
+        runner = seqpar.apply_fsdp(model, mesh) if mode == "fsdp" else seqpar.apply_ddp(model, mesh)
+        loss = runner(**seqpar.shard_batch(batch, mesh)).loss
+        loss.backward()
+        params = dict(model.named_parameters())
+        full = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in params.items()}
+        out[mode] = (abs(float(loss.detach()) - ref_loss), max(float((full[n] - g).abs().max())
+                                                               for n, g in ref_grads.items() if g is not None))
+    return out
 
 
 def _frozen_tower_no_images_here(rank, world):
@@ -130,7 +155,7 @@ def _worker(rank, world, families):
     out = {"rows": run_vlm_parity(rank, world, families)}
     if world == 2:
         out.update(misuse=_misuse(rank, world), divided=_divided(rank, world),
-                   frozen=_frozen_tower_no_images_here(rank, world))
+                   frozen=_frozen_tower_no_images_here(rank, world), wrapped=_wrapped(rank, world))
     return out
 
 
@@ -194,11 +219,21 @@ def test_each_rank_encodes_its_share_and_one_exchange_carries_the_features(resul
     divided = [out["divided"] for out in outs]
     assert sum(d["rows"] for d in divided) == divided[0]["total"]  # every patch row encoded once, not P times
     assert all(0 < d["rows"] < d["total"] for d in divided)
+    assert [d["calls"] for d in divided] == [2] * p  # the same tower calls on every rank (FSDP2, DDP)
     for d in divided:
         extra_fwd = {k: v - d["text"].get(k, 0) for k, v in d["fwd"].items()}
         # beyond a text-only step's: one small all-gather (counts, failures) and one all-to-all
         assert d["fwd"].get("all_to_all_single", 0) == 1 and d["bwd"].get("all_to_all_single", 0) == 1, d
         assert sum(v for v in extra_fwd.values() if v > 0) <= 2, (extra_fwd, d)
+
+
+def test_fsdp2_and_ddp_over_the_tower_stay_exact(results):
+    p, outs = results
+    if p != 2:
+        pytest.skip("runs at P = 2")
+    for out in outs:
+        for mode, (loss_diff, grad_max) in out["wrapped"].items():
+            assert loss_diff <= LOSS_TOL and grad_max <= GRAD_TOL, (mode, loss_diff, grad_max)
 
 
 def test_a_rank_without_images_and_a_frozen_tower_stay_exact(results):

@@ -84,13 +84,25 @@ def encoder_rows(model: nn.Module, modality: str, inputs: dict[str, Tensor]) -> 
 def _encode_share(model: nn.Module, visual: VisualBatch, p: int, me: int, device: torch.device,
                   dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, bool]]:
     """This rank's share of the units, encoded: ``({modality: rows [n, E]}, {modality: the model's
-    pooler_output is a tensor})``."""
+    pooler_output is a tensor})``.
+
+    Every rank calls the encoder exactly once per modality the batch has: a rank whose share holds
+    none of a modality encodes that modality's smallest unit and keeps none of its rows. Under
+    FSDP2 each call all-gathers the tower's blocks (and their backward reduce-scatters), under DDP
+    every rank must use every parameter: equal calls on every rank keep those collectives matched."""
     work = units(visual.tensors, frames_apart(model))
     runs = assign([u.cost for u in work], p)
+    share = [work[i] for i in runs[me]]
     feats, is_tensor = {}, {}
-    for modality, inputs in merge_inputs([work[i] for i in runs[me]]).items():
+    for modality in dict.fromkeys(u.modality for u in work):  # the batch's modalities, in model order
+        mine = [u for u in share if u.modality == modality]
+        stand_in = not mine
+        if stand_in:
+            mine = [min((u for u in work if u.modality == modality), key=lambda u: u.cost)]
+        inputs = merge_inputs(mine)[modality]
         # only this rank's share of the pixels moves to the model's device
         rows, is_tensor[modality] = encoder_rows(model, modality, {k: v.to(device) for k, v in inputs.items()})
+        rows = rows[:0] if stand_in else rows  # a stand-in's rows go nowhere (zero gradient back)
         feats[modality] = rows.to(dtype)  # the model casts to its embeddings' dtype before merging
     return feats, is_tensor
 
