@@ -150,12 +150,23 @@ def _frozen_tower_no_images_here(rank, world):
     return r["loss_diff"], r["grad_max"], r["worst_param"]
 
 
+def _zigzag(rank, world):
+    """The zigzag layout (each rank two pieces of the row): placeholders in a permuted local order."""
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    model = build_tiny_vlm("qwen2_vl")
+    batch = vlm_batch(model)
+    ref = vlm_reference(model, batch)
+    return {s: compare_models(copy.deepcopy(model), batch, mesh, strategy=s, reference=ref, layout="zigzag")["ok"]
+            for s in ("ulysses", "ring")}
+
+
 def _worker(rank, world, families):
     torch.set_num_threads(1)
     out = {"rows": run_vlm_parity(rank, world, families)}
     if world == 2:
         out.update(misuse=_misuse(rank, world), divided=_divided(rank, world),
-                   frozen=_frozen_tower_no_images_here(rank, world), wrapped=_wrapped(rank, world))
+                   frozen=_frozen_tower_no_images_here(rank, world), wrapped=_wrapped(rank, world),
+                   zigzag=_zigzag(rank, world))
     return out
 
 
@@ -234,6 +245,13 @@ def test_fsdp2_and_ddp_over_the_tower_stay_exact(results):
     for out in outs:
         for mode, (loss_diff, grad_max) in out["wrapped"].items():
             assert loss_diff <= LOSS_TOL and grad_max <= GRAD_TOL, (mode, loss_diff, grad_max)
+
+
+def test_the_zigzag_layout_is_exact_too(results):
+    p, outs = results
+    if p != 2:
+        pytest.skip("runs at P = 2")
+    assert all(out["zigzag"] == {"ulysses": True, "ring": True} for out in outs), [o["zigzag"] for o in outs]
 
 
 def test_a_rank_without_images_and_a_frozen_tower_stay_exact(results):

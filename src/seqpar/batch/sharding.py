@@ -200,7 +200,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         batch: the full batch, identical on every SP rank of a dp group: ``input_ids [B, S]`` (or
             ``inputs_embeds [B, S, E]``), optional ``labels [B, S]`` (unshifted, ``ignore_index``
             for no target), ``attention_mask [B, S]`` (padding), ``position_ids [B or 1, S]``
-            (packed rows restart), ``loss_weights [B, S]`` (per-label weight).
+            (packed rows restart), ``loss_weights [B, S]`` (per-label weight); and a vision-language
+            processor's outputs (:data:`~seqpar.batch.visual.ROUTED_KEYS`: pixels, grids, sizes,
+            ``mm_token_type_ids``), kept whole in the LocalBatch for the model to divide over the ranks.
         mesh: a DeviceMesh with an ``"sp"`` axis (and optionally ``"dp"``): :func:`seqpar.init_mesh`.
         layout: ``"contiguous"``, ``"zigzag"`` or ``"doc-zigzag"`` (zigzag inside every packed
             document and padding run of the batch: balances ring attention on packed rows; see
