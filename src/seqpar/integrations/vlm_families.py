@@ -32,7 +32,8 @@ PER_ROW_PIXELS = "images batched per row (pixel_values [B, images, ...] with a p
 OWN_INPUTS = "visual inputs of the family's own (crop sizes, merge sizes, raw patches) that seqpar does not route"
 MODALITY_EXPERTS = "experts routed by modality (moe_mm_token_type_ids)"
 EXTRA_OUTPUTS = "encoder outputs beside the image features that the model reads (Ovis2's visual indicators)"
-ONE_BASED_POSITIONS = "positions counted from 1 (the model adds 1 to the position ids it computes)"
+ONE_BASED_POSITIONS = ("positions counted from 1 (the model adds 1 to the position ids it computes; under RoPE only "
+                       "the float32 rounding of its tables differs)")
 NO_VISION = "no vision entry (a text-only class in the image-text-to-text mapping)"
 UNVERIFIED = ("a family whose tiny model the VLM zoo cannot build or run (transformers' own error), so seqpar has not "
               "checked it with images")
