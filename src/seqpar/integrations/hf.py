@@ -52,6 +52,7 @@ from .layer_spec import layer_options
 from .mixers import check_token_mixers, wrap_token_mixers
 from .models import decoder_config
 from .state import ParallelState, ensure_state, set_loss_function, state_of, undo
+from .vlm import install_vision
 
 _names = itertools.count()
 
@@ -198,6 +199,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         record.push("parallel", "the loss function", functools.partial(set_loss_function, model, model.loss_function))
         model.loss_function = make_loss_function(mesh)
         # Mamba, Gated DeltaNet, short convolutions
+        # images: encoded once over the SP ranks, routed to the ranks that hold their tokens
+        record.push("parallel", "the vision pre-hook", install_vision(model, mesh).remove)
         record.push("parallel", "the token mixers", wrap_token_mixers(model, mesh, lambda: last.batch))
     except BaseException:
         undo(model, "parallel")  # nothing half-installed stays behind

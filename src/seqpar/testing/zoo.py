@@ -129,7 +129,7 @@ def _layers_needed(types: Any) -> int:
     return next(max(2, i) for i in range(1, len(types) + 1) if set(map(str, types[:i])) == kinds)
 
 
-def _shrink(d: dict[str, Any]) -> dict[str, Any]:
+def shrink_config(d: dict[str, Any]) -> dict[str, Any]:
     """A config dict with :data:`TINY` sizes, per-layer lists cut to the layers kept, sub-configs shrunk."""
     out = dict(d)
     layers = next((d[k] for k in _LAYER_COUNTS if isinstance(d.get(k), int)), None)
@@ -141,9 +141,9 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
         keep, out["num_kv_shared_layers"] = 2 * keep, keep
     for key, val in d.items():
         if isinstance(val, dict) and val and all(str(k).isdigit() for k in val):  # per-layer settings
-            out[key] = {k: _shrink(v) if isinstance(v, dict) else v for k, v in val.items() if int(k) < keep}
+            out[key] = {k: shrink_config(v) if isinstance(v, dict) else v for k, v in val.items() if int(k) < keep}
         elif isinstance(val, dict) and ("model_type" in val or key.endswith("config")):
-            out[key] = _shrink(val)
+            out[key] = shrink_config(val)
         elif key in _LAYER_COUNTS and isinstance(val, int):
             out[key] = keep
         elif isinstance(val, list) and layers and len(val) == layers:
@@ -179,7 +179,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, **DEFAULT_FIXES.get(model_type, {}))
-    d = {**_shrink(config.to_dict()), **overrides}
+    d = {**shrink_config(config.to_dict()), **overrides}
     for key in ("model_type", "transformers_version"):
         d.pop(key, None)
     return type(config).from_dict(d)
@@ -252,7 +252,7 @@ class ZooRow:
     grad_max: float = 0.0
 
 
-def _agreed(outcome: str, detail: str, group: dist.ProcessGroup) -> tuple[str, str]:
+def agreed_outcome(outcome: str, detail: str, group: dist.ProcessGroup) -> tuple[str, str]:
     """Every rank's verdict on one run, made the same everywhere (the worst rank's wins)."""
     order = ("exact", "exact (float32 model)", "refused", "mismatch", "crashed")
     table = share({"outcome": float(order.index(outcome))}, group, problem=detail or None)
@@ -311,7 +311,7 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
             unparallelize(model)
         except Exception as e:
             outcome, detail = verdict(e)
-        outcome, detail = _agreed(outcome, detail, group)  # every rank runs the same strategies
+        outcome, detail = agreed_outcome(outcome, detail, group)  # every rank runs the same strategies
         if outcome == "exact":
             runnable.append(strategy)
         else:
@@ -341,7 +341,7 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
                     outcome, detail = "mismatch", f"worst {r['worst_param']}"
             except Exception as e:
                 outcome, detail = verdict(e)
-            outcome, detail = _agreed(outcome, detail, group)
+            outcome, detail = agreed_outcome(outcome, detail, group)
             rows.append(ZooRow(name, strategy, kind, p, outcome, detail[:2000], loss_diff, grad_max))
     return rows
 
