@@ -9,7 +9,7 @@ import torch
 import seqpar
 from seqpar.attention.layout import document_cuts, layout_indices
 from seqpar.attention.shard import SeqShard
-from seqpar.batch.sharding import BATCH_KWARG, LocalBatch, _checksum, _local_problem
+from seqpar.batch.sharding import BATCH_KWARG, LocalBatch, _local_problem, checksum
 from seqpar.batch.targets import (
     IGNORE_INDEX,
     prepare_batch,
@@ -122,9 +122,9 @@ def test_cu_seqlens_alone_give_the_documents():
 
 def test_checksum_tells_batches_apart():
     a = torch.arange(20).view(2, 10)
-    assert _checksum(a) == _checksum(a.clone())
-    assert _checksum(a) != _checksum(a.flip(1))  # same tokens, other order
-    assert _checksum(None) == -1.0
+    assert checksum(a) == checksum(a.clone())
+    assert checksum(a) != checksum(a.flip(1))  # same tokens, other order
+    assert checksum(None) == -1.0
 
 
 def test_local_batch_grad_scale_folds_the_dp_average():

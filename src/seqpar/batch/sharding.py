@@ -112,7 +112,7 @@ def _local_problem(batch: Mapping[str, Any]) -> tuple[str | None, int, int]:
     return cu_seqlens_problem(batch, b, s), b, s
 
 
-def _checksum(t: Tensor | None) -> float:
+def checksum(t: Tensor | None) -> float:
     """A cheap fingerprint of an integer tensor, exact in float64, to tell whether SP ranks hold the
     same batch (the classic bug: a data loader sharded over all ranks instead of over dp)."""
     if t is None:
@@ -153,10 +153,10 @@ def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, n
     ok = problem is None
     facts = {
         "batch": float(b), "seq": float(s),
-        "ids": _checksum(batch.get("input_ids")) if ok else MISSING,
-        "labels": _checksum(batch.get("labels")) if ok else MISSING,
-        "mask": _checksum(batch.get("attention_mask")) if ok else MISSING,
-        "pos": _checksum(batch.get("position_ids")) if ok else MISSING,
+        "ids": checksum(batch.get("input_ids")) if ok else MISSING,
+        "labels": checksum(batch.get("labels")) if ok else MISSING,
+        "mask": checksum(batch.get("attention_mask")) if ok else MISSING,
+        "pos": checksum(batch.get("position_ids")) if ok else MISSING,
         "weights": 1.0 if ok and batch.get("loss_weights") is not None else 0.0,
         "layout": float(LAYOUTS.index(layout)) if layout in LAYOUTS else MISSING,
         "items": MISSING if num_items is None else float(num_items),

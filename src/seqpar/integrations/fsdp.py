@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..comm.mesh import as_mesh
 
 
@@ -36,12 +37,6 @@ def dp_sp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return DeviceMesh.from_group(dp_sp_group(mesh), mesh.device_type, mesh_dim_names=("dp_sp",))
 
 
-def _block_classes(model: nn.Module) -> set[str]:
-    """Class names of the repeated blocks (decoder layers) transformers declares for its models."""
-    names = getattr(model, "_no_split_modules", None) or []
-    return {n for n in names if isinstance(n, str)}
-
-
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) -> nn.Module:
     """FSDP2 over all dp x sp ranks: ``fully_shard`` each decoder block, then the root, with
     gradients summed (not averaged) over the ranks. Call after :func:`seqpar.parallelize`.
@@ -52,7 +47,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     flat = dp_sp_mesh(mesh)
-    blocks = _block_classes(model)
+    blocks = compat.decoder_block_classes(model)
     for module in list(model.modules()):
         if module is not model and type(module).__name__ in blocks:
             fully_shard(module, mesh=flat, **fully_shard_kwargs)

@@ -40,6 +40,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..attention.dispatch import check_strategy, resolve_strategy, sp_attention
 from ..attention.kernels import KernelArg
 from ..attention.shard import chunked_documents
@@ -179,7 +180,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     config, sub = decoder_config(model.config)
     check_token_mixers(model)  # a model seqpar cannot make exact is refused, never run on shards
     strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
-    original = config._attn_implementation
+    original = compat.attn_implementation(config)
     if original is not None and original.startswith("seqpar_"):
         raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
     if original == "sdpa" and getattr(config, "attn_logit_softcapping", None) and kernel is None:
@@ -189,7 +190,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     last = _LastBatch()
     AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last))
     model.set_attn_implementation(name if sub is None else {sub: name})
-    if config._attn_implementation != name:
+    if compat.attn_implementation(config) != name:
         AttentionInterface.register(name, _released)
         raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
                          "AttentionInterface, so seqpar cannot wrap it (its attention would stay local)")

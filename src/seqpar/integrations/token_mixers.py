@@ -53,7 +53,6 @@ model's own mixer takes (halo: the padding mask of the window).
 
 from __future__ import annotations
 
-import copy
 import types
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +62,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..attention.layout import inverse_permutation
 from ..attention.shard import SeqShard, shard_cache
 from ..batch.sharding import BATCH_KWARG, LocalBatch
@@ -202,12 +202,7 @@ def _shell(module: nn.Module, tensors: dict[str, Tensor | None], **attrs: Any) -
     """A shallow copy of ``module`` (its class's code) whose named parameters are the given tensors
     -- views of the real parameters, so gradients reach them -- with ``attrs`` set; submodules not
     replaced are the real ones. No instance ``forward`` (seqpar's wrapper) is copied."""
-    new = copy.copy(module)
-    new.__dict__.pop("forward", None)
-    new._parameters, new._modules = {}, dict(module._modules)
-    for key, value in list(new.__dict__.items()):  # the real module's hooks stay with it
-        if "hooks" in key and isinstance(value, dict):
-            new.__dict__[key] = type(value)()
+    new = compat.module_shell(module)
     for name, t in tensors.items():
         object.__setattr__(new, name, t)
     for name, value in attrs.items():

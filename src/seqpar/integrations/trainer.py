@@ -47,8 +47,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..attention.layout import inverse_permutation
-from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, _checksum, count_target_tokens, shard_batch
+from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, checksum, count_target_tokens, shard_batch
 from ..batch.targets import CU_SEQLENS_KEYS
 from ..comm.agree import Table, check, share
 from ..comm.gather import gather_seq
@@ -252,21 +253,13 @@ def _model_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 def _split_loader(loader: Any, num: int, index: int) -> Any:
     """Make an accelerate-prepared DataLoader hand out ``index``'s share of ``num`` (dp) instead
-    of the process's share of all processes -- the knob the Trainer itself turns for its
-    rank-aware BatchRebalanceSampler."""
-    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+    of the process's share of all processes (:func:`seqpar.compat.split_prepared_loader`)."""
+    from accelerate.data_loader import DataLoaderDispatcher
 
     if isinstance(loader, DataLoaderDispatcher):
         raise ValueError("seqpar's Trainer integration splits the data over dp itself: set "
                          "TrainingArguments(accelerator_config={'dispatch_batches': False})")
-    sampler = getattr(loader, "batch_sampler", None)
-    if isinstance(sampler, BatchSamplerShard):
-        sampler.num_processes, sampler.process_index = num, index
-        # one reader of the whole set (eval): no batches repeated to even out the processes
-        sampler.even_batches = sampler.even_batches and num > 1
-    elif isinstance(getattr(loader, "dataset", None), IterableDatasetShard):
-        loader.dataset.num_processes, loader.dataset.process_index = num, index
-    elif dist.get_world_size() > 1:
+    if not compat.split_prepared_loader(loader, num, index) and dist.get_world_size() > 1:
         raise ValueError(f"seqpar cannot split this data loader ({type(loader).__name__}) over dp: use a "
                          "map-style or iterable dataset through the Trainer's own get_*_dataloader")
     return loader
@@ -295,7 +288,7 @@ def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: Devi
         ok = isinstance(ids, Tensor) and ids.dim() == 2
         facts[f"{m}.batch"] = float(ids.shape[0]) if ok else -1.0
         facts[f"{m}.seq"] = float(ids.shape[1]) if ok else -1.0
-        facts[f"{m}.ids"] = _checksum(ids) if ok else -1.0
+        facts[f"{m}.ids"] = checksum(ids) if ok else -1.0
         unknown = set(b) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - set(DERIVED_KEYS) - {BATCH_KWARG} if b else set()
         if b is not None and (not ok or unknown) and problem is None:
             problem = (f"micro-batch {m} has no [batch, seq_len] input_ids" if not ok else

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..comm.agree import share
 from ..integrations.hf import parallelize, unparallelize
 from ..integrations.models import decoder_config
@@ -255,7 +256,7 @@ def attention_floor(model: nn.Module, batch: dict[str, Any], reference: tuple[fl
     kernels, no sharding) differs from the model by more than float64 rounding but stays within
     float32 precision. Only eager attention can be (transformers' eager softmax is float32)."""
     config = decoder_config(model.config)[0]
-    if config._attn_implementation != "eager":
+    if compat.attn_implementation(config) != "eager":
         return False
     try:
         r = compare_models(copy.deepcopy(model), batch, solo, strategy="ring", reference=reference,
