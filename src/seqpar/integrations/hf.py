@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -47,6 +48,7 @@ from ..attention.shard import chunked_documents
 from ..batch.loss import make_loss_function
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.mesh import Axis, as_mesh, axis_group
+from .fsdp import check_gradient_reduction
 from .hf_kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
 from .mixers import check_token_mixers
@@ -197,6 +199,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
 
     def catch_batch(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
         last.batch = kwargs.get(BATCH_KWARG)
+        if torch.is_grad_enabled():  # a step that will have gradients: are they reduced over every rank?
+            check_gradient_reduction(model, mesh)
 
     state = _Parallel(name=name, original=original, sub_config=sub, loss_function=model.loss_function,
                       strategy=strategy, kernel=kernel, num_heads=int(config.num_attention_heads),

@@ -17,20 +17,15 @@ trainer into a subclass of its own class that changes what a step does, and noth
                 so a collator that differs across an SP group raises on every rank, before any step
     per micro   compute_loss: model(**shard_batch(batch, mesh, num_items_in_batch=N)).loss
                   value: this dp group's share of the step's global token mean     x dp
-                  grad:  d(this rank's token losses) / N                            x dp * sp
+                  grad:  d(this rank's token losses) * dp * sp / N   (the seqpar loss's own)
     gradients   the Trainer's own DDP over all dp x sp ranks averages, i.e. divides by dp * sp:
-                with the x dp * sp above, it sums -- the gradient contract of the seqpar loss
-                (:mod:`seqpar.batch.loss`). accelerate's FSDP2 averages over all processes the
-                same way, so the same scale applies (not exercised on CPU, where accelerate runs
-                DDP even when FSDP is configured)
-    logging     the Trainer logs the mean over all ranks of the summed values: x dp makes it
-                the global token mean, the loss the same run without seqpar logs
+                exactly the gradient of the global token mean (:mod:`seqpar.batch.loss`).
+                accelerate's FSDP2 averages over all processes the same way (not exercised on
+                CPU, where accelerate runs DDP even when FSDP is configured)
+    logging     the Trainer logs the mean over all ranks of the values: x dp makes it the global
+                token mean, the loss the same run without seqpar logs
     eval        every rank runs every eval batch (its SP group shards it), the loss is the batch
                 token mean, logits are gathered back to [B, S, V]; no cross-rank gather after
-
-Why the Trainer's DDP over all ranks rather than DDP over dp plus seqpar's ``sync_gradients``:
-it is one all-reduce either way, and the Trainer keeps its no_sync accumulation, clipping and
-checkpointing untouched; the averaging it does is undone exactly by the gradient scale.
 
 accelerate's own context / sequence parallelism (``ParallelismConfig(cp_size=...)``: torch
 context_parallel, which drops the attention mask, so packed documents would attend across their
@@ -61,21 +56,6 @@ DERIVED_KEYS = ("max_length_q", "max_length_k", "seq_idx")
 ``shard_batch`` checks against the position ids): dropped, seqpar derives what it needs."""
 
 _ATTR = "_seqpar_trainer"
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Forward: ``x * value_scale``; backward: ``grad * grad_scale``. The Trainer needs the loss
-    value and its gradient scaled differently (see the module docstring): one for the log, one
-    for the ranks' averaging."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, value_scale: float, grad_scale: float) -> Tensor:
-        ctx.grad_scale = grad_scale
-        return x * value_scale
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad * ctx.grad_scale, None, None
 
 
 class _SeqParTrainer:
@@ -127,7 +107,7 @@ class _SeqParTrainer:
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
-        """The seqpar loss of this rank's shard, scaled for the Trainer's logging and averaging."""
+        """The seqpar loss of this rank's shard, its value scaled for the Trainer's logging."""
         state = self._seqpar
         if num_items_in_batch is not None and not isinstance(num_items_in_batch, (int, float)):
             num_items_in_batch = float(num_items_in_batch)
@@ -138,9 +118,10 @@ class _SeqParTrainer:
         if loss is None:
             raise ValueError("the batch has no labels: seqpar's Trainer integration trains a causal LM on labels")
         if model.training and num_items_in_batch:
-            # value x dp: the log's mean over all ranks is the global mean; grad x dp*sp: the
-            # DDP / FSDP average over all ranks becomes the sum the seqpar loss needs
-            loss = _ScaleGrad.apply(loss, float(state.dp), float(state.world))
+            # value x dp (the log's mean over all ranks becomes the global mean), gradient
+            # unchanged (the seqpar loss already scales it for the DDP / FSDP average): the
+            # second term is exactly zero in value and carries the gradient
+            loss = loss.detach() * state.dp + (loss - loss.detach())
         if return_outputs:
             outputs.logits = _full_logits(outputs.logits, local[BATCH_KWARG], state.mesh)
             return loss, outputs
