@@ -24,7 +24,7 @@ from .errors import Refused
 from .integrations.fsdp import apply_ddp, apply_fsdp
 from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize
 from .integrations.memory import memory_switches, reduce_memory, restore_memory, token_stats
-from .integrations.trainer import parallelize_trainer
+from .integrations.trainer import SeqParTrainerMixin, parallelize_trainer
 from .planner import Plan, plan
 
 __version__ = "0.1.0"
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Plan",
     "Refused",
+    "SeqParTrainerMixin",
     "SeqShard",
     "all_to_all",
     "apply_ddp",

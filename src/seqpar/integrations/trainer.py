@@ -1,16 +1,23 @@
-"""Sequence parallelism inside ``transformers.Trainer`` and ``trl.SFTTrainer``, in one line.
+"""Sequence parallelism inside ``transformers.Trainer`` and ``trl.SFTTrainer``: a mixin, or one line.
 
 ::
+
+    class MyTrainer(seqpar.SeqParTrainerMixin, SFTTrainer):          # your own trainer class
+        ...
+    trainer = MyTrainer(model=model, args=args, train_dataset=ds, sp=2)
 
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds)   # or Trainer(...), unchanged
     seqpar.parallelize_trainer(trainer, sp=2)                        # the one added line
     trainer.train()                                                  # torchrun --nproc-per-node 4 ...
 
-:func:`parallelize_trainer` parallelizes ``trainer.model`` over a ``dp x sp`` mesh and turns the
-trainer into a subclass of its own class that changes what a step does, and nothing else::
+Both parallelize ``trainer.model`` over a ``dp x sp`` mesh; :func:`parallelize_trainer` makes a built
+trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public Trainer methods only
+(``get_*_dataloader``, ``get_batch_samples``, ``compute_loss``, ``prediction_step``,
+``evaluation_loop``) and changes what a step does, nothing else::
 
-    data        train loader split over dp only (accelerate's batch sampler: num_processes = dp),
-                so the sp ranks of a dp group get the same batch; eval / predict loaders unsplit
+    data        train loader split over dp only (accelerate's batch sampler: num_processes = dp,
+                through seqpar.compat), so the sp ranks of a dp group get the same batch; eval /
+                predict loaders unsplit
     per step    get_batch_samples: the step's micro-batches; N = seqpar.count_target_tokens(over
                 dp) -- the exact target count (transformers' own count sums the sp copies too);
                 one all-gather over all ranks checks that each SP group holds the same batches,
@@ -55,17 +62,33 @@ DERIVED_KEYS = ("max_length_q", "max_length_k", "seq_idx")
 """Keys of TRL's / transformers' padding-free collators that follow from ``cu_seq_lens_*`` (which
 ``shard_batch`` checks against the position ids): dropped, seqpar derives what it needs."""
 
-_ATTR = "_seqpar_trainer"
+
+class _State:
+    """The mesh and layout a trainer runs on, and its sizes: world = dp * sp ranks."""
+
+    def __init__(self, mesh: DeviceMesh, layout: str) -> None:
+        self.mesh, self.layout = mesh, layout
+        self.world, self.dp = int(mesh.mesh.numel()), dp_size(mesh)
+        self.sp = self.world // self.dp
+        self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
 
 
-class _SeqParTrainer:
-    """What :func:`parallelize_trainer` adds to a Trainer class (placed first in its MRO)."""
+class SeqParTrainerMixin:
+    """Sequence parallelism for a ``transformers.Trainer`` subclass (``Trainer``, TRL's
+    ``SFTTrainer``, yours): put it first among the bases and give the constructor ``sp=N`` (or
+    ``mesh=seqpar.init_mesh(...)``), and optionally ``strategy`` / ``layout`` as for
+    :func:`parallelize_trainer`. The other arguments go to the trainer unchanged.
+
+    Raises what :func:`parallelize_trainer` raises, from the constructor."""
 
     loss_is_scaled_for_ga = True  # the loss is normalised by N over the whole accumulation window
+    _seqpar: _State
 
-    @property
-    def _seqpar(self) -> _State:
-        return getattr(self, _ATTR)
+    def __init__(self, *args: Any, sp: int | None = None, mesh: DeviceMesh | None = None,
+                 strategy: str = "ulysses", layout: str = "contiguous", **kwargs: Any) -> None:
+        _check_mesh_or_sp(mesh, sp, type(self).__name__)  # before the trainer is built
+        super().__init__(*args, **kwargs)
+        self._seqpar = _setup(self, mesh, sp, strategy, layout, who=type(self).__name__)
 
     # ---- data ---------------------------------------------------------------------------
 
@@ -130,7 +153,7 @@ class _SeqParTrainer:
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):
         """Loss (the batch's token mean), logits ``[B, S, V]`` and labels of a whole batch, on every rank."""
-        inputs = self._prepare_inputs(inputs)
+        inputs = {k: v.to(self.args.device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
         labels = inputs.get("labels")
         with torch.no_grad():
             local = shard_batch(_model_batch(inputs), self._seqpar.mesh, layout=self._seqpar.layout)
@@ -141,23 +164,14 @@ class _SeqParTrainer:
         return loss, _full_logits(outputs.logits.detach(), local[BATCH_KWARG], self._seqpar.mesh), labels
 
 
-class _State:
-    """The mesh and layout a trainer runs on, and its sizes: world = dp * sp ranks."""
-
-    def __init__(self, mesh: DeviceMesh, layout: str) -> None:
-        self.mesh, self.layout = mesh, layout
-        self.world, self.dp = int(mesh.mesh.numel()), dp_size(mesh)
-        self.sp = self.world // self.dp
-        self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
-
-
 _classes: dict[type, type] = {}
 
 
 def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
                         strategy: str = "ulysses", layout: str = "contiguous") -> Any:
     """Make a constructed ``transformers.Trainer`` (or subclass: ``trl.SFTTrainer``) train, evaluate
-    and predict with sequence parallelism over ``mesh`` (or ``seqpar.init_mesh(sp=sp)``), in place.
+    and predict with sequence parallelism over ``mesh`` (or ``seqpar.init_mesh(sp=sp)``), in place:
+    its class becomes :class:`SeqParTrainerMixin` over its own.
 
     Call it after the trainer is built and before ``train()``; the processes come from ``torchrun``
     or ``accelerate launch`` (one per device). The dataset's rows are full sequences; each dp group
@@ -172,11 +186,24 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
     label smoothing, TRL's ``loss_type="dft"``, a router aux loss).
     """
-    if getattr(trainer, _ATTR, None) is not None:
-        raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer)")
-    if (mesh is None) == (sp is None):
-        raise ValueError("give parallelize_trainer either mesh=seqpar.init_mesh(sp=...) or sp=N")
-    mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, "parallelize_trainer")
+    if isinstance(trainer, SeqParTrainerMixin):
+        raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
+                         "seqpar.SeqParTrainerMixin)")
+    state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
+    base = type(trainer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(f"SeqPar{base.__name__}", (SeqParTrainerMixin, base), {})
+    trainer.__class__ = cls  # the class a user would have written; its __init__ has already run
+    trainer._seqpar = state
+    return trainer
+
+
+def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str, layout: str, *,
+           who: str) -> _State:
+    """Check the trainer and parallelize its model over ``mesh`` (or ``init_mesh(sp=sp)``)."""
+    _check_mesh_or_sp(mesh, sp, who)
+    mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, who)
     state = _State(mesh, layout)
     processes = int(trainer.accelerator.num_processes)
     if state.world != processes:
@@ -191,13 +218,12 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
                          "when seqpar runs the sequence parallelism")
     _check_loss_options(trainer)
     parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
-    base = type(trainer)
-    cls = _classes.get(base)
-    if cls is None:
-        cls = _classes[base] = type(f"SeqPar{base.__name__}", (_SeqParTrainer, base), {})
-    trainer.__class__ = cls
-    setattr(trainer, _ATTR, state)
-    return trainer
+    return state
+
+
+def _check_mesh_or_sp(mesh: DeviceMesh | None, sp: int | None, who: str) -> None:
+    if (mesh is None) == (sp is None):
+        raise ValueError(f"give {who} either mesh=seqpar.init_mesh(sp=...) or sp=N")
 
 
 def _check_loss_options(trainer: Any) -> None:
