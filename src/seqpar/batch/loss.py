@@ -20,10 +20,17 @@ over those ranks compute (as torchtitan, Megatron, DeepSpeed and accelerate do),
 A wrapper that averages over the dp ranks only would leave the sp ranks' shares uncombined:
 parallelized models refuse it at their first training forward (:mod:`seqpar.integrations.fsdp`).
 
+Rounding: scaling by the number of ranks and averaging cancel to float64 rounding. A model that
+computes in float32 inside (Llama's RMSNorm casts to float32 whatever the model's dtype) rounds
+each token's gradient relative to its scale, so when the number of ranks has an odd factor (3, 6)
+its gradients match the unparallelized model's to that model's own float32 precision -- and the
+unparallelized model back-propagating the same scaled loss to float64 rounding (the oracle of
+:func:`seqpar.testing.model_parity.reference_grads`). At a power of two the scaling is exact.
+
 Convention change: the gradients used to be *summed* over the ranks (seqpar's FSDP2 with a divide
 factor of 1, a summing DDP hook), so a model under stock DDP / FSDP2 trained with 1 / (dp * sp) of
-its gradient, silently. Code that summed the gradients itself (an ``all_reduce`` of
-SUM with no division) must now divide by the number of ranks, or call :func:`sync_gradients`.
+its gradient, silently. Code that summed the gradients itself (an ``all_reduce`` of SUM with no
+division) must now divide by the number of ranks, or call :func:`sync_gradients`.
 """
 
 from __future__ import annotations
