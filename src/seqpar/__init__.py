@@ -4,7 +4,8 @@ The package is layered, lowest first (a module imports only its own layer or bel
 checks it): ``comm`` (mesh, collectives, cross-rank agreement, local process launch), ``attention``
 (spec and kernels, the float64 reference, layouts, Ulysses, ring, hybrid, dispatch), ``batch``
 (shard_batch, targets, the exact loss), ``integrations`` (transformers, FSDP2/DDP, models) beside
-``planner``, ``testing`` (parity engines), ``train``, ``bench``, and ``cli`` on top.
+``planner``, ``testing`` (parity engines), ``train``, ``bench``, and ``cli`` on top; below them all
+``errors`` and ``compat`` (every private torch / transformers / accelerate name seqpar touches).
 
 What a user calls is listed in ``__all__``; everything else stays importable from its module.
 """
