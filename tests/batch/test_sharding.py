@@ -129,17 +129,17 @@ def test_checksum_tells_batches_apart():
     assert checksum(None) == -1.0
 
 
-def test_local_batch_grad_scale_folds_the_dp_average():
+def test_local_batch_grad_scale_is_made_for_the_average_over_the_ranks():
     shard = SeqShard((3, 3))
     mean = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=4, denominator=10, num_items_in_batch=None,
                       loss_weights=None)
-    assert mean.grad_scale == 1 / 40  # per-dp-rank mean, averaged over 4 dp ranks by the sum
+    assert mean.grad_scale == 2 / 10  # per-dp-rank mean: the sp average combines the shares, dp averages means
     glob = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=4, denominator=50, num_items_in_batch=50,
                       loss_weights=None)
-    assert glob.grad_scale == 1 / 50
+    assert glob.grad_scale == 8 / 50  # one global mean: the average over all 2 x 4 ranks combines the shares
     empty = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=1, denominator=0, num_items_in_batch=None,
                        loss_weights=None)
-    assert empty.grad_scale == 1.0  # no target: loss 0, not NaN
+    assert empty.grad_scale == 2.0  # no target: loss 0, not NaN
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def test_count_target_tokens_sums_over_dp(ranks):
     assert all(isinstance(r["count"], int) for r in ranks)
     # bare labels know nothing of padding or documents: every shifted label counts
     assert all(r["count_labels"] == 2 * (2 * 10) + 8 for r in ranks)
-    assert all(r["dp_denominator"] == expected and r["dp_scale"] == 1 / expected for r in ranks)
+    assert all(r["dp_denominator"] == expected and r["dp_scale"] == 4 / expected for r in ranks)  # dp x sp = 4
 
 
 @pytest.mark.distributed

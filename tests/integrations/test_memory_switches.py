@@ -58,7 +58,7 @@ def _parity(cases, world):
             continue
         model = make_model(case)
         batch = case_batch(case, model.config.vocab_size)
-        ref_loss, ref_grads = reference_grads(model, batch)
+        ref_loss, ref_grads = reference_grads(model, batch, loss_scale=p)  # the scale seqpar's loss runs at
         sp = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh, strategy=case.strategy), mesh,
                                   **SWITCHES)
         loss = sp(**seqpar.shard_batch(batch, mesh, layout=case.layout)).loss

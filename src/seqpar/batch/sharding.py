@@ -53,8 +53,10 @@ class LocalBatch:
     sp_rank       this rank's index in the SP group; sp_size its size; dp_size the data-parallel size
     denominator   N of the loss: ``num_items_in_batch`` if given, else the (weighted) target count
                   of this dp rank's whole batch
-    grad_scale    d(out.loss)/d(local sum of token losses): 1/N with ``num_items_in_batch``, else
-                  1/(N * dp_size) -- the dp average folded in, so a plain sum over dp x sp averages
+    grad_scale    d(out.loss)/d(local sum of token losses): ``dp_size * sp_size / N`` with
+                  ``num_items_in_batch`` (N counts every dp rank), else ``sp_size / N`` (N: this dp
+                  rank's targets) -- so that the *average* over the dp x sp ranks that DDP / FSDP2 /
+                  :func:`seqpar.sync_gradients` take is the exact gradient (see :mod:`seqpar.batch.loss`)
     loss_weights  [B, S_local] per-target weights (shifted with the labels) or None
     visual        the whole batch's images / video (:class:`~seqpar.batch.visual.VisualBatch`) or None
     """
@@ -69,7 +71,11 @@ class LocalBatch:
         self.num_items_in_batch = num_items_in_batch
         self.denominator = denominator
         n = float(denominator) if denominator > 0 else 1.0  # no target at all: the loss is 0, not NaN
-        self.grad_scale = 1.0 / n if num_items_in_batch is not None else 1.0 / (n * dp_size)
+        # the ranks' gradients are averaged afterwards: each rank's share is scaled by how many
+        # ranks the average divides by (all dp x sp with a global N; sp alone with a per-dp-rank
+        # N, whose dp average is then the mean of the dp ranks' means)
+        ranks = sp_size * dp_size if num_items_in_batch is not None else sp_size
+        self.grad_scale = ranks / n
         self.loss_weights = loss_weights
         self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)
         self.mask_cache: dict[Any, Any] = {}  # dense masks shared by the layers of this batch

@@ -18,6 +18,8 @@ from enum import Enum
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .. import compat
+
 
 class Axis(str, Enum):
     DP = "dp"
@@ -84,7 +86,7 @@ def init_mesh(*, sp: int, dp: int | None = None, ulysses: int | None = None, rin
         raise ValueError(f"ulysses={ulysses} x ring={ring} = {ulysses * ring} != sp={sp}")
     mesh = init_device_mesh(device_type, (dp, ring, ulysses),
                             mesh_dim_names=(Axis.DP.value, Axis.RING.value, Axis.ULYSSES.value))
-    mesh[(Axis.RING.value, Axis.ULYSSES.value)]._flatten(Axis.SP.value)
+    compat.flatten_mesh(mesh[(Axis.RING.value, Axis.ULYSSES.value)], Axis.SP.value)
     _add_grad_groups(mesh, Axis.RING.value)
     return mesh
 

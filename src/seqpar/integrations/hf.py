@@ -37,9 +37,11 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..attention.dispatch import check_strategy, resolve_strategy, sp_attention
 from ..attention.kernels import KernelArg
 from ..attention.shard import chunked_documents
@@ -47,6 +49,7 @@ from ..batch.loss import make_loss_function
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.mesh import Axis, as_mesh, axis_group
 from ..errors import Refused
+from .fsdp import check_gradient_reduction
 from .hf_kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
 from .mixers import check_token_mixers, wrap_token_mixers
@@ -168,7 +171,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     config, sub = decoder_config(model.config)
     check_token_mixers(model)  # a model seqpar cannot make exact is refused, never run on shards
     strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
-    original = config._attn_implementation
+    original = compat.attn_implementation(config)
     if original is not None and original.startswith("seqpar_"):
         raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
     if original == "sdpa" and getattr(config, "attn_logit_softcapping", None) and kernel is None:
@@ -178,13 +181,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     last = _LastBatch()
     AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last))
     model.set_attn_implementation(name if sub is None else {sub: name})
-    if config._attn_implementation != name:
+    if compat.attn_implementation(config) != name:
         AttentionInterface.register(name, _released)
         raise Refused(f"{type(model).__name__} does not route its attention through transformers' "
                       "AttentionInterface, so seqpar cannot wrap it (its attention would stay local)")
 
     def catch_batch(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
         last.batch = kwargs.get(BATCH_KWARG)
+        if torch.is_grad_enabled():  # a step that will have gradients: are they reduced over every rank?
+            check_gradient_reduction(model, mesh)
 
     record = ensure_state(model)
     record.parallel = ParallelState(
@@ -198,9 +203,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         record.push("parallel", "the forward pre-hook catching the batch", hook.remove)
         record.push("parallel", "the loss function", functools.partial(set_loss_function, model, model.loss_function))
         model.loss_function = make_loss_function(mesh)
-        # Mamba, Gated DeltaNet, short convolutions
         # images: encoded once over the SP ranks, routed to the ranks that hold their tokens
         record.push("parallel", "the vision pre-hook", install_vision(model, mesh).remove)
+        # Mamba, Gated DeltaNet, short convolutions
         record.push("parallel", "the token mixers", wrap_token_mixers(model, mesh, lambda: last.batch))
     except BaseException:
         undo(model, "parallel")  # nothing half-installed stays behind

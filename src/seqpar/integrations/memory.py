@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import check_tile, tiled_token_stats
@@ -56,7 +57,7 @@ DEFAULT_MLP_TILE = 2048
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    names = {n for n in (getattr(model, "_no_split_modules", None) or []) if isinstance(n, str)}
+    names = compat.decoder_block_classes(model)
     return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 

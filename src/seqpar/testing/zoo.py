@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..comm.agree import share
 from ..errors import Refused
 from ..integrations.hf import parallelize, unparallelize
@@ -266,7 +267,7 @@ def attention_floor(model: nn.Module, batch: dict[str, Any], reference: tuple[fl
     kernels, no sharding) differs from the model by more than float64 rounding but stays within
     float32 precision. Only eager attention can be (transformers' eager softmax is float32)."""
     config = decoder_config(model.config)[0]
-    if config._attn_implementation != "eager":
+    if compat.attn_implementation(config) != "eager":
         return False
     try:
         r = compare_models(copy.deepcopy(model), batch, solo, strategy="ring", reference=reference,
@@ -277,13 +278,16 @@ def attention_floor(model: nn.Module, batch: dict[str, Any], reference: tuple[fl
     return r["ok"] and not tight
 
 
-def _reference(model: nn.Module, kind: str, seq: int) -> Any:
-    """One batch kind's ``(batch, (loss, grads), floor)`` on the unsharded model, or the exception
-    that stopped the unsharded model (then the family cannot be run at this size: not seqpar's)."""
+def _reference(model: nn.Module, kind: str, seq: int, p: int) -> Any:
+    """One batch kind's ``(batch, (loss, grads), floor, (loss, grads) at seqpar's loss scale for
+    sp=p)`` on the unsharded model, or the exception that stopped the unsharded model (then the
+    family cannot be run at this size: not seqpar's). The floors are measured at scale 1, where
+    the one-rank runs compare; at a power of two both references are the same bits."""
     try:
         batch = case_batch(ModelCase(batch=kind, seq=seq), decoder_config(model.config)[0].vocab_size)
         ref = reference_grads(model, batch)
-        return batch, ref, precision_floor(model, batch, ref)
+        scaled = ref if p & (p - 1) == 0 else reference_grads(model, batch, loss_scale=p)
+        return batch, ref, precision_floor(model, batch, ref), scaled
     except Exception as e:
         return e
 
@@ -321,18 +325,18 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
     refs, floor = {}, Floor()
     for i, (kind, seq) in enumerate(BATCHES):
         owner = i % p
-        box = [_reference(model, kind, seq) if dist.get_rank(group) == owner else None]
+        box = [_reference(model, kind, seq, p) if dist.get_rank(group) == owner else None]
         dist.broadcast_object_list(box, group_src=owner, group=group)
         if isinstance(box[0], Exception):
             e = box[0]
             return [ZooRow(name, "-", "-", p, "unbuildable", "its tiny config does not run without seqpar "
                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")]
-        batch, ref, kind_floor = box[0]
-        refs[kind], floor = (batch, ref), floor | kind_floor
-    floor = floor | Floor(attention=attention_floor(model, *refs["padded"], solo))  # collective over solo's dp
+        batch, ref, kind_floor, scaled = box[0]
+        refs[kind], floor = (batch, ref, scaled), floor | kind_floor
+    floor = floor | Floor(attention=attention_floor(model, *refs["padded"][:2], solo))  # collective over solo's dp
     for strategy in runnable:
         for kind, _ in BATCHES:
-            batch, ref = refs[kind]
+            batch, _, ref = refs[kind]
             outcome, detail, loss_diff, grad_max = ("exact (float32 model)" if floor else "exact"), "", 0.0, 0.0
             try:
                 r = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=ref, floor=floor)

@@ -7,7 +7,7 @@ Per optimizer step, on every rank::
     for each micro-batch:
       local = seqpar.shard_batch(batch, mesh, num_items_in_batch=N)   this SP rank's slice
       model(**local).loss.backward()          loss = exact share of the global token mean
-    seqpar.sync_gradients (or FSDP2's reduce-scatter)                  every grad now exact
+    seqpar.sync_gradients (or FSDP2's reduce-scatter): the dp x sp average, every grad now exact
     clip to the global norm, AdamW, warmup + cosine
 
 so the loss and gradients are those of one big batch on one device, whatever dp, sp, grad_accum.
@@ -126,7 +126,7 @@ class Trainer:
             kw: dict[str, Any] = {}
             if dtype == torch.bfloat16:  # bf16 compute, fp32 master weights and gradient reduction
                 kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            seqpar.apply_fsdp(model, self.mesh, **kw)  # summed reduction as a plain SUM (gloo has no PREMUL_SUM)
+            seqpar.apply_fsdp(model, self.mesh, **kw)  # FSDP2 over every dp x sp rank, averaging
         if cfg.model in BUILTIN_MODELS:
             torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the sharding
             materialize(model, self.device)
@@ -196,7 +196,7 @@ class Trainer:
 
     def forward_backward(self, step: int) -> tuple[float, int]:
         """Gradients of the global token-mean loss of ``step`` on every rank (complete and exact
-        after this: summed over dp x sp). Returns ``(this dp rank's share of the loss, targets)``."""
+        after this: averaged over dp x sp). Returns ``(this dp rank's share of the loss, targets)``."""
         batches = self.micro_batches(step)
         n_items = seqpar.count_target_tokens(batches, self.mesh)
         share = 0.0
