@@ -50,6 +50,7 @@ from .hf_kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
 from .mixers import check_token_mixers
 from .models import decoder_config
+from .peft import unwrap_peft
 from .token_mixers import unwrap_token_mixers, wrap_token_mixers
 
 _ATTR = "_seqpar_parallel"  # our own attribute on the model: how to undo parallelize
@@ -171,6 +172,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         axis_group(mesh, Axis.RING.value)
     from transformers import AttentionInterface, PreTrainedModel
 
+    outer, model = model, unwrap_peft(model)  # a peft PeftModel: the transformers model it wraps (adapters inside)
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"seqpar.parallelize wraps transformers models ({type(model).__name__} is not a "
                          "PreTrainedModel); in your own module call seqpar.sp_attention instead of attention")
@@ -204,7 +206,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     model.loss_function = make_loss_function(mesh)
     wrap_token_mixers(model, mesh, lambda: last.batch)  # Mamba, Gated DeltaNet, short convolutions
     setattr(model, _ATTR, state)
-    return model
+    return outer
 
 
 def attention_kernel(model: nn.Module) -> str:
@@ -244,6 +246,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     registered: a deep copy of the parallelized model (an EMA or DPO reference model) still uses it."""
     from .memory import restore_memory
 
+    outer, model = model, unwrap_peft(model)
     state: _Parallel | None = getattr(model, _ATTR, None)
     if state is None:
         raise ValueError("this model is not parallelized by seqpar")
@@ -253,7 +256,7 @@ def unparallelize(model: nn.Module) -> nn.Module:
     state.hook.remove()
     unwrap_token_mixers(model)
     delattr(model, _ATTR)
-    return model
+    return outer
 
 
 @contextlib.contextmanager
