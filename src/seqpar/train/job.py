@@ -15,12 +15,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from seqpar.attention.layout import min_seq_len
-from seqpar.integrations.models import BUILTIN_MODELS, builtin_config, decoder_config
+from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_config, decoder_config
 from seqpar.planner import hybrid_split, plan
 
 from .checks import check_config
-from .config import TrainConfig, model_overrides
+from .config import TrainConfig, builtin_fields, model_overrides
 from .data import TaskData, TextData, load_text_data
 from .tasks import CopyTask
 from .tokenizer import load_hf_tokenizer, make_tokenizer
@@ -81,13 +83,12 @@ def _model_config(cfg: TrainConfig) -> Any:
                          f"{str(e).splitlines()[0]}") from None
 
 
-def _check_checkpoint(cfg: TrainConfig, config: Any) -> int:
-    """A ``--model`` directory must hold weights and a config transformers builds a causal LM from
-    (built on the meta device: no weights read). Returns its embedding size."""
+def _check_checkpoint(cfg: TrainConfig, config: Any) -> Any:
+    """A ``--model`` directory must hold weights and a config transformers builds a causal LM from.
+    Returns that model, built on the meta device (no weights read)."""
     if not any(os.path.isfile(os.path.join(cfg.model, f)) for f in WEIGHT_FILES):
         raise ValueError(f"--model {cfg.model!r} holds no weights ({' or '.join(WEIGHT_FILES[::2])}): give a "
                          "checkpoint written by save_pretrained, or a built-in name to start from random weights")
-    import torch
     from transformers import AutoModelForCausalLM
 
     try:
@@ -97,7 +98,7 @@ def _check_checkpoint(cfg: TrainConfig, config: Any) -> int:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"--model {cfg.model!r}: transformers cannot build a causal LM from its config.json "
                          f"({type(config).__name__}): {why}") from None
-    return int(model.get_input_embeddings().num_embeddings)
+    return model
 
 
 def _check_vocab(cfg: TrainConfig, data: TaskData | TextData, embeddings: int) -> None:
@@ -105,7 +106,7 @@ def _check_vocab(cfg: TrainConfig, data: TaskData | TextData, embeddings: int) -
     ids used, not with the tokenizer's length (which counts added tokens the data may never use)."""
     need = data.max_token_id + 1
     if need > embeddings:
-        raise ValueError(f"the data uses {need} token ids (the largest is {data.max_token_id}) but --model "
+        raise ValueError(f"the data uses token ids up to {data.max_token_id} ({need} embeddings needed) but --model "
                          f"{cfg.model!r} embeds {embeddings}: give the checkpoint its own tokenizer (or --tokenizer "
                          "DIR with its vocabulary), or use a built-in model")
 
@@ -170,10 +171,17 @@ def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool =
         CopyTask(cfg.seq_len, cfg.seed)  # raises for a row too short for the task
     data = None
     if read_data:  # the parent (a worker repeats none of it)
-        embeddings = _check_checkpoint(cfg, config_full) if cfg.model not in BUILTIN_MODELS else None
+        meta = _check_checkpoint(cfg, config_full) if cfg.model not in BUILTIN_MODELS else None
         data = make_data(cfg, load_hf_tokenizer(cfg.model, cfg.tokenizer, cfg.chat_template))
-        if embeddings is not None:
-            _check_vocab(cfg, data, embeddings)
+        if meta is not None:
+            _check_vocab(cfg, data, int(meta.get_input_embeddings().num_embeddings))
+        if cfg.lora_r:  # --lora-targets must name modules of the model (peft says which it did not find)
+            from .lora import add_lora
+
+            if meta is None:
+                with torch.device("meta"):
+                    meta, _ = build_model(cfg.model, **builtin_fields(cfg, data.vocab_size))
+            add_lora(meta, cfg)
     if cfg.model in BUILTIN_MODELS:
         _check_builtin_fields(cfg, data)
     job = Job(cfg, world, sp, dp, strategy, mesh_kwargs, layout, heads, kv_heads, reason, data=data)

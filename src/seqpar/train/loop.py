@@ -173,8 +173,8 @@ class Trainer:
             model = meta_model(cfg.model, dtype=param_dtype)
         vocab = int(model.get_input_embeddings().num_embeddings)
         if self.data.max_token_id >= vocab:  # prepare_job checked it; a job prepared elsewhere may not have
-            raise ValueError(f"the data uses {self.data.max_token_id + 1} token ids but --model {cfg.model!r} embeds "
-                             f"{vocab}: give the checkpoint its tokenizer or use a built-in model")
+            raise ValueError(f"the data uses token ids up to {self.data.max_token_id} but --model {cfg.model!r} "
+                             f"embeds {vocab}: give the checkpoint its tokenizer or use a built-in model")
         return model, state
 
     # ----------------------------------------------------------------------------------------
