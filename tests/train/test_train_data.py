@@ -168,3 +168,16 @@ def test_summary_reports_cuda_allocated_and_reserved():
     assert "FSDP2, bfloat16)" in cuda and "memory      checkpoint layers" in cuda
     cpu = format_summary(RunSummary(**{**base, "device": "cpu"}))
     assert "rank 0: 100 MiB, rank 1: 101 MiB (peak RSS" in cpu
+
+
+def test_resume_accepts_a_checkpoint_from_before_the_fine_tuning_options(tmp_path):
+    """A checkpoint whose options lack those added since (tokenizer, LoRA, ...) ran at their defaults:
+    resuming it with the defaults is the same run; with another value it is refused."""
+    from seqpar.train.job import check_resumable, prepare_job
+
+    cfg = TrainConfig(seq_len=64, save_dir=str(tmp_path))
+    job = prepare_job(cfg)
+    old = {k: v for k, v in cfg.to_dict().items() if k not in ("tokenizer", "train_on", "overflow", "lora_r")}
+    check_resumable(job, {"config": old, "dp": job.dp, "step": 1}, "ckpt")
+    with pytest.raises(ValueError, match="--lora-r 0 -> 2"):
+        check_resumable(prepare_job(cfg.replace(lora_r=2)), {"config": old, "dp": job.dp, "step": 1}, "ckpt")

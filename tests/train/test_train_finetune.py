@@ -46,8 +46,40 @@ def _first_step(cfg, world):
             "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad)}
 
 
-def _finetune(rank, world, cases, runs):
-    out = {name: _first_step(cfg, world) for name, cfg in cases.items()}
+def _own_loop(world, out_dir):
+    """seqpar's API in a user's own loop: parallelize / unparallelize a peft PeftModel, and
+    seqpar.save_pretrained of a model sharded by FSDP2 after an optimizer step."""
+    from peft import LoraConfig, get_peft_model
+
+    import seqpar
+    from seqpar.integrations.models import build_model
+
+    mesh = seqpar.init_mesh(sp=world)
+    torch.manual_seed(0)
+    base, _ = build_model("tiny-llama")
+    loss_function = base.loss_function
+    peft = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    out = {"parallelized": seqpar.parallelize(peft, mesh) is peft, "kernel": seqpar.attention_kernel(peft)}
+    out["sp_loss"] = float(peft(**seqpar.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss)
+    out["unparallelized"] = seqpar.unparallelize(peft) is peft
+    out["restored"] = (base.config._attn_implementation, base.loss_function is loss_function)
+    out["plain_loss"] = float(peft(input_ids=ids, labels=ids).loss)
+    model, _ = build_model("tiny-llama")
+    seqpar.parallelize(model, mesh)
+    seqpar.apply_fsdp(model, mesh)
+    model(**seqpar.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    out["saved"] = seqpar.save_pretrained(model, out_dir, mesh)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    out["state"] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return out
+
+
+def _finetune(rank, world, cases, runs, out_dir):
+    out = {"own_loop": _own_loop(world, out_dir)}
+    out.update({name: _first_step(cfg, world) for name, cfg in cases.items()})
     for name, (cfg, stop_after) in runs.items():  # one after the other, as torchrun ranks run them
         out[name] = run_training(prepare_job(cfg, world), stop_after=stop_after)
     return out
@@ -68,7 +100,7 @@ def env(tmp_path_factory):
     runs = {"straight": (run.replace(save_dir=str(tmp / "straight")), None),
             "first_part": (run.replace(save_dir=str(tmp / "parts"), export_hf=False), 3),
             "resumed": (run.replace(save_dir=str(tmp / "parts"), resume=True), None)}
-    results = run_distributed(_finetune, 2, cases, runs, timeout=600)[0]
+    results = run_distributed(_finetune, 2, cases, runs, str(tmp / "own_loop"), timeout=600)[0]
     return {"tmp": tmp, "ckpt": ckpt, "data": data, "cases": cases, "runs": runs, **results}
 
 
@@ -143,6 +175,21 @@ def test_lora_step_equals_the_same_lora_model_unsharded(env, name):
     worst = max(float((got["grads"][n] - params[n].grad).abs().max()) for n in got["grads"])
     assert worst <= 1e-8, worst
     assert max(float(g.abs().max()) for n, g in got["grads"].items() if ".lora_B." in n) > 1e-4  # not trivially zero
+
+
+def test_peft_model_parallelized_and_restored_and_save_pretrained_under_fsdp2(env):
+    """parallelize(PeftModel) runs its inner transformers model under SP (the loss equals the plain
+    PeftModel's after unparallelize, which restores attention and loss); seqpar.save_pretrained of an
+    FSDP2-sharded model writes the full weights a fresh from_pretrained loads."""
+    from transformers import AutoModelForCausalLM
+
+    got = env["own_loop"]
+    assert got["parallelized"] and got["unparallelized"] and got["restored"] == ("sdpa", True)
+    assert "sdpa" in got["kernel"]
+    assert abs(got["sp_loss"] - got["plain_loss"]) <= 1e-6, (got["sp_loss"], got["plain_loss"])
+    assert got["saved"] == str(env["tmp"] / "own_loop")
+    loaded = AutoModelForCausalLM.from_pretrained(got["saved"]).state_dict()
+    assert set(loaded) == set(got["state"]) and all(torch.equal(loaded[k], got["state"][k]) for k in loaded)
 
 
 def test_lora_run_resumes_exactly_and_trains_adapters_only(env):

@@ -222,3 +222,26 @@ def test_a_chat_without_a_response_is_left_out_and_said(tok, tmp_path):
     assert "held-out row" in what and "capped at a tenth" in what  # --eval-rows 8 > a tenth of the rows
     assert data.max_token_id == max(int(r["input_ids"].max()) for r in data.train + data.eval) < len(tok)
     assert all(int((r["labels"] != IGNORE).sum()) > 0 for r in data.train)
+
+
+def test_an_added_token_the_data_never_uses_is_not_refused(tmp_path):
+    """A tokenizer with an added token past the model's vocabulary (Qwen2's tokenizer reports
+    len(tok) == vocab_size + 1): only the ids the data really uses must have an embedding."""
+    from chat_fixtures import chat_checkpoint
+
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.job import prepare_job
+    from seqpar.train.tokenizer import load_hf_tokenizer
+
+    ckpt = chat_checkpoint(tmp_path / "ckpt", max_position_embeddings=64)
+    tok = load_hf_tokenizer(ckpt)
+    tok.add_tokens(["<|unused|>"])
+    tok.save_pretrained(ckpt)
+    assert len(load_hf_tokenizer(ckpt)) == 301
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over a lazy dog")
+    (tmp_path / "b.txt").write_text("the quick <|unused|> fox")
+    cfg = TrainConfig(model=ckpt, data=[str(tmp_path / "a.txt")], seq_len=32, save_dir=str(tmp_path / "run"))
+    job = prepare_job(cfg)
+    assert job.data.vocab_size == 301 and job.data.max_token_id < 300
+    with pytest.raises(ValueError, match="token ids up to 300 .* embeds 300"):
+        prepare_job(cfg.replace(data=[str(tmp_path / "b.txt")]))

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .formats import TEXT, count_kinds, read_records
 from .tasks import EVAL, IGNORE, TRAIN, CopyTask
-from .tokenizer import Document
+from .tokenizer import ByteTokenizer, Document, HFTokenizer, encode_records
 
 OVERFLOW = ("auto", "split", "truncate")
 
@@ -257,12 +257,10 @@ def row_index(step: int, micro: int, dp_rank: int, b: int, *, grad_accum: int, d
     return ((step * grad_accum + micro) * dp + dp_rank) * micro_batch + b
 
 
-def load_text_data(paths: Sequence[str], tok, *, text_field: str, train_on: str, seq_len: int, packing: bool,
-                   overflow: str, seed: int, eval_rows: int) -> TextData:
+def load_text_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer, *, text_field: str, train_on: str,
+                   seq_len: int, packing: bool, overflow: str, seed: int, eval_rows: int) -> TextData:
     """Read, tokenize and row ``paths``: the :class:`TextData` of a run. ValueError for bad files,
     a tokenizer the data cannot use, or data with nothing to learn."""
-    from .tokenizer import encode_records
-
     records = read_records(paths, text_field)
     kinds = count_kinds(records)
     policy = resolve_overflow(overflow, list(kinds))

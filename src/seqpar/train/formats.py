@@ -140,7 +140,12 @@ def is_saved_dataset(path: str) -> bool:
 
 def _dataset(path: str) -> Any:
     """A ``datasets.Dataset`` from a local parquet / arrow file or save_to_disk directory."""
+    import importlib.util
     import tempfile
+
+    if importlib.util.find_spec("datasets") is None:
+        raise ValueError(f"--data {path!r} is read with the datasets library: pip install 'seqpar[data]' (or pip "
+                         "install datasets)")
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never the Hub
     import datasets

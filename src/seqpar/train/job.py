@@ -22,7 +22,7 @@ from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_conf
 from seqpar.planner import hybrid_split, plan
 
 from .checks import check_config
-from .config import TrainConfig, builtin_fields, model_overrides
+from .config import FIELDS, TrainConfig, builtin_fields, model_overrides
 from .data import TaskData, TextData, load_text_data
 from .tasks import CopyTask
 from .tokenizer import load_hf_tokenizer, make_tokenizer
@@ -212,7 +212,8 @@ def _check_save_dir(job: Job) -> Job:
 
 def check_resumable(job: Job, state: dict[str, Any], path: str) -> None:
     """Raise ValueError unless the checkpoint at ``path`` was written by the same run's options."""
-    old = state.get("config", {})
+    # an option the checkpoint's seqpar did not have yet ran at its default
+    old = {k: FIELDS[k].default for k in RESUME_KEYS} | state.get("config", {})
     diff = [k for k in RESUME_KEYS if old.get(k) != getattr(job.cfg, k)]
     if diff:
         what = ", ".join(f"--{k.replace('_', '-')} {old.get(k)!r} -> {getattr(job.cfg, k)!r}" for k in diff)

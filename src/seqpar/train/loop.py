@@ -93,7 +93,9 @@ class Trainer:
     any number of ranks; a checkpoint (``--model PATH``) is read by rank 0 alone and broadcast tensor
     by tensor. So no rank > 0 ever holds the whole model. Without FSDP every rank keeps a full
     replica (plain gradient sync needs one): the built-in is initialized the same way, in place on
-    the device; a checkpoint is read by every rank.
+    the device; a checkpoint is read by every rank. With ``--lora-r`` peft's adapters go into the
+    model before it is parallelized and sharded, the base frozen; their initial values are drawn
+    the same on every rank (:mod:`.lora`), and only they are given to the optimizer.
     """
 
     def __init__(self, job: Job) -> None:
