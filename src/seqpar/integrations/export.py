@@ -52,8 +52,9 @@ def _fresh_copy(model: nn.Module, state: dict[str, Tensor]) -> nn.Module:
             from peft import get_peft_model
 
             config = model.peft_config[model.active_adapter]
-            clean = get_peft_model(clean, copy.deepcopy(config))
-            # get_peft_model names the base after the copy's config; keep the original's name
+            fresh = copy.deepcopy(config)
+            fresh.base_model_name_or_path = None  # get_peft_model names it after the copy (and warns otherwise)
+            clean = get_peft_model(clean, fresh)
             clean.peft_config[clean.active_adapter].base_model_name_or_path = config.base_model_name_or_path
     clean.load_state_dict(state, strict=True, assign=True)
     return clean

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,9 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> Any:
     from peft import get_peft_model
 
     try:
-        peft = get_peft_model(model, lora_config(cfg))
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            peft = get_peft_model(model, lora_config(cfg))
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ValueError(f"--lora-targets {' '.join(cfg.lora_targets or [DEFAULT_TARGETS])}: {e}") from None
     # the base an exported adapter names: the --model checkpoint (None for a built-in: the export

@@ -233,9 +233,15 @@ def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None
     """Entry point of a local (gloo) worker started by :func:`seqpar.comm.launch.run_distributed`. A
     ValueError propagates: the launcher turns it into one message."""
     _die_with_parent()
+    import threading
+
+    from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
+    # any tqdm a library makes here (peft's merge, even disabled) would create tqdm's default
+    # multiprocessing lock, which the worker's os._exit leaks: a thread lock instead
+    tqdm.set_lock(threading.RLock())
     return run_training(prepare_job(cfg, world, read_data=False), stop_after=stop_after)
 
 
