@@ -76,6 +76,8 @@ def files(tmp_path_factory):
                             unk_token="[UNK]").save_pretrained(d / "ckpt_tok")  # a tokenizer without a chat template
     shutil.copytree(d / "ckpt", d / "earlier" / "checkpoints" / "step_00000007")
     torch.save({"step": 7}, d / "earlier" / "checkpoints" / "step_00000007" / "trainer.pt")
+    (d / "exported" / "hf").mkdir(parents=True)
+    (d / "exported" / "hf" / "config.json").write_text("{}")
     return d
 
 
@@ -129,6 +131,8 @@ CASES = {
     "save dir holding checkpoints": (lambda d: ["--save-dir", str(d / "earlier")],
                                      ["holds 1 checkpoint of an earlier run", "step 7", "--resume", "--overwrite"]),
     "resume and overwrite": (lambda d: ["--resume", "--overwrite"], ["--resume", "--overwrite", "choose one"]),
+    "save dir holding an export": (lambda d: ["--save-dir", str(d / "exported")],
+                                   ["holds an earlier run's export", "--overwrite"]),
     "lora alpha without rank": (lambda d: ["--lora-alpha", "16"], ["--lora-alpha", "without --lora-r"]),
     "lora rank negative": (lambda d: ["--lora-r", "-1"], ["--lora-r must be >= 0"]),
     "eval every negative": (lambda d: ["--eval-every", "-1"], ["--eval-every must be >= 0"]),

@@ -24,6 +24,7 @@ from seqpar.planner import hybrid_split, plan
 from .checks import check_config
 from .config import FIELDS, TrainConfig, builtin_fields, model_overrides
 from .data import TaskData, TextData, load_text_data
+from .report import HF_DIR
 from .tasks import CopyTask
 from .tokenizer import load_hf_tokenizer, make_tokenizer
 
@@ -207,6 +208,10 @@ def _check_save_dir(job: Job) -> Job:
         raise ValueError(f"--save-dir {cfg.save_dir!r} holds {n} of an earlier run (the latest at step "
                          f"{found[-1][0]}): --resume continues it, --overwrite deletes {them} and starts afresh, or "
                          "choose another --save-dir")
+    export = os.path.join(cfg.save_dir, HF_DIR)
+    if os.path.isdir(export) and os.listdir(export) and not cfg.overwrite:
+        raise ValueError(f"--save-dir {cfg.save_dir!r} holds an earlier run's export ({export}): move it, or "
+                         "--overwrite deletes it and starts afresh, or choose another --save-dir")
     return dataclasses.replace(job, replaces=tuple(step for step, _ in found))
 
 

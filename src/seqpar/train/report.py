@@ -9,6 +9,7 @@
                     (WANDB_API_KEY or ``wandb login``) or WANDB_MODE says otherwise
     summary.json    the run's summary (:class:`seqpar.train.run.RunSummary`)
     loss.png        the train loss per step and the eval loss at each evaluation (--plot)
+    hf/             --export-hf: the model as save_pretrained output (seqpar.integrations.export)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 METRICS_FILE, SUMMARY_FILE, PLOT_FILE = "metrics.jsonl", "summary.json", "loss.png"
 TENSORBOARD_DIR, WANDB_DIR = "tensorboard", "wandb"
+HF_DIR = "hf"  # --export-hf: save_pretrained output; a fresh run deletes it only with --overwrite
 OUTPUTS = (METRICS_FILE, SUMMARY_FILE, PLOT_FILE, TENSORBOARD_DIR, WANDB_DIR)
 """Everything a fresh run replaces in its save dir (with the checkpoints and the export)."""
 

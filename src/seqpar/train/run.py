@@ -20,9 +20,7 @@ from .config import TrainConfig, describe_memory
 from .job import Job, prepare_job
 from .loop import EvalResult, Trainer, peak_memory_mib, reset_peak_memory
 from .lora import describe_lora
-from .report import METRICS_FILE, OUTPUTS, PLOT_FILE, SUMMARY_FILE, MetricsLog, plot_losses, write_summary
-
-HF_DIR = "hf"  # --export-hf: <save-dir>/hf
+from .report import HF_DIR, METRICS_FILE, OUTPUTS, PLOT_FILE, SUMMARY_FILE, MetricsLog, plot_losses, write_summary
 
 
 @dataclass(frozen=True)
