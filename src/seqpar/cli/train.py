@@ -137,7 +137,11 @@ def run(args: argparse.Namespace) -> int:
             summary = run_torchrun(cfg)
         except ValueError as e:  # the same on every rank: say it once
             if rank == 0:
-                print(f"seqpar train: error: {e}", file=sys.stderr)
+                print(f"seqpar train: error: {e}", file=sys.stderr, flush=True)
+            else:  # torchrun stops every rank when the first one exits: let rank 0 say it first
+                import time
+
+                time.sleep(5)
             return 2
         if summary is not None:
             print(format_summary(summary), flush=True)
