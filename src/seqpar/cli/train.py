@@ -97,8 +97,12 @@ def format_summary(s: RunSummary) -> str:
     if s.checkpoint:
         lines.append(f"  checkpoint  {s.checkpoint} (torch.distributed.checkpoint; --resume continues; seqpar export "
                      "writes it for transformers)")
-    if s.export:
-        lines.append(f"  exported    {s.export} (save_pretrained: AutoModelForCausalLM.from_pretrained loads it)")
+    if s.export and s.export_lora == "adapter":
+        lines.append(f"  exported    {s.export} (peft's LoRA adapter: peft.AutoPeftModelForCausalLM.from_pretrained "
+                     "loads it)")
+    elif s.export:
+        lines.append(f"  exported    {s.export} (save_pretrained{', LoRA merged' if s.export_lora else ''}: "
+                     "AutoModelForCausalLM.from_pretrained loads it)")
     if s.resumed_from:
         lines.append(f"  resumed     from step {s.resumed_step} ({s.resumed_from})")
     if s.replaced_steps:

@@ -57,6 +57,7 @@ class RunSummary:
     summary_file: str | None  # summary.json (rank 0 writes it after the summary is built)
     plot: str | None  # loss.png
     export: str | None  # --export-hf: the save_pretrained directory
+    export_lora: str  # what it holds of a LoRA run: "merged" or "adapter" ("" without LoRA)
     reason: str  # why --strategy auto chose what it chose
     attention: str  # the local attention kernel, in words (seqpar.attention_kernel)
     dtype: str  # the compute dtype (--dtype auto resolved)
@@ -218,7 +219,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         resumed_from=os.path.abspath(resume_from) if resume_from else None, resumed_step=job.resume_step,
         replaced_previous=replaced, replaced_steps=list(job.replaces), reason=job.reason, attention=trainer.attention,
         dtype=trainer.dtype, memory=describe_memory(cfg), setup_s=setup_s, eval_s=eval_s,
-        summary_file=os.path.abspath(os.path.join(cfg.save_dir, SUMMARY_FILE)), plot=plot, export=export)
+        summary_file=os.path.abspath(os.path.join(cfg.save_dir, SUMMARY_FILE)), plot=plot, export=export,
+        export_lora=cfg.lora_export if cfg.lora_r and export else "")
     if trainer.rank == 0:
         if plot is not None:
             plot_losses(cfg.save_dir)
