@@ -5,6 +5,12 @@ long-range copy task (4096-token rows, every answer 2048 tokens back) and report
 held-out answer accuracy against chance, and peak memory per rank. On GPUs:
 ``torchrun --nproc-per-node 8 -m seqpar.cli.main train --model PATH --data FILE ... --dtype bfloat16``.
 Options may also come from a YAML / TOML file (--config); the command line wins.
+
+Fine-tuning: chat (assistant-only loss), prompt/completion, text, parquet / arrow / save_to_disk
+data (--data), LoRA (--lora-r), evaluation every N steps (--eval-every), tensorboard / wandb
+(--report-to), a transformers checkpoint at the end (--export-hf; later: seqpar export).
+A --save-dir that already holds checkpoints is continued with --resume or replaced with
+--overwrite; without either the run refuses to start.
 """
 
 from __future__ import annotations
