@@ -61,10 +61,10 @@ def _own_loop(world, out_dir):
     peft = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     out = {"parallelized": seqpar.parallelize(peft, mesh) is peft, "kernel": seqpar.attention_kernel(peft)}
-    out["sp_loss"] = float(peft(**seqpar.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss)
+    out["sp_loss"] = float(peft(**seqpar.shard_batch({"input_ids": ids, "labels": ids}, mesh)).loss.detach())
     out["unparallelized"] = seqpar.unparallelize(peft) is peft
     out["restored"] = (base.config._attn_implementation, base.loss_function is loss_function)
-    out["plain_loss"] = float(peft(input_ids=ids, labels=ids).loss)
+    out["plain_loss"] = float(peft(input_ids=ids, labels=ids).loss.detach())
     model, _ = build_model("tiny-llama")
     seqpar.parallelize(model, mesh)
     seqpar.apply_fsdp(model, mesh)
