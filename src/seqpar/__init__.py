@@ -22,6 +22,7 @@ from .comm.collectives import all_to_all
 from .comm.gather import gather_seq, split_seq
 from .comm.mesh import init_mesh
 from .errors import Refused
+from .integrations.export import save_pretrained
 from .integrations.fsdp import apply_ddp, apply_fsdp
 from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize
 from .integrations.memory import memory_switches, reduce_memory, restore_memory, token_stats
@@ -53,6 +54,7 @@ __all__ = [
     "reference_attention",
     "restore_memory",
     "ring_attention",
+    "save_pretrained",
     "shard_batch",
     "sp_attention",
     "split_seq",

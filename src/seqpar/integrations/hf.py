@@ -54,6 +54,7 @@ from .hf_kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
 from .mixers import check_token_mixers, wrap_token_mixers
 from .models import decoder_config
+from .peft import unwrap_peft
 from .state import ParallelState, ensure_state, set_loss_function, state_of, undo
 from .vlm import install_vision
 
@@ -162,6 +163,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         axis_group(mesh, Axis.RING.value)
     from transformers import AttentionInterface, PreTrainedModel
 
+    outer, model = model, unwrap_peft(model)  # a peft PeftModel: the transformers model it wraps (adapters inside)
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"seqpar.parallelize wraps transformers models ({type(model).__name__} is not a "
                          "PreTrainedModel); in your own module call seqpar.sp_attention instead of attention")
@@ -210,7 +212,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     except BaseException:
         undo(model, "parallel")  # nothing half-installed stays behind
         raise
-    return model
+    return outer
 
 
 def _set_attention(model: nn.Module, implementation: str | None, sub_config: str | None) -> None:
@@ -253,11 +255,12 @@ def unparallelize(model: nn.Module) -> nn.Module:
     """Undo :func:`parallelize` (and :func:`seqpar.reduce_memory`, if it was called): the original
     attention implementation and loss function come back. The registered seqpar function stays
     registered: a deep copy of the parallelized model (an EMA or DPO reference model) still uses it."""
+    outer, model = model, unwrap_peft(model)
     record = state_of(model)
     if record is None or record.parallel is None:
         raise ValueError("this model is not parallelized by seqpar")
     undo(model)  # every step, newest first: reduce_memory's (made after parallelize) before parallelize's
-    return model
+    return outer
 
 
 @contextlib.contextmanager
