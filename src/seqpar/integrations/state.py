@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.kernels import KernelArg
+from .peft import unwrap_peft
 from .tiling import TileContext
 
 PARTS = ("parallel", "memory")
@@ -102,8 +103,9 @@ class ModelState:
 
 
 def state_of(model: nn.Module) -> ModelState | None:
-    """The record of what seqpar did to ``model``, or None if it did nothing (or undid it all)."""
-    state = model.__dict__.get(_ATTR)
+    """The record of what seqpar did to ``model``, or None if it did nothing (or undid it all). A
+    peft ``PeftModel``'s record is its base model's (the model seqpar changed)."""
+    state = unwrap_peft(model).__dict__.get(_ATTR)
     return state if isinstance(state, ModelState) else None
 
 
@@ -112,7 +114,7 @@ def ensure_state(model: nn.Module) -> ModelState:
     state = state_of(model)
     if state is None:
         state = ModelState()
-        model.__dict__[_ATTR] = state  # plain attribute: not a parameter, buffer or submodule
+        unwrap_peft(model).__dict__[_ATTR] = state  # plain attribute: not a parameter, buffer or submodule
     return state
 
 
@@ -137,4 +139,4 @@ def undo(model: nn.Module, part: str | None = None) -> None:
     for name in PARTS if part is None else (part,):
         setattr(state, name, None)
     if not state.steps and all(getattr(state, name) is None for name in PARTS):
-        del model.__dict__[_ATTR]
+        del unwrap_peft(model).__dict__[_ATTR]
