@@ -216,7 +216,10 @@ KERNELS: dict[str, Kernel] = {
 }
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_warned: set[str] = set()  # what was said once already
+_warned: set[str] = set()
+"""What this process was told once already: a fixed vocabulary ("tiled", "sdpa_dense"), so it stays
+this small. Not Python's once-per-location warning registry: every ``warnings.catch_warnings()``
+(flex's per call, torch's own) resets that, and the warning would come back per layer."""
 
 
 CUDA_FLASH_VERIFIED = True

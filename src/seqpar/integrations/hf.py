@@ -40,7 +40,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..attention.dispatch import check_strategy, resolve_strategy, sp_attention
+from ..attention.dispatch import STRATEGIES, check_strategy, mesh_groups, resolve_strategy
 from ..attention.kernels import KernelArg
 from ..attention.shard import chunked_documents
 from ..batch.loss import make_loss_function
@@ -85,6 +85,7 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
 
     group = axis_group(mesh, Axis.SP.value)
     p, me = dist.get_world_size(group), dist.get_rank(group)
+    groups = mesh_groups(mesh, strategy)  # looked up once, not per layer
 
     def seqpar_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                          attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
@@ -123,15 +124,15 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
         kern = kernel
         if kern is None and strategy == "ulysses":
             fn, kind = original_function(original, module)
-            kern = ModelKernel(fn, module, kind, batch) if fn is not None else "auto"
+            kern = ModelKernel(fn, module, kind) if fn is not None else "auto"
         if not query.dtype == key.dtype == value.dtype:
             # under torch.autocast RoPE leaves q, k in float32 while v is bfloat16; the fused
             # all-to-all needs one dtype, and autocast would run attention in v's anyway
             query, key = query.to(value.dtype), key.to(value.dtype)
-        out = sp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
-                           strategy=strategy, causal=causal, scale=scaling, window=opts.window, chunk=chunk,
-                           softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=shard,
-                           validate=False)
+        out = STRATEGIES[strategy](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
+                                   groups=groups, causal=causal, scale=scaling, window=opts.window, chunk=chunk,
+                                   softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=shard,
+                                   validate=False)
         batch.attention_calls += 1
         return out, None  # [B, S/P, H, D]
 
