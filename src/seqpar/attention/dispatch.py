@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import Unpack
@@ -31,8 +32,10 @@ AXES: dict[str, tuple[str | None, str | None]] = {
 travelling around the second."""
 
 
+@torch.compiler.disable  # dynamo cannot read the grad groups seqpar keeps on a mesh: look them up once, outside
 def mesh_groups(mesh: DeviceMesh, strategy: str) -> Groups:
-    """The process groups ``strategy`` runs on over ``mesh`` (ring: with its grad group)."""
+    """The process groups ``strategy`` runs on over ``mesh`` (ring: with its grad group). Called
+    inside ``torch.compile`` it is a graph break: :func:`seqpar.parallelize` looks them up once."""
     u_axis, r_axis = AXES[strategy]
     return Groups(ulysses=None if u_axis is None else axis_group(mesh, u_axis),
                   ring=None if r_axis is None else axis_group(mesh, r_axis),

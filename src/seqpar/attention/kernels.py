@@ -91,6 +91,9 @@ class AutoKernel(LocalKernel):
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
         return attend(q, k, v, spec, mask, self)
 
+    def lse_twin(self, spec: AttnSpec) -> str | None:
+        return None if spec.dropout else "auto"  # sdpa or the varlen kernel: the same math; dropout only sdpa samples
+
 
 class FunctionKernel(LocalKernel):
     """A plain function ``fn(q, k, v, *, spec, mask) -> out`` as a kernel; it reads the spec itself."""

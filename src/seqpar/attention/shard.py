@@ -12,7 +12,9 @@ they live exactly as long as the batch's SeqShard. Nothing of a batch is kept an
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import itertools
+import weakref
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,22 +30,44 @@ from ..comm.guard import FailureRecord
 from .layout import inverse_permutation
 from .spec import MaskInfo
 
+_serials = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary[int, BatchState] = weakref.WeakValueDictionary()
+"""Every live BatchState by its serial (never reused), for :func:`batch_state`; an entry goes with
+its state."""
+
 
 class BatchState:
     """What the layers of one batch share (see the module doc). ``cache``: plans by key, each
     computed by the first layer that needs it; ``failures``: the batch's once-per-batch failure
-    record; ``mesh``: the mesh the batch was sharded over (:func:`seqpar.shard_batch`; None for a
-    shard built by hand)."""
+    record; ``mesh``: the mesh the batch was sharded over (:func:`seqpar.shard_batch`), where
+    attention inside ``torch.compile`` finds its process groups (None for a shard built by hand);
+    ``facts``: its SeqShard's lengths and tensors (what an op that gets only the handle needs)."""
 
     def __init__(self, mesh: DeviceMesh | None = None, failures: FailureRecord | None = None) -> None:
         self.cache: dict[Hashable, Any] = {}
         self.failures = failures if failures is not None else FailureRecord()
         self.mesh = mesh
+        self.facts: tuple[tuple[int, ...], Tensor | None, Tensor | None, Tensor | None] | None = None
+        self.serial = next(_serials)
+        _LIVE[self.serial] = self
+        self._handle: Callable[[], Tensor | None] = lambda: None
 
     def __reduce__(self) -> tuple:
         # a SeqShard sent to another process (or deep-copied) describes the same batch, but plans,
         # failures and process groups are this process's: the copy starts with none
         return BatchState, ()
+
+    def handle(self) -> Tensor:
+        """A CPU int64 scalar naming this state, which it keeps alive: an opaque ``torch.library``
+        op takes tensors and constants only, and reaches the state through it (:func:`batch_state`)
+        -- a tensor, so a new batch is a new value, no recompilation -- and an autograd graph that
+        saved it keeps the batch's plans until its backward. The state holds it weakly (no cycle)."""
+        handle = self._handle()
+        if handle is None:
+            handle = torch.full((), self.serial, dtype=torch.int64)
+            handle.seqpar_batch = self  # the handle owns the state, not the other way round
+            self._handle = weakref.ref(handle)
+        return handle
 
     def derived(self) -> BatchState:
         """The state of a shard derived from this batch's (its documents chunked, the ring's view
@@ -54,6 +78,19 @@ class BatchState:
         """The plans of one part of the batch (a ring block, the whole sequence): a dict of its own
         inside ``cache`` (see :attr:`seqpar.attention.spec.MaskInfo.plans`)."""
         return self.cache.setdefault(("part", key), {})
+
+    def shard(self) -> SeqShard:
+        """The SeqShard this state belongs to (its facts, this state)."""
+        assert self.facts is not None, "a BatchState outside a SeqShard"
+        return SeqShard(*self.facts, state=self)
+
+
+def batch_state(handle: Tensor) -> BatchState:
+    """The live :class:`BatchState` a handle names (:meth:`BatchState.handle`). A host read of a
+    CPU scalar."""
+    state = _LIVE.get(int(handle))
+    assert state is not None, "a batch's handle outlived its state"
+    return state
 
 
 @dataclass(frozen=True)
@@ -66,7 +103,9 @@ class SeqShard:
                identity, i.e. a contiguous split). Causal masks and windows compare these.
     key_keep   [B, S] bool in layout order, False marks padding (None: no padding).
     segments   [B, S] long in layout order, packed-document id of each token (None: one document).
-    state      what the batch's layers share (:class:`BatchState`): plans and the failure record.
+    state      what the batch's layers share (:class:`BatchState`): plans and the failure record;
+               one per batch (a SeqShard given a state describes that state's batch).
+    handle     the state's handle (:meth:`BatchState.handle`), kept as long as the shard.
 
     A SeqShard describes one batch and is read, never written: plans made from its tensors are
     kept for the batch's later layers (in ``state``), so its tensors must not be changed in
@@ -78,6 +117,15 @@ class SeqShard:
     key_keep: Tensor | None = None
     segments: Tensor | None = None
     state: BatchState = field(default_factory=BatchState, compare=False, repr=False)
+    handle: Tensor = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.state.facts is None:  # the state's first shard is the batch it describes
+            self.state.facts = (self.seq_lens, self.positions, self.key_keep, self.segments)
+        object.__setattr__(self, "handle", self.state.handle())
+
+    def __reduce__(self) -> tuple:
+        return SeqShard, (self.seq_lens, self.positions, self.key_keep, self.segments)
 
     @property
     def cache(self) -> dict[Hashable, Any]:

@@ -176,6 +176,12 @@ class LocalKernel(ABC):
     @abstractmethod
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor: ...
 
+    def lse_twin(self, spec: AttnSpec) -> str | None:
+        """A registered lse kernel that computes exactly what this kernel computes for ``spec``
+        (``"auto"``: the device's varlen one), which ``torch.compile``-d calls run in its place,
+        inside an op; None (the default): none does, such a call runs eagerly there."""
+        return None
+
 
 Kernel = LseKernel | LocalKernel
 

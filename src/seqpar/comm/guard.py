@@ -169,6 +169,10 @@ class Guard:
         return tuple(None if x is None else next(out) for x in xs)
 
 
+# The check points read and clear the record at run time: under torch.compile they must not be traced
+# (a traced read would bake one batch's answer into the graph), so they run eagerly -- a graph break at
+# the loss or wherever a check point sits, never inside an attention call.
+@torch.compiler.disable
 def pending_failure() -> float | None:
     """1.0 if a call checked once per batch failed on this rank since the last check, 0.0 if not,
     None when no such call ran (nothing to check: the same answer on every rank). A number to
@@ -178,6 +182,7 @@ def pending_failure() -> float | None:
     return 1.0 if _unchecked.error is not None else 0.0
 
 
+@torch.compiler.disable
 def check_failures(group: dist.ProcessGroup | None = None, *, any_failed: bool | None = None) -> None:
     """Raise on every rank if a call checked once per batch failed on any rank since the last check;
     clear the record either way. Collective over ``group`` (default: the calls' own groups), so

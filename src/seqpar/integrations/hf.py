@@ -85,7 +85,7 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
 
     group = axis_group(mesh, Axis.SP.value)
     p, me = dist.get_world_size(group), dist.get_rank(group)
-    groups = mesh_groups(mesh, strategy)  # looked up once, not per layer
+    groups = mesh_groups(mesh, strategy)  # looked up once: inside torch.compile a lookup would break the graph
 
     def seqpar_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                          attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,

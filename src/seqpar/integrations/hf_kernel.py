@@ -56,6 +56,10 @@ class ModelKernel(LocalKernel):
         self.name = f"the model's own ({getattr(fn, '__name__', 'attention')})"
         self.plain_sdpa = fn is sdpa_attention_forward
 
+    def lse_twin(self, spec: AttnSpec) -> str | None:
+        # transformers' sdpa function is plain SDPA: without dropout, seqpar's varlen kernel is the same math
+        return "auto" if self.plain_sdpa and not spec.dropout else None
+
     def _mask(self, spec: AttnSpec, mask: MaskInfo, q: Tensor) -> tuple[bool, Tensor | None, Tensor | None]:
         """(is_causal flag, mask in the function's format or None, rows that see a key or None)."""
         s = q.shape[2]
