@@ -38,6 +38,12 @@ reaches before a result is used::
   nothing checked (a forward with autograd on whose output never reached seqpar's loss nor a
   backward).
 
+The calls of one batch note into the batch's own :class:`FailureRecord` (its SeqShard keeps it, and
+it goes with the batch); the process keeps one pointer, to the record with calls nothing checked
+yet, because the check points above are points of the program, not of one batch. Inside
+``torch.compile`` the guarded compute runs in opaque ops (:mod:`seqpar.attention.ops`) that note into
+the same record, and the check points run eagerly (never traced), so both modes raise alike.
+
 So a failure stops every rank, with the original message, before anything uses the batch's result;
 it stops them at the end of the forward or backward rather than in the failing layer. Limits: an
 exception outside the guarded compute (an MLP running out of memory after attention already did)

@@ -14,7 +14,7 @@ masks would have said per layer -- a window, a chunk -- and the layer's sinks ar
       decoder layer
         q, k, v    # [B, H, S/P, D]          the model's projections, norms, RoPE: untouched
         seqpar attention fn                  spec from the call: scaling, sliding_window, softcap,
-          sp_attention(strategy)               dropout, module.is_causal; mask from the SeqShard
+          STRATEGIES[strategy]                 dropout, module.is_causal; mask from the SeqShard
             local kernel                     the model's own sdpa / eager function (Ulysses)
         out        # [B, S/P, H, D]
       logits       # [B, S/P, V]
@@ -26,7 +26,9 @@ together with transformers' ``sdpa_mask`` or ``eager_mask`` (that says which mas
 Anything else (flash_attention_*, flex_attention) runs on seqpar's ``auto`` kernel. Ring and
 hybrid need a kernel that returns the log-sum-exp, so they use seqpar's (:func:`attention_kernel`
 says in words which one a parallelized model runs). ``unparallelize`` restores the implementation
-and the loss function.
+and the loss function. Under ``torch.compile`` the model's plain ``sdpa`` gives way to seqpar's varlen
+lse kernel (the same math) inside an opaque op, so no layer breaks the graph
+(:mod:`seqpar.attention.ops`); an eager function runs as it runs without compilation.
 """
 
 from __future__ import annotations
