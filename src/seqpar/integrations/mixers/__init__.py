@@ -17,10 +17,21 @@ A new family is one module that registers a :class:`MixerFamily` naming the clas
 its run modes; a new run mode is one module that registers a :class:`RunMode` (imported below).
 """
 
-from . import gated_deltanet, kimi, mamba, mamba2, modes, short_conv  # noqa: F401  (they register themselves)
+from . import gated_deltanet, kimi, mamba, mamba2, modes, short_conv, state_passing  # noqa: F401  (they register themselves)
 from .refusals import check_token_mixers, unsupported_mixers
-from .registry import GATHER, HALO, HANDLED_MIXERS, HEADS, MixerFamily, RunMode, family_of, mode_named
-from .wrap import describe_token_mixers, run_token_mixer, token_mixers, wrap_token_mixers
+from .registry import (
+    GATHER,
+    HALO,
+    HANDLED_MIXERS,
+    HEADS,
+    STATE,
+    MixerFamily,
+    RunMode,
+    StateKernels,
+    family_of,
+    mode_named,
+)
+from .wrap import chosen_modes, describe_token_mixers, run_token_mixer, set_mixer_mode, token_mixers, wrap_token_mixers
 
 __all__ = [
     "GATHER",
@@ -29,11 +40,15 @@ __all__ = [
     "HEADS",
     "MixerFamily",
     "RunMode",
+    "STATE",
+    "StateKernels",
     "check_token_mixers",
+    "chosen_modes",
     "describe_token_mixers",
     "family_of",
     "mode_named",
     "run_token_mixer",
+    "set_mixer_mode",
     "token_mixers",
     "unsupported_mixers",
     "wrap_token_mixers",

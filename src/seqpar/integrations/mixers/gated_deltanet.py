@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from .registry import GATHER, HEADS, MixerFamily, register_family
+from .choice import gated_delta_extra
+from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
+from .state_scans import DELTA_RULE
 from .views import conv_view, linear_view, plain, view_module
 
 
@@ -26,6 +28,10 @@ class GatedDeltaNet(MixerFamily):
 
     def units(self, module: nn.Module) -> int:
         return module.num_k_heads
+
+    def state_extra_flops(self, module: nn.Module) -> float:
+        """What ``"state"`` adds per token (:mod:`.choice`): ``K`` more value columns per value head."""
+        return gated_delta_extra(module.num_v_heads, module.head_k_dim)
 
     def split_fits(self, module: nn.Module, p: int) -> bool:
         """Plain bias-free projections (a convolution bias is sliced) and whole value-head groups
@@ -74,8 +80,10 @@ class Qwen3_5Projections(GatedDeltaNet):
         return out
 
 
-register_family(Qwen3NextProjections("Gated DeltaNet (Qwen3-Next)", ("Qwen3NextGatedDeltaNet",), (HEADS, GATHER),
-                                     projections=("in_proj_qkvz", "in_proj_ba")))
+KERNELS = StateKernels("torch_chunk_gated_delta_rule", DELTA_RULE)
+register_family(Qwen3NextProjections("Gated DeltaNet (Qwen3-Next)", ("Qwen3NextGatedDeltaNet",), (STATE, HEADS, GATHER),
+                                     KERNELS, projections=("in_proj_qkvz", "in_proj_ba")))
 register_family(Qwen3_5Projections("Gated DeltaNet (Qwen3.5)", ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
-                                   (HEADS, GATHER), projections=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
-register_family(MixerFamily("Gated DeltaNet (OLMo hybrid)", ("OlmoHybridGatedDeltaNet",), (GATHER,)))
+                                   (STATE, HEADS, GATHER), KERNELS,
+                                   projections=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
+register_family(MixerFamily("Gated DeltaNet (OLMo hybrid)", ("OlmoHybridGatedDeltaNet",), (STATE, GATHER), KERNELS))

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...comm.gather import all_reduce_sum
-from .registry import GATHER, HEADS, MixerFamily, register_family
+from .choice import mamba2_extra
+from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
+from .state_scans import MAMBA2
 from .views import conv_view, linear_view, plain, view_module
 
 
@@ -28,6 +30,10 @@ from .views import conv_view, linear_view, plain, view_module
 class Mamba2(MixerFamily):
     def units(self, module: nn.Module) -> int:
         return module.num_heads if module.n_groups == 1 else module.n_groups
+
+    def state_extra_flops(self, module: nn.Module) -> float:
+        """What ``"state"`` adds per token (:mod:`.choice`): the scan once more, from the states."""
+        return mamba2_extra(module.num_heads, module.head_dim, module.ssm_state_size, module.chunk_size)
 
     def split_fits(self, module: nn.Module, p: int) -> bool:
         """Plain bias-free projections (a convolution bias is sliced); whole groups (two or more),
@@ -101,6 +107,8 @@ class SplitGatedNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+KERNELS = StateKernels("mamba2_chunk_scan", MAMBA2, fused=("mamba2_split_conv1d_scan_combined",))
 register_family(Mamba2("Mamba2", ("BambaMixer", "NemotronHMamba2Mixer", "Zamba2MambaMixer",
-                                  "GraniteMoeHybridMambaLayer"), (HEADS, GATHER)))
-register_family(MixerFamily("Mamba2 (gathered)", ("FalconH1Mixer", "Mamba2Mixer"), (GATHER,)))
+                                  "GraniteMoeHybridMambaLayer"), (STATE, HEADS, GATHER), KERNELS))
+register_family(MixerFamily("Mamba2 (Falcon-H1)", ("FalconH1Mixer",), (STATE, GATHER), KERNELS))
+register_family(MixerFamily("Mamba2 (gathered)", ("Mamba2Mixer",), (GATHER,)))

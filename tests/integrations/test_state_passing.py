@@ -1,0 +1,525 @@
+"""State passing (issue 28): the pieces of a batch (pure), the float64 scans against transformers'
+kernels, each family's kernel entry points, and the kernel-level algebra on one process (pieces of
+a sequence scanned separately and joined by their states equal the whole sequence)."""
+
+import pytest
+import torch
+
+from seqpar.attention.layout import document_cuts, layout_permutation, layout_seq_lens
+from seqpar.attention.shard import SeqShard
+from seqpar.integrations.mixers import HANDLED_MIXERS, STATE, family_of
+from seqpar.integrations.mixers.compat import KernelCall, calls_kernels, kernels_replaced
+from seqpar.integrations.mixers.pieces import piece_plan
+from seqpar.testing import scans64
+
+# ---------------------------------------------------------------------------------------------
+# pieces: a property check against the original token order, over layouts and batches
+# ---------------------------------------------------------------------------------------------
+
+
+def _shard(seq, p, layout, segments=None, keep=None, ulysses=1):
+    cuts = document_cuts(segments, keep) if layout == "doc-zigzag" else None
+    perm = None if layout == "contiguous" else layout_permutation(seq, p, layout, ulysses, cuts)
+
+    def in_layout(t):
+        return None if t is None or perm is None else t.index_select(1, perm)
+
+    return SeqShard(layout_seq_lens(seq, p, layout, ulysses, cuts), perm,
+                    keep if perm is None else in_layout(keep), segments if perm is None else in_layout(segments))
+
+
+def _docs(lengths, pad=0):
+    """One packed row: segment ids of documents of ``lengths``, then ``pad`` padding tokens."""
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)] + [torch.full((pad,), len(lengths))])
+    keep = torch.ones(seg.numel(), dtype=torch.bool)
+    if pad:
+        keep[-pad:] = False
+    return seg, keep
+
+
+def _check_plan(shard, rows, segments, keep, widths=(1, 2, 3)):
+    """Pieces cover every row's tokens (packed: its real ones) once, each consecutive in the original
+    order and in its rank's shard, inside one document; ``pred`` is the piece ending just before,
+    in the same document; levels follow preds; the halo index finds each piece's preceding inputs."""
+    plan = piece_plan(shard, rows)
+    offsets = [sum(shard.seq_lens[:r]) for r in range(len(shard.seq_lens))]
+    s = sum(shard.seq_lens)
+
+    def orig(rank, local):
+        i = offsets[rank] + local
+        return i if shard.positions is None else int(shard.positions[i])
+
+    def doc(b, o):  # the document of original token o, None for padding
+        if keep is not None and segments is not None and not keep[b, o]:
+            return None
+        return 0 if segments is None else int(segments[b, o])
+
+    covered = set()
+    for rank, pieces in enumerate(plan.by_rank):
+        for j, piece in enumerate(pieces):
+            flat = plan.offsets[rank] + j
+            assert plan.flat[flat] is piece
+            tokens = [orig(rank, piece.start + t) for t in range(piece.length)]
+            assert tokens == list(range(piece.origin, piece.end)), (rank, piece, tokens)
+            assert len({doc(piece.row, o) for o in tokens}) == 1 and doc(piece.row, piece.origin) is not None
+            covered |= {(piece.row, o) for o in tokens}
+            starts = piece.origin == 0 or doc(piece.row, piece.origin - 1) != doc(piece.row, piece.origin)
+            if starts:
+                assert piece.pred == -1, piece
+            else:
+                pred = plan.flat[piece.pred]
+                assert pred.row == piece.row and pred.end == piece.origin, (piece, pred)
+    assert covered == {(b, o) for b in range(rows) for o in range(s) if doc(b, o) is not None}
+    depth = {i: d for d, level in enumerate(plan.levels) for i in level}
+    assert sorted(depth) == list(range(len(plan.flat)))
+    assert all((p.pred < 0) == (depth[i] == 0) and (p.pred < 0 or depth[p.pred] == depth[i] - 1)
+               for i, p in enumerate(plan.flat))
+    for h in widths:  # tails hold original index + 1 (0: before a piece's start, or the zero row)
+        tails = [o + 1 if o >= p.origin else 0 for p in plan.flat for o in range(p.end - h, p.end)]
+        table = torch.tensor([*tails, 0])
+        for rank in range(len(plan.by_rank)):
+            got = table[torch.tensor(plan.halo_index(rank, h), dtype=torch.long).view(-1, h)].tolist()
+            for piece, row in zip(plan.by_rank[rank], got, strict=True):
+                first = piece.origin
+                while first > 0 and doc(piece.row, first - 1) == doc(piece.row, piece.origin):
+                    first -= 1  # the document's first token
+                assert row == [o + 1 if o >= first else 0 for o in range(piece.origin - h, piece.origin)], (piece, row)
+    return plan
+
+
+@pytest.mark.parametrize("seq,p,layout,ulysses", [(10, 1, "contiguous", 1), (10, 3, "contiguous", 1),
+                                                  (3, 3, "contiguous", 1), (13, 2, "zigzag", 1),
+                                                  (13, 3, "zigzag", 1), (17, 4, "zigzag", 2), (16, 4, "zigzag", 1)])
+def test_pieces_of_unpacked_rows(seq, p, layout, ulysses):
+    plan = _check_plan(_shard(seq, p, layout, ulysses=ulysses), 2, None, None)
+    if layout == "contiguous":  # one piece per row and rank, chained rank after rank
+        assert [len(r) for r in plan.by_rank] == [2] * p and len(plan.levels) == p
+
+
+def test_pieces_of_padded_rows_keep_the_padding():
+    keep = torch.ones(2, 11, dtype=torch.bool)
+    keep[1, 7:] = False
+    shard = _shard(11, 3, "zigzag", keep=keep)
+    plan = _check_plan(shard, 2, None, None)  # whole rows, padding included: the model runs them so
+    assert sum(p.length for p in plan.flat) == 22
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "doc-zigzag"])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_pieces_of_packed_rows(layout, p):
+    rows = [_docs([5, 7, 5]), _docs([8, 4], pad=5)]  # documents across ranks; padding at the end
+    seg = torch.stack([r[0] for r in rows])
+    keep = torch.stack([r[1] for r in rows])
+    plan = _check_plan(_shard(17, p, layout, seg, keep), 2, seg, keep)
+    assert sum(p.pred < 0 for p in plan.flat) == 5  # one chain per document
+
+
+def test_pieces_are_kept_per_batch():
+    shard = _shard(12, 2, "zigzag")
+    assert piece_plan(shard, 2) is piece_plan(shard, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the float64 scans are the models' kernels (same math), and each family's kernels are found
+# ---------------------------------------------------------------------------------------------
+
+def _modeling(name):
+    import importlib
+
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _gdn_inputs(g_per_channel, b=2, t=19, hk=2, h=4, k=5, v=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    g = -torch.rand(b, t, h, *((k,) if g_per_channel else ()), generator=gen, dtype=torch.float64)
+    return (rnd(b, t, hk, k), rnd(b, t, hk, k), rnd(b, t, h, v)), {
+        "g": g, "beta": torch.rand(b, t, h, generator=gen, dtype=torch.float64), "use_qk_l2norm_in_kernel": True,
+        "initial_state": rnd(b, h, k, v), "output_final_state": True}
+
+
+def _close32(a, b):
+    """Equal to float32 precision, relative to the larger entry."""
+    return float((a - b).abs().max()) <= 1e-5 * max(float(b.abs().max()), 1.0)
+
+
+def test_float64_delta_rules_are_the_models_kernels():
+    args, kw = _gdn_inputs(False)
+    ref = _modeling("qwen3_next").torch_chunk_gated_delta_rule(*args, **kw)
+    got = scans64.gated_delta_rule(*args, **kw)
+    assert got[0].dtype == torch.float64 and _close32(got[0], ref[0]) and _close32(got[1], ref[1])
+    args, kw = _gdn_inputs(True, hk=4)
+    ref = _modeling("kimi_linear").chunk_kimi_delta_attention(*args, **kw)
+    got = scans64.kimi_delta_rule(*args, **kw)
+    assert _close32(got[0], ref[0]) and _close32(got[1], ref[1])
+
+
+def _mamba2_inputs(b=2, t=19, h=4, p=3, g=2, n=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    return (rnd(b, t, h, p), rnd(b, t, h), -torch.rand(h, generator=gen) - 0.3, rnd(b, t, g, n), rnd(b, t, g, n)), {
+        "chunk_size": 8, "D": rnd(h), "dt_bias": rnd(h), "initial_states": rnd(b, h, p, n), "dt_softplus": True,
+        "dt_limit": (0.0, float("inf")), "return_final_states": True}
+
+
+def _mamba_inputs(b=2, t=19, i=6, n=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    return (rnd(b, i, t), rnd(b, i, t), -torch.rand(i, n, generator=gen) - 0.3, rnd(b, n, t), rnd(b, n, t)), {
+        "D": rnd(i), "z": rnd(b, i, t), "delta_bias": rnd(i), "delta_softplus": True, "return_last_state": True}
+
+
+def test_float64_mamba_scans_are_the_models_kernels():
+    args, kw = _mamba2_inputs()
+    ref, got = _modeling("bamba").mamba2_chunk_scan(*args, **kw), scans64.mamba2_scan(*args, **kw)
+    assert _close32(got[0], ref[0]) and _close32(got[1], ref[1])
+    args, kw = _mamba_inputs()
+    ref, got = _modeling("jamba").mamba_selective_scan(*args, **kw), scans64.selective_scan(*args, **kw)
+    assert _close32(got[0], ref[0]) and _close32(got[1], ref[1])
+
+
+MIXER_MODULES = {"Qwen3NextGatedDeltaNet": "qwen3_next", "Qwen3_5GatedDeltaNet": "qwen3_5",
+                 "Qwen3_5MoeGatedDeltaNet": "qwen3_5_moe", "OlmoHybridGatedDeltaNet": "olmo_hybrid",
+                 "KimiLinearDeltaAttention": "kimi_linear", "BailingHybridDeltaAttention": "bailing_hybrid",
+                 "BambaMixer": "bamba", "NemotronHMamba2Mixer": "nemotron_h", "Zamba2MambaMixer": "zamba2",
+                 "GraniteMoeHybridMambaLayer": "granitemoehybrid", "FalconH1Mixer": "falcon_h1",
+                 "JambaMambaMixer": "jamba", "ZambaMambaMixer": "zamba"}
+
+
+def test_every_recurrent_family_runs_state_passing():
+    """Every class issue 28 names lists ``"state"``; the rest (in attention-free models, which
+    parallelize refuses) are the only ones gathered."""
+    stated = {name for name, f in HANDLED_MIXERS.items() if STATE in f.modes}
+    assert stated == set(MIXER_MODULES), stated ^ set(MIXER_MODULES)
+    gathered = {name for name, f in HANDLED_MIXERS.items() if f.modes[0] == "gather"}
+    assert gathered == {"Mamba2Mixer", "MambaMixer", "FalconMambaMixer"}, gathered
+
+
+@pytest.mark.parametrize("cls", sorted(MIXER_MODULES))
+def test_each_family_calls_the_kernels_it_declares(cls):
+    """compat: the class's forward still calls its declared convolution, scan and fused names as
+    globals of its modeling module (transformers 5.24)."""
+    module = _modeling(MIXER_MODULES[cls])
+    kernels = HANDLED_MIXERS[cls].state
+    assert calls_kernels(getattr(module, cls), (kernels.conv, kernels.scan, *kernels.fused))
+    assert not calls_kernels(getattr(module, cls), ("a_kernel_it_does_not_call",))
+
+
+def test_kernels_replaced_restores_on_error():
+    module = _modeling("bamba")
+    original = module.mamba2_chunk_scan
+    with pytest.raises(RuntimeError, match="inside"):
+        with kernels_replaced(module, {"mamba2_chunk_scan": lambda *a, **k: None}) as saved:
+            assert saved["mamba2_chunk_scan"] is original and module.mamba2_chunk_scan is not original
+            raise RuntimeError("inside")
+    assert module.mamba2_chunk_scan is original
+
+
+def test_kernel_call_keeps_the_callers_convention():
+    seen = []
+
+    def kernel(query, key, value, g=None, beta=None, initial_state=None, **kwargs):
+        seen.append((query, key, value, g, initial_state, kwargs))
+        return "out"
+
+    call = KernelCall(kernel, ("q", "k", "v"), {"g": "g", "cu_seqlens": None})
+    assert call["initial_state"] is None and call["value"] == "v" and call["beta"] is None
+    assert call.replace(value="v2", initial_state="s")() == "out"
+    assert seen == [("q", "k", "v2", "g", "s", {"cu_seqlens": None})]
+    assert call.values["value"] == "v"  # replace() leaves the call as it was
+
+
+def test_family_of_recurrent_mixers():
+    from seqpar.testing.zoo import build_tiny
+
+    model = build_tiny("qwen3_next", layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
+    families = {family_of(m).name for m in model.modules() if family_of(m) is not None}
+    assert families == {"Gated DeltaNet (Qwen3-Next)"}
+
+
+# ---------------------------------------------------------------------------------------------
+# the choice between "state" and "heads" (pure)
+# ---------------------------------------------------------------------------------------------
+
+def test_choice_rule_is_the_closed_form_and_independent_of_s():
+    from types import SimpleNamespace
+
+    from seqpar.integrations.mixers import choice
+
+    family = HANDLED_MIXERS["Qwen3NextGatedDeltaNet"]
+    module = SimpleNamespace(num_v_heads=32, head_k_dim=128)
+    machine = choice.MACHINES["cpu"]
+    e = family.state_extra_flops(module)
+    assert e == 3 * 32 * (3 * 64 * 128 + 6 * 128 * 128)
+    for p, d in ((1, 2048), (2, 64), (2, 2048), (8, 2048), (4, 256)):
+        x = torch.empty(1, 8, d)
+        picks = set()
+        for s in (4096, 65536, 1 << 20):
+            batch = SimpleNamespace(sp_size=p, shard=SimpleNamespace(seq_lens=(s // p,) * p))
+            state_s, heads_s = choice.estimate(family, module, x, batch)
+            picks.add(state_s <= heads_s)
+        assert picks == {e * machine.bandwidth <= 4 * (p - 1) * d * 4 * machine.flops}, (p, d)
+        if p == 1:
+            assert picks == {False}  # heads: the module whole, nothing moved, nothing added
+
+
+# ---------------------------------------------------------------------------------------------
+# whole models on gloo: float64 parity with float64 scans, the models' own float32 scans, counts
+# ---------------------------------------------------------------------------------------------
+
+FAMILIES = {  # every family issue 28 names -> a zoo model (tiny, float64) with it next to attention
+    "qwen3_next": "Qwen3NextGatedDeltaNet", "qwen3_5_text": "Qwen3_5GatedDeltaNet",
+    "olmo_hybrid": "OlmoHybridGatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention",
+    "bailing_hybrid": "BailingHybridDeltaAttention", "bamba/attention-layers": "BambaMixer",
+    "nemotron_h": "NemotronHMamba2Mixer", "zamba2/hybrid-layers": "Zamba2MambaMixer",
+    "granitemoehybrid/attention-layers": "GraniteMoeHybridMambaLayer", "falcon_h1": "FalconH1Mixer",
+    "jamba/attention-layers": "JambaMambaMixer", "zamba": "ZambaMambaMixer",
+}
+QUICK_FAMILIES = ["qwen3_next", "kimi_linear", "bamba/attention-layers", "jamba/attention-layers"]  # one per scan
+# (batch, length, strategy, layout): lengths no P divides; packed rows hold documents that span ranks
+QUICK = [("padded", 11, "ulysses", "contiguous"), ("packed", 17, "ring", "doc-zigzag")]
+HEAVY = [*QUICK, ("plain", 13, "ulysses", "zigzag"), ("padded", 16, "ring", "zigzag"),
+         ("packed", 19, "ulysses", "contiguous"), ("plain", 3, "ulysses", "contiguous")]  # 1-token shards at P = 3
+
+
+def _model(family):
+    from seqpar.testing.zoo import VARIANTS, build_tiny
+
+    model_type, overrides = VARIANTS.get(family, (family, {}))
+    return build_tiny(model_type, **overrides)
+
+
+def _sp_grads(model, batch, mesh, strategy, layout, mode):
+    """Loss and synced gradients of a parallelized deep copy of ``model`` in mixer mode ``mode``,
+    and the modes its mixers ran in."""
+    import copy
+
+    import seqpar
+    from seqpar.integrations.mixers import chosen_modes, set_mixer_mode
+
+    sp = copy.deepcopy(model)
+    seqpar.parallelize(sp, mesh, strategy=strategy)
+    try:
+        set_mixer_mode(sp, mode)
+        loss = sp(**seqpar.shard_batch(batch, mesh, layout=layout)).loss
+        loss.backward()
+        seqpar.sync_gradients(sp, mesh)
+        modes = chosen_modes(sp)
+    finally:
+        seqpar.unparallelize(sp)
+    return float(loss.detach()), {n: q.grad for n, q in sp.named_parameters()}, modes
+
+
+def _diff(a, b):
+    if a is None and b is None:
+        return 0.0
+    a, b = (x if x is not None else torch.zeros_like(y) for x, y in ((a, b), (b, a)))
+    return float((a - b).abs().max())
+
+
+def _strict_rows(rank, world, families, sizes, grid, mode="state"):
+    """With float64 scans (:mod:`seqpar.testing.scans64`) every family x case x SP size: the loss
+    within 1e-9 and every gradient within 1e-8 of the unsharded model's, except the parameters the
+    model itself sums in float32 (its ``A_log.float()``, float32 norms and routers: measured by
+    precision_floor), those within float32 precision (F32_RTOL, relative). This rank's rows."""
+    from seqpar.integrations.models import decoder_config
+    from seqpar.testing.model_parity import (
+        F32_RTOL,
+        GRAD_TOL,
+        LOSS_TOL,
+        ModelCase,
+        case_batch,
+        precision_floor,
+        reference_grads,
+        sp_meshes,
+    )
+    from seqpar.testing.scans64 import float64_scans
+
+    torch.set_num_threads(1)
+    meshes = {s: sp_meshes(world, sizes, s) for s in dict.fromkeys(g[2] for g in grid)}
+    rows = []
+    for family in families:
+        model = _model(family)
+        vocab = decoder_config(model.config)[0].vocab_size
+        with float64_scans(model):
+            floor = precision_floor(model, case_batch(ModelCase(batch="packed", seq=17), vocab))
+            for kind, seq, strategy, layout in grid:
+                batch = case_batch(ModelCase(batch=kind, seq=seq), vocab)
+                ref_loss, ref = reference_grads(model, batch)
+                for p, mesh in meshes[strategy].items():
+                    if mesh is None or seq < p:
+                        continue
+                    loss, grads, modes = _sp_grads(model, batch, mesh, strategy, layout, mode)
+                    strict = max((_diff(grads[n], ref[n]) for n in ref if n not in floor.params), default=0.0)
+                    f32 = max((_diff(grads[n], ref[n]) / max(float(ref[n].abs().max()), 1e-30) for n in ref
+                               if n in floor.params and _diff(grads[n], ref[n]) > GRAD_TOL), default=0.0)
+                    loss_tol = max(LOSS_TOL, F32_RTOL * abs(ref_loss)) if floor.loss else LOSS_TOL
+                    rows.append({"family": family, "case": (kind, seq, strategy, layout), "P": p, "modes": modes,
+                                 "loss_diff": abs(loss - ref_loss), "strict": strict, "f32_rel": f32,
+                                 "ok": abs(loss - ref_loss) <= loss_tol and strict <= GRAD_TOL and f32 <= F32_RTOL})
+    return rows
+
+
+def _check_strict(rows, families, sizes, grid, mode="state"):
+    assert {(r["family"], r["P"]) for r in rows} >= {(f, p) for f in families for p in sizes}, rows
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+    assert all(r["modes"] == {FAMILIES[r["family"]]: mode} for r in rows), [r["modes"] for r in rows]
+
+
+def _as_shipped(rank, world, families, grid):
+    """The models' own float32 scans (transformers' torch code) under state passing, against the
+    float64 truth (float64 scans, unsharded): the sharded model's largest relative error over the
+    loss and every gradient, and the unsharded float32 model's own (state passing regroups the
+    scans' float32 rounding and must add no error of its own beyond that)."""
+    from seqpar.integrations.models import decoder_config
+    from seqpar.testing.model_parity import ModelCase, case_batch, reference_grads, sp_meshes
+    from seqpar.testing.scans64 import float64_scans
+
+    torch.set_num_threads(1)
+
+    def rel(loss, grads, truth_loss, truth):
+        return max(abs(loss - truth_loss) / abs(truth_loss),
+                   *(_diff(grads[n], truth[n]) / max(float(truth[n].abs().max()), 1e-30) for n in truth
+                     if truth[n] is not None))
+
+    rows = []
+    for family in families:
+        model = _model(family)
+        vocab = decoder_config(model.config)[0].vocab_size
+        for kind, seq, strategy, layout in grid:
+            batch = case_batch(ModelCase(batch=kind, seq=seq), vocab)
+            with float64_scans(model):
+                truth_loss, truth = reference_grads(model, batch)
+            mesh = sp_meshes(world, (world,), strategy)[world]
+            loss, grads, modes = _sp_grads(model, batch, mesh, strategy, layout, "state")
+            rows.append({"family": family, "case": (kind, seq, strategy, layout), "modes": modes,
+                         "sharded": rel(loss, grads, truth_loss, truth),
+                         "own": rel(*reference_grads(model, batch), truth_loss, truth)})
+    return rows
+
+
+def _layer_counts(rank, world):
+    """Collectives and their bytes of one state-passing mixer layer, forward and backward, at two
+    sequence lengths (contiguous rows and packed zigzag rows); whole-model forward / backward
+    counts of a Qwen3-Next with two Gated DeltaNet layers; Zamba (one scan call per Mamba head)."""
+    import seqpar
+    from seqpar.batch.sharding import BATCH_KWARG
+    from seqpar.comm.counting import count_collective_bytes, count_collectives
+    from seqpar.integrations.mixers import describe_token_mixers, set_mixer_mode, token_mixers
+    from seqpar.integrations.models import decoder_config
+    from seqpar.testing.model_parity import ModelCase, case_batch
+    from seqpar.testing.zoo import build_tiny
+
+    torch.set_num_threads(1)
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    out = {}
+    two = {"layer_types": ["linear_attention", "linear_attention", "full_attention"], "num_hidden_layers": 3}
+    for name, model in (("qwen3_next", build_tiny("qwen3_next", **two)), ("zamba", _model("zamba"))):
+        seqpar.parallelize(model, mesh)
+        before = describe_token_mixers(model)
+        set_mixer_mode(model, "state")
+        vocab = decoder_config(model.config)[0].vocab_size
+        _, mixer = token_mixers(model)[0]
+        layer = {}
+        for kind, seq, layout in (("plain", 64, "contiguous"), ("plain", 256, "contiguous"),
+                                  ("packed", 64, "zigzag"), ("packed", 256, "zigzag")):
+            local = seqpar.shard_batch(case_batch(ModelCase(batch=kind, seq=seq), vocab), mesh, layout=layout)
+            x = torch.randn(2, local["input_ids"].shape[1], model.config.hidden_size, dtype=torch.float64,
+                            requires_grad=True)
+            with count_collectives() as fwd, count_collective_bytes() as fwd_bytes:
+                y = mixer(x, seqpar_batch=local[BATCH_KWARG])
+            with count_collectives() as bwd, count_collective_bytes() as bwd_bytes:
+                y.sum().backward()
+            layer[(kind, seq, layout)] = (dict(fwd), dict(bwd), sum(fwd_bytes.values()) + sum(bwd_bytes.values()))
+        local = seqpar.shard_batch(case_batch(ModelCase(batch="padded", seq=11), vocab), mesh)
+        with count_collectives() as whole_fwd:
+            loss = model(**local).loss
+        with count_collectives() as whole_bwd:
+            loss.backward()
+        out[name] = {"layer": layer, "whole": (dict(whole_fwd), dict(whole_bwd)), "before": before,
+                     "after": describe_token_mixers(model), "mixers": len(token_mixers(model)),
+                     "heads": getattr(mixer, "n_mamba_heads", 1),
+                     "attention": sum(t in ("full_attention", "hybrid") for t in getattr(model.config, "layer_types",
+                                                                                      None) or [])}
+        seqpar.unparallelize(model)
+    return out
+
+
+def _default_run(rank, world):
+    return {"strict": _strict_rows(rank, world, QUICK_FAMILIES, (world,), QUICK),
+            "shipped": _as_shipped(rank, world, ["qwen3_next", "bamba/attention-layers"], QUICK),
+            "counts": _layer_counts(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def default_run():
+    from seqpar.comm.launch import run_distributed
+
+    return run_distributed(_default_run, 2, timeout=900)
+
+
+@pytest.mark.distributed
+def test_state_passing_float64_exact_at_p2(default_run):
+    """One family per scan (Gated DeltaNet, Kimi delta attention, Mamba2, Mamba), padded rows and
+    packed rows whose documents span the ranks (doc-zigzag), uneven lengths."""
+    _check_strict(default_run[0]["strict"], QUICK_FAMILIES, (2,), QUICK)
+
+
+@pytest.mark.distributed
+def test_state_passing_with_the_models_float32_scans(default_run):
+    """As shipped, the scans compute in float32: the sharded model is as close to the float64
+    truth as the unsharded one (within twice its largest relative error, which is float32's: > 1e-8)."""
+    for r in default_run[0]["shipped"]:
+        assert r["modes"] == {FAMILIES[r["family"]]: "state"}, r
+        assert 1e-8 < r["own"] and r["sharded"] <= 2 * r["own"], r
+
+
+@pytest.mark.distributed
+def test_collectives_and_bytes_per_state_passing_layer(default_run):
+    for res in default_run:
+        gdn, zamba = res["counts"]["qwen3_next"], res["counts"]["zamba"]
+        for r, gathers in ((gdn, 2), (zamba, 1 + zamba["heads"])):  # the halo's tails, then (M, B) per scan call
+            for fwd, bwd, _ in r["layer"].values():
+                assert fwd == {"all_gather_flat": gathers} and bwd == {"reduce_scatter_flat": gathers}, r["layer"]
+            sizes = {k: b for k, (_, _, b) in r["layer"].items()}
+            # independent of S: 64 and 256 tokens move the same bytes (contiguous rows; packed zigzag rows)
+            assert sizes[("plain", 64, "contiguous")] == sizes[("plain", 256, "contiguous")], sizes
+            assert sizes[("packed", 64, "zigzag")] == sizes[("packed", 256, "zigzag")], sizes
+        # whole Qwen3-Next (2 Gated DeltaNet layers, 1 attention): per attention layer Ulysses' 2
+        # exchanges each way, the loss's all-reduce, the backward's failure check (test_hf)
+        m, a = gdn["mixers"], gdn["attention"]
+        assert gdn["whole"] == ({"batch_isend_irecv": 2 * a, "all_reduce": 1, "all_gather_flat": 2 * m},
+                                {"batch_isend_irecv": 2 * a, "all_gather_flat": 1, "reduce_scatter_flat": 2 * m}), gdn
+        assert "not run yet" in gdn["before"] and "state passing" in gdn["after"], gdn
+        assert "set by set_mixer_mode" in gdn["after"], gdn
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_state_passing_float64_exact_p1_to_p4():
+    """Every family issue 28 names, P = 1..4, uneven lengths, padded / packed / plain rows,
+    contiguous, zigzag and doc-zigzag layouts, Ulysses and ring."""
+    from seqpar.comm.launch import run_distributed
+
+    rows = run_distributed(_strict_rows, 4, list(FAMILIES), (1, 2, 3, 4), HEAVY, timeout=3600)[0]
+    _check_strict(rows, list(FAMILIES), (1, 2, 3, 4), HEAVY)
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_state_passing_float64_exact_hybrid_strategy():
+    from seqpar.comm.launch import run_distributed
+
+    grid = [("packed", 17, "hybrid", "doc-zigzag"), ("padded", 15, "hybrid", "zigzag")]
+    rows = run_distributed(_strict_rows, 4, list(FAMILIES), (4,), grid, timeout=1800)[0]
+    _check_strict(rows, list(FAMILIES), (4,), grid)
