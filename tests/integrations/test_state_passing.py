@@ -247,32 +247,6 @@ def test_family_of_recurrent_mixers():
 
 
 # ---------------------------------------------------------------------------------------------
-# the choice between "state" and "heads" (pure)
-# ---------------------------------------------------------------------------------------------
-
-def test_choice_rule_is_the_closed_form_and_independent_of_s():
-    from types import SimpleNamespace
-
-    from seqpar.integrations.mixers import choice
-
-    family = HANDLED_MIXERS["Qwen3NextGatedDeltaNet"]
-    module = SimpleNamespace(num_v_heads=32, head_k_dim=128)
-    machine = choice.MACHINES["cpu"]
-    e = family.state_extra_flops(module)
-    assert e == 3 * 32 * (3 * 64 * 128 + 6 * 128 * 128)
-    for p, d in ((1, 2048), (2, 64), (2, 2048), (8, 2048), (4, 256)):
-        x = torch.empty(1, 8, d)
-        picks = set()
-        for s in (4096, 65536, 1 << 20):
-            batch = SimpleNamespace(sp_size=p, shard=SimpleNamespace(seq_lens=(s // p,) * p))
-            state_s, heads_s = choice.estimate(family, module, x, batch)
-            picks.add(state_s <= heads_s)
-        assert picks == {e * machine.bandwidth <= 4 * (p - 1) * d * 4 * machine.flops}, (p, d)
-        if p == 1:
-            assert picks == {False}  # heads: the module whole, nothing moved, nothing added
-
-
-# ---------------------------------------------------------------------------------------------
 # whole models on gloo: float64 parity with float64 scans, the models' own float32 scans, counts
 # ---------------------------------------------------------------------------------------------
 
@@ -455,8 +429,39 @@ def _layer_counts(rank, world):
     return out
 
 
+def _choice(rank, world):
+    """A Qwen3-Next left to choose: its first forward measures state passing and split by heads
+    once (one all-reduce of the times), the second reuses the decision; no parameter gradient and
+    no random state is touched by measuring."""
+    import seqpar
+    from seqpar.comm.counting import count_collectives
+    from seqpar.integrations.mixers import chosen_modes, describe_token_mixers
+    from seqpar.integrations.models import decoder_config
+    from seqpar.testing.model_parity import ModelCase, case_batch
+    from seqpar.testing.zoo import build_tiny
+
+    torch.set_num_threads(1)
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    model = build_tiny("qwen3_next", layer_types=["linear_attention", "linear_attention", "full_attention"],
+                       num_hidden_layers=3)
+    seqpar.parallelize(model, mesh)
+    local = seqpar.shard_batch(case_batch(ModelCase(batch="packed", seq=17), decoder_config(model.config)[0]
+                                          .vocab_size), mesh)
+    rng = torch.get_rng_state()
+    with count_collectives() as first:
+        model(**local)
+    untouched = all(q.grad is None for q in model.parameters()) and torch.equal(rng, torch.get_rng_state())
+    with count_collectives() as second:
+        model(**local).loss.backward()
+    out = {"first": dict(first), "second": dict(second), "untouched": untouched, "modes": chosen_modes(model),
+           "said": describe_token_mixers(model)}
+    seqpar.unparallelize(model)
+    return out
+
+
 def _default_run(rank, world):
-    return {"strict": _strict_rows(rank, world, QUICK_FAMILIES, (world,), QUICK),
+    return {"choice": _choice(rank, world),
+            "strict": _strict_rows(rank, world, QUICK_FAMILIES, (world,), QUICK),
             "shipped": _as_shipped(rank, world, ["qwen3_next", "bamba/attention-layers"], QUICK),
             "counts": _layer_counts(rank, world)}
 
@@ -502,6 +507,18 @@ def test_collectives_and_bytes_per_state_passing_layer(default_run):
                                 {"batch_isend_irecv": 2 * a, "all_gather_flat": 1, "reduce_scatter_flat": 2 * m}), gdn
         assert "not run yet" in gdn["before"] and "state passing" in gdn["after"], gdn
         assert "set by set_mixer_mode" in gdn["after"], gdn
+
+
+@pytest.mark.distributed
+def test_mode_is_measured_once_and_said(default_run):
+    choices = [r["choice"] for r in default_run]
+    first, second = choices[0]["first"], choices[0]["second"]
+    # the first forward: the loss's all-reduce and one of the measurement (one mixer class)
+    assert first["all_reduce"] == 2 and second["all_reduce"] == 1, choices[0]
+    assert all(c["untouched"] for c in choices), choices
+    modes = {tuple(sorted(c["modes"].items())) for c in choices}  # the same decision on every rank
+    assert len(modes) == 1 and set(choices[0]["modes"].values()) <= {"state", "heads"}, modes
+    assert "measured state" in choices[0]["said"] and "heads" in choices[0]["said"], choices[0]["said"]
 
 
 @pytest.mark.heavy

@@ -257,6 +257,7 @@ class ZooRow:
     detail: str = ""
     loss_diff: float = 0.0
     grad_max: float = 0.0
+    mixer_modes: tuple[str, ...] = ()  # "Class=mode" of each hybrid token mixer, as it ran
 
 
 def _agreed(outcome: str, detail: str, group: dist.ProcessGroup) -> tuple[str, str]:
@@ -354,16 +355,18 @@ def _compared(name: str, model: nn.Module, mesh: DeviceMesh, runnable: list[str]
         for kind, _ in BATCHES:
             batch, ref = refs[kind]
             outcome, detail, loss_diff, grad_max = ("exact (float32 model)" if floor else "exact"), "", 0.0, 0.0
+            ran: tuple[str, ...] = ()
             try:
                 r = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=ref, floor=floor,
                                    mixer_mode=mode)
                 loss_diff, grad_max = r["loss_diff"], r["grad_max"]
+                ran = tuple(f"{c}={m}" for c, m in sorted(r["mixer_modes"].items()))
                 if not r["ok"]:
                     outcome, detail = "mismatch", f"worst {r['worst_param']}"
             except Exception as e:
                 outcome, detail = verdict(e)
             outcome, detail = _agreed(outcome, detail, group)
-            rows.append(ZooRow(name, strategy, kind, p, outcome, detail[:2000], loss_diff, grad_max))
+            rows.append(ZooRow(name, strategy, kind, p, outcome, detail[:2000], loss_diff, grad_max, ran))
     return rows
 
 

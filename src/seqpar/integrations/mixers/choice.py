@@ -1,49 +1,35 @@
 """Which run mode a handled token mixer takes: the first of its family's modes that fits, except
-where both ``"state"`` and ``"heads"`` fit -- then the one with the smaller estimated time per
-rank, from two measured machine constants. Pure arithmetic, the same on every rank (it reads the
-batch's shape, the mesh size and the module's dimensions, never a clock).
+where both ``"state"`` and ``"heads"`` fit on more than one rank -- then the one measured faster.
 
-Per layer and rank, forward and backward, both modes compute the layer's projections, gates and
-norms for ``S/P`` tokens' worth and the scan for ``S/P`` tokens' worth; what differs is::
-
-    heads   moves the layer's input and output, 4 (P-1)/P B S D b bytes (all-gather and
-            reduce-scatter, each way), and holds the input whole
-    state   computes the scan's extra work (:mod:`.state_scans`: ``e`` flops per token, forward and
-            backward: the family's ``state_extra_flops``) and moves a few matrices per piece
-
-so with ``F`` the scan kernels' flop rate and ``W`` the bandwidth of an all-gather of the sp group::
-
-    state  iff  B (S/P) e / F  <=  4 (P-1)/P B S D b / W     <=>     e W  <=  4 (P-1) D b F
-
-independent of S (both grow linearly; state's memory stays O(S/P) either way, heads' O(S)). At
-P = 1 heads (the module whole, no communication) is cheaper; the benchmark
-(``benchmarks/bench_mixers.py``) prints the predicted and the measured times of both.
+The two cost different things: state passing computes the scan's extra work (:mod:`.state_scans`)
+on ``S/P`` tokens and moves a few matrices; split by heads moves the layer's input and output
+(``O(S D)`` bytes each way) and holds the input whole. Which is faster depends on the kernels (a
+scan that loops token by token favours the shorter shard) and on the links, so seqpar measures it:
+the first call of a mixer class at a given P and dtype runs one forward and backward of the layer in
+each mode on ``CALIBRATION_TOKENS`` random tokens per rank (its own generator, so the caller's random
+state is untouched; gradients taken with ``torch.autograd.grad``, so no ``.grad`` changes), twice,
+keeps each mode's faster run, takes the slowest rank's time (one all-reduce) and keeps the decision
+for the model. Both modes cost time linear in S, so the decision carries over to any length; every
+rank makes it from the same numbers. At P = 1 heads runs the layer whole (nothing moved, nothing
+added): chosen without measuring.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from ...attention.shard import SeqShard
 from ...batch.sharding import LocalBatch
+from ...comm.collectives import comm_device
 from .registry import HEADS, STATE, MixerFamily, mode_named
 
-
-@dataclass(frozen=True)
-class Machine:
-    """``flops``: the scan kernels' effective rate per rank (flop/s); ``bandwidth``: bytes per
-    second a rank moves in the sp group's all-gather / reduce-scatter; ``source``: where from."""
-
-    flops: float
-    bandwidth: float
-    source: str
-
-
-MACHINES = {
-    "cpu": Machine(2.0e9, 4.0e8, "measured: benchmarks/bench_mixers.py --calibrate, 2 CPU cores, gloo, 2026-12-02"),
-    "cuda": Machine(5.0e13, 1.5e11, "assumed (H100 / H200 class with NVLink), not measured"),
-}
+CALIBRATION_TOKENS = 512
+"""Tokens per rank of the measurement (a plain row, contiguous layout)."""
 
 
 @dataclass(frozen=True)
@@ -54,40 +40,51 @@ class Choice:
     reason: str
 
 
-def choose(family: MixerFamily, module: nn.Module, x: Tensor, batch: LocalBatch) -> Choice:
-    """The run mode of ``module`` on this call (see the module doc)."""
+def choose(family: MixerFamily, module: nn.Module, x: Tensor, batch: LocalBatch, group: dist.ProcessGroup,
+           measured: dict[tuple[object, ...], Choice]) -> Choice:
+    """The run mode of ``module`` on this call (see the module doc); ``measured`` keeps the
+    decisions made by measuring (the caller's, one per model)."""
     fitting = [m for m in family.modes if mode_named(m).fits(family, module, batch)]
     if not (STATE in fitting and HEADS in fitting):
         return Choice(fitting[0], "the first of its modes that fits")
-    state_s, heads_s = estimate(family, module, x, batch)
-    mode = STATE if state_s <= heads_s else HEADS
-    return Choice(mode, f"estimated {state_s * 1e3:.3g} ms (state) vs {heads_s * 1e3:.3g} ms (heads) per rank beyond "
-                        f"their common work, S={sum(batch.shard.seq_lens)}, P={batch.sp_size}")
+    if batch.sp_size == 1:
+        return Choice(HEADS, "one rank: the layer whole, nothing moved")
+    key = (type(module).__name__, batch.sp_size, x.dtype, x.device.type)
+    if key not in measured:
+        seconds = measure(family, module, x, batch, group, (STATE, HEADS))
+        mode = min(seconds, key=seconds.__getitem__)
+        measured[key] = Choice(mode, "measured " + ", ".join(f"{m} {s * 1e3:.3g} ms" for m, s in seconds.items())
+                               + f" (forward + backward, {CALIBRATION_TOKENS} tokens per rank, P={batch.sp_size})")
+    return measured[key]
 
 
-def estimate(family: MixerFamily, module: nn.Module, x: Tensor, batch: LocalBatch) -> tuple[float, float]:
-    """``(state, heads)``: the seconds each mode spends beyond their common work, on this rank."""
-    machine = MACHINES["cuda" if x.device.type == "cuda" else "cpu"]
-    p, s, rows = batch.sp_size, sum(batch.shard.seq_lens), x.shape[0]
-    state = rows * s / p * family.state_extra_flops(module) / machine.flops
-    heads = 4 * (p - 1) / p * rows * s * x.shape[-1] * x.element_size() / machine.bandwidth
-    return state, heads
+def measure(family: MixerFamily, module: nn.Module, x: Tensor, batch: LocalBatch, group: dist.ProcessGroup,
+            modes: tuple[str, ...]) -> dict[str, float]:
+    """Seconds of one forward + backward of ``module`` in each of ``modes`` on a plain row of
+    :data:`CALIBRATION_TOKENS` tokens per rank -- the faster of two runs, the slowest rank's (every
+    rank runs the same collectives). Parameter ``.grad`` and the global random state are untouched."""
+    p, t = batch.sp_size, CALIBRATION_TOKENS
+    plain = LocalBatch(SeqShard((t,) * p), sp_rank=batch.sp_rank, sp_size=p, dp_size=1, denominator=1.0,
+                       num_items_in_batch=None, loss_weights=None)
+    gen = torch.Generator(x.device).manual_seed(batch.sp_rank)
+    sample = torch.randn(1, t, x.shape[-1], generator=gen, device=x.device, dtype=x.dtype)
+    params = [q for q in module.parameters() if q.requires_grad]
+    best = {m: float("inf") for m in modes}
+    for _ in range(2):
+        for mode in modes:
+            inp = sample.clone().requires_grad_()
+            _sync(x)
+            start = time.perf_counter()
+            with torch.enable_grad():
+                out = mode_named(mode).run(family, module, inp, plain, group)
+                torch.autograd.grad(out.float().square().sum(), [inp, *params], allow_unused=True)
+            _sync(x)
+            best[mode] = min(best[mode], time.perf_counter() - start)
+    times = torch.tensor([best[m] for m in modes], dtype=torch.float64, device=comm_device(group))
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(modes, times.tolist(), strict=True))
 
 
-def gated_delta_extra(heads: int, k: int, chunk: int = 64) -> float:
-    """Flops per token, forward and backward (3x forward), of a delta rule's ``K`` extra value
-    columns: their triangular solve and intra-chunk product (``3 c K``) and three state products
-    (``6 K^2``) per head."""
-    return 3.0 * heads * (3 * chunk * k + 6 * k * k)
-
-
-def mamba2_extra(heads: int, head_dim: int, state: int, chunk: int) -> float:
-    """Flops per token, forward and backward, of Mamba2's second scan: per head ``2 c (N + P)``
-    (the chunk's C B^T and its product with x) and ``4 P N`` (states in and out)."""
-    return 3.0 * heads * (2 * chunk * (state + head_dim) + 4 * head_dim * state)
-
-
-def mamba_extra(channels: int, state: int) -> float:
-    """Flops per token, forward and backward (recomputed), of Mamba's carried term: ``4 N`` per
-    channel forward, twice that backward, once more recomputed."""
-    return 16.0 * channels * state
+def _sync(x: Tensor) -> None:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from .choice import gated_delta_extra
 from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
 from .state_scans import DELTA_RULE
 from .views import conv_view, linear_view, plain, view_module
@@ -28,10 +27,6 @@ class GatedDeltaNet(MixerFamily):
 
     def units(self, module: nn.Module) -> int:
         return module.num_k_heads
-
-    def state_extra_flops(self, module: nn.Module) -> float:
-        """What ``"state"`` adds per token (:mod:`.choice`): ``K`` more value columns per value head."""
-        return gated_delta_extra(module.num_v_heads, module.head_k_dim)
 
     def split_fits(self, module: nn.Module, p: int) -> bool:
         """Plain bias-free projections (a convolution bias is sliced) and whole value-head groups

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from .choice import gated_delta_extra
 from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
 from .state_scans import DELTA_RULE
 from .views import conv_view, linear_view, plain, view_module
@@ -22,10 +21,6 @@ _LINEAR = ("q_proj", "k_proj", "v_proj", "b_proj", "g_b_proj", "o_proj")
 class KimiDeltaAttention(MixerFamily):
     def units(self, module: nn.Module) -> int:
         return module.num_heads
-
-    def state_extra_flops(self, module: nn.Module) -> float:
-        """What ``"state"`` adds per token (:mod:`.choice`): ``K`` more value columns per head."""
-        return gated_delta_extra(module.num_heads, module.head_dim)
 
     def split_fits(self, module: nn.Module, p: int) -> bool:
         """Plain bias-free projections and convolution, one decay per head in ``A_log``."""

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...comm.gather import all_reduce_sum
-from .choice import mamba_extra
 from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
 from .state_scans import MAMBA
 from .views import conv_view, linear_view, plain, view_module
@@ -22,10 +21,6 @@ from .views import conv_view, linear_view, plain, view_module
 class MambaChannels(MixerFamily):
     def units(self, module: nn.Module) -> int:
         return module.intermediate_size
-
-    def state_extra_flops(self, module: nn.Module) -> float:
-        """What ``"state"`` adds per token (:mod:`.choice`): the carried term per channel."""
-        return mamba_extra(module.intermediate_size, module.ssm_state_size)
 
     def split_fits(self, module: nn.Module, p: int) -> bool:
         """Plain bias-free projections (``dt_proj``'s bias and the convolution's are sliced), every

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...comm.gather import all_reduce_sum
-from .choice import mamba2_extra
 from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
 from .state_scans import MAMBA2
 from .views import conv_view, linear_view, plain, view_module
@@ -30,10 +29,6 @@ from .views import conv_view, linear_view, plain, view_module
 class Mamba2(MixerFamily):
     def units(self, module: nn.Module) -> int:
         return module.num_heads if module.n_groups == 1 else module.n_groups
-
-    def state_extra_flops(self, module: nn.Module) -> float:
-        """What ``"state"`` adds per token (:mod:`.choice`): the scan once more, from the states."""
-        return mamba2_extra(module.num_heads, module.head_dim, module.ssm_state_size, module.chunk_size)
 
     def split_fits(self, module: nn.Module, p: int) -> bool:
         """Plain bias-free projections (a convolution bias is sliced); whole groups (two or more),

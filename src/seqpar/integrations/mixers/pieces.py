@@ -25,8 +25,9 @@ in the chain, so a prefix over the chains runs one batched step per level.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -55,9 +56,11 @@ class Piece:
 
 @dataclass(frozen=True)
 class PiecePlan:
-    """Every rank's pieces of one batch (see the module doc)."""
+    """Every rank's pieces of one batch (see the module doc). ``cache``: what the layers of the
+    batch would otherwise rebuild per call (index tensors), kept as long as the plan."""
 
     by_rank: tuple[tuple[Piece, ...], ...]
+    cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:

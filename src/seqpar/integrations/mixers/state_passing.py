@@ -126,8 +126,11 @@ class _Call:
         tails_t = torch.stack(tails) if tails else x.new_zeros(0, c, width)  # [pieces, C, width]
         every = gather_seq(tails_t, dim=0, group=self.group, sizes=self.plan.counts)  # [all pieces, C, width]
         table = torch.cat([every.transpose(1, 2).reshape(-1, c), every.new_zeros(1, c)])  # [all * width + 1, C]
-        idx = torch.tensor(self.plan.halo_index(self.rank, width), device=x.device, dtype=torch.long)
-        return table[idx.view(len(self.pieces), width)].transpose(1, 2), every
+        key = ("halo index", self.rank, width, x.device)
+        if key not in self.plan.cache:
+            self.plan.cache[key] = torch.tensor(self.plan.halo_index(self.rank, width), device=x.device,
+                                                dtype=torch.long).view(len(self.pieces), width)
+        return table[self.plan.cache[key]].transpose(1, 2), every
 
     def scan(self, *args: Any, **kwargs: Any) -> Any:
         """The scan on each piece from its true initial state (see the module doc)."""

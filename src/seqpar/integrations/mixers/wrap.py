@@ -57,12 +57,13 @@ def chosen_modes(model: nn.Module) -> dict[str, str]:
 def run_token_mixer(module: nn.Module, hidden_states: Tensor, batch: LocalBatch, group: dist.ProcessGroup, *,
                     mode: str | None = None) -> Tensor:
     """A handled token mixer on this rank's shard ``hidden_states [B, S/P, D]`` -> its exact
-    unsharded output's shard ``[B, S/P, D']``, in the mode :func:`.choice.choose` picks (or in
-    ``mode``: one of the family's that fits here, for benchmarks and tests that compare them)."""
+    unsharded output's shard ``[B, S/P, D']``, in the mode :func:`.choice.choose` picks (measuring
+    afresh: a parallelized model keeps its decisions) or in ``mode`` (one of the family's that fits
+    here, for benchmarks and tests that compare them)."""
     family = family_of(module)
     assert family is not None, f"{type(module).__name__} is not a token mixer seqpar handles"
     if mode is None:
-        mode = choose(family, module, hidden_states, batch).mode
+        mode = choose(family, module, hidden_states, batch, group, {}).mode
     assert mode in family.modes and mode_named(mode).fits(family, module, batch), \
         f"{family.name} does not run in mode {mode!r} here (its modes: {family.modes})"
     return mode_named(mode).run(family, module, hidden_states, batch, group)
@@ -117,17 +118,19 @@ def wrap_token_mixers(model: nn.Module, mesh: DeviceMesh,
 class ParallelForward:
     """The ``forward`` seqpar binds to the handled token mixers of one model: checks the call,
     picks the run mode (``mode`` when set_mixer_mode forced one and it fits, else
-    :func:`.choice.choose`), runs it and keeps the choice per class (``chosen``)."""
+    :func:`.choice.choose`, whose measured decisions it keeps), runs it and keeps the choice per
+    class (``chosen``)."""
 
     def __init__(self, group: dist.ProcessGroup, last_batch: Callable[[], LocalBatch | None]) -> None:
         self.group, self.last_batch = group, last_batch
         self.mode: str | None = None
         self.chosen: dict[str, Choice] = {}
+        self.measured: dict[tuple[object, ...], Choice] = {}  # choose()'s measured decisions, this model's
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelForward:
         """A deep copy of the model gets its own (same group, same batch source, its own choices)."""
         out = ParallelForward(self.group, self.last_batch)
-        out.mode = self.mode
+        out.mode, out.measured = self.mode, dict(self.measured)
         return out
 
     def __call__(self, module: nn.Module, hidden_states: Tensor, cache: Any = None,
@@ -150,7 +153,7 @@ class ParallelForward:
         if forced is not None and forced in family.modes and mode_named(forced).fits(family, module, batch):
             choice = Choice(forced, "set by set_mixer_mode")
         else:
-            choice = choose(family, module, hidden_states, batch)
+            choice = choose(family, module, hidden_states, batch, self.group, self.measured)
         self.chosen[type(module).__name__] = choice
         return run_token_mixer(module, hidden_states, batch, self.group, mode=choice.mode)
 
