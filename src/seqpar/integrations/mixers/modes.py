@@ -2,7 +2,9 @@
 mixer is causal and runs along the whole sequence (a convolution over time, a recurrence or a
 chunked scan), so on a shard alone it would start from a zero state at every rank but the first.
 Each mode feeds the model's own module (the class's own code and kernels doing the work) what it
-would see unsharded; the wrapper (:mod:`.wrap`) runs the first mode of the family's list that fits.
+would see unsharded; the wrapper (:mod:`.wrap`) runs the mode :mod:`.choice` picks among the
+family's list. The fourth mode, ``"state"`` (state passing: each rank its own tokens, the scan's
+state across ranks), is its own module, :mod:`.state_passing`.
 
 ``"halo"`` (scalable) -- for a mixer that is per-token except for a causal convolution of width
 ``k`` (LFM2's short convolution; the family gives ``halo_width(module) = k - 1``): rank r receives
