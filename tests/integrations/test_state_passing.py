@@ -70,12 +70,19 @@ def _check_plan(shard, rows, segments, keep, widths=(1, 2, 3)):
                 pred = plan.flat[piece.pred]
                 assert pred.row == piece.row and pred.end == piece.origin, (piece, pred)
     assert covered == {(b, o) for b in range(rows) for o in range(s) if doc(b, o) is not None}
+    # sent: exactly the pieces some piece continues, each on another rank than its successor
+    preds = {p.pred for p in plan.flat if p.pred >= 0}
+    sent = [plan.offsets[r] + j for r in range(len(plan.by_rank)) for j in plan.sent[r]]
+    assert sorted(sent) == sorted(preds) and [plan.row[i] for i in sent] == list(range(len(sent)))
+    owner = {plan.offsets[r] + j: r for r, pieces in enumerate(plan.by_rank) for j in range(len(pieces))}
+    assert all(owner[p.pred] != owner[i] for i, p in enumerate(plan.flat) if p.pred >= 0)
     depth = {i: d for d, level in enumerate(plan.levels) for i in level}
-    assert sorted(depth) == list(range(len(plan.flat)))
-    assert all((p.pred < 0) == (depth[i] == 0) and (p.pred < 0 or depth[p.pred] == depth[i] - 1)
-               for i, p in enumerate(plan.flat))
+    assert sorted(depth) == sorted(sent)
+    assert all((plan.flat[i].pred < 0) == (depth[i] == 0) and (plan.flat[i].pred < 0
+               or depth[plan.flat[i].pred] == depth[i] - 1) for i in sent)
     for h in widths:  # tails hold original index + 1 (0: before a piece's start, or the zero row)
-        tails = [o + 1 if o >= p.origin else 0 for p in plan.flat for o in range(p.end - h, p.end)]
+        tails = [o + 1 if o >= plan.flat[i].origin else 0 for i in sent
+                 for o in range(plan.flat[i].end - h, plan.flat[i].end)]
         table = torch.tensor([*tails, 0])
         for rank in range(len(plan.by_rank)):
             got = table[torch.tensor(plan.halo_index(rank, h), dtype=torch.long).view(-1, h)].tolist()
@@ -93,7 +100,8 @@ def _check_plan(shard, rows, segments, keep, widths=(1, 2, 3)):
 def test_pieces_of_unpacked_rows(seq, p, layout, ulysses):
     plan = _check_plan(_shard(seq, p, layout, ulysses=ulysses), 2, None, None)
     if layout == "contiguous":  # one piece per row and rank, chained rank after rank
-        assert [len(r) for r in plan.by_rank] == [2] * p and len(plan.levels) == p
+        assert [len(r) for r in plan.by_rank] == [2] * p and len(plan.levels) == p - 1
+        assert plan.counts == (2,) * (p - 1) + (0,)  # the last rank passes nothing on
 
 
 def test_pieces_of_padded_rows_keep_the_padding():
@@ -112,6 +120,8 @@ def test_pieces_of_packed_rows(layout, p):
     keep = torch.stack([r[1] for r in rows])
     plan = _check_plan(_shard(17, p, layout, seg, keep), 2, seg, keep)
     assert sum(p.pred < 0 for p in plan.flat) == 5  # one chain per document
+    if layout == "contiguous":  # at most one piece per row and rank boundary crosses
+        assert sum(plan.counts) <= 2 * (p - 1), plan.counts
 
 
 def test_pieces_are_kept_per_batch():
@@ -300,6 +310,26 @@ def _diff(a, b):
     return float((a - b).abs().max())
 
 
+def _sp_only(world, sizes, strategy):
+    """For each SP size a mesh of the first P ranks without data parallelism (the others sit it
+    out): dp replicas would scale each one's gradients by 1 / dp before the model's own float32
+    casts round them, which moves them by float32 rounding -- the dp x sp meshes are checked at
+    float32 precision elsewhere (test_token_mixers, the zoo)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from seqpar.testing.model_parity import sp_meshes
+
+    if strategy == "hybrid":
+        assert sizes == (world,), "the hybrid strategy's 2-D mesh here spans the world"
+        return sp_meshes(world, sizes, strategy)
+    out = {}
+    for p in sizes:  # every rank builds every mesh (its groups are made together)
+        mesh = DeviceMesh("cpu", torch.arange(p), mesh_dim_names=("sp",))
+        out[p] = mesh if dist.get_rank() < p else None
+    return out
+
+
 def _strict_rows(rank, world, families, sizes, grid, mode="state"):
     """With float64 scans (:mod:`seqpar.testing.scans64`) every family x case x SP size: the loss
     within 1e-9 and every gradient within 1e-8 of the unsharded model's, except the parameters the
@@ -314,12 +344,11 @@ def _strict_rows(rank, world, families, sizes, grid, mode="state"):
         case_batch,
         precision_floor,
         reference_grads,
-        sp_meshes,
     )
     from seqpar.testing.scans64 import float64_scans
 
     torch.set_num_threads(1)
-    meshes = {s: sp_meshes(world, sizes, s) for s in dict.fromkeys(g[2] for g in grid)}
+    meshes = {s: _sp_only(world, sizes, s) for s in dict.fromkeys(g[2] for g in grid)}
     rows = []
     for family in families:
         model = _model(family)

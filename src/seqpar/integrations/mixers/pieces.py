@@ -18,9 +18,11 @@ Unpacked rows are one document each, padding included (the model runs padded row
 its padding mask); packed rows leave their padding out (each document runs alone, as
 :func:`seqpar.testing.model_parity.reference_token_loss` defines packing).
 
-Pieces are numbered rank by rank (rank 0's first), each rank's by row, then position: the order
-of an all-gather of one summary per piece (``offsets``). ``levels`` groups pieces by their depth
-in the chain, so a prefix over the chains runs one batched step per level.
+Pieces are numbered rank by rank (rank 0's first), each rank's by row, then position (``flat``).
+Only pieces that some piece continues cross ranks (``sent``: in the contiguous layout one per row
+and rank, whatever the documents; a document's last piece passes nothing on), in that order
+(``row``). ``levels`` groups them by their depth in the chain, so a prefix over the chains runs one
+batched step per level.
 """
 
 from __future__ import annotations
@@ -63,37 +65,54 @@ class PiecePlan:
     cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
-    def offsets(self) -> tuple[int, ...]:
-        """The flat index of each rank's first piece."""
-        return tuple(split_offsets(self.counts))
-
-    @cached_property
-    def counts(self) -> tuple[int, ...]:
-        return tuple(len(p) for p in self.by_rank)
-
-    @cached_property
     def flat(self) -> tuple[Piece, ...]:
         return tuple(p for pieces in self.by_rank for p in pieces)
 
     @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """The flat index of each rank's first piece."""
+        return tuple(split_offsets([len(p) for p in self.by_rank]))
+
+    @cached_property
+    def sent(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the indices (in its own list) of its pieces that some piece continues -- all
+        that crosses ranks: a document's last piece passes nothing on. Every predecessor is one of
+        them, on another rank (a rank's consecutive tokens of one document form one piece)."""
+        preds = {p.pred for p in self.flat if p.pred >= 0}
+        return tuple(tuple(j for j in range(len(pieces)) if self.offsets[r] + j in preds)
+                     for r, pieces in enumerate(self.by_rank))
+
+    @cached_property
+    def counts(self) -> tuple[int, ...]:
+        """How many pieces each rank sends (:attr:`sent`): the all-gathers' sizes."""
+        return tuple(len(s) for s in self.sent)
+
+    @cached_property
+    def row(self) -> dict[int, int]:
+        """Flat index of a sent piece -> its row in the all-gathered rows (rank by rank)."""
+        order = [self.offsets[r] + j for r, sent in enumerate(self.sent) for j in sent]
+        return {i: k for k, i in enumerate(order)}
+
+    @cached_property
     def levels(self) -> tuple[tuple[int, ...], ...]:
-        """Flat indices by depth in their chain: level 0 starts documents, level d follows level d - 1."""
+        """Sent pieces (flat indices) by depth in their chain: level 0 starts a document, level d
+        follows level d - 1 -- the prefix runs one batched step per level."""
         depth: dict[int, int] = {}
         # a predecessor lies earlier in its row's original order: visit pieces in that order
-        for i in sorted(range(len(self.flat)), key=lambda i: (self.flat[i].row, self.flat[i].origin)):
+        for i in sorted(self.row, key=lambda i: (self.flat[i].row, self.flat[i].origin)):
             pred = self.flat[i].pred
             depth[i] = 0 if pred < 0 else depth[pred] + 1
         out: list[list[int]] = [[] for _ in range(max(depth.values(), default=-1) + 1)]
-        for i in range(len(self.flat)):
+        for i in self.row:
             out[depth[i]].append(i)
         return tuple(tuple(level) for level in out)
 
     def halo_index(self, rank: int, width: int) -> list[list[int]]:
         """For each of ``rank``'s pieces, where its ``width`` preceding inputs (original order) are
-        in the all-gathered tails: every piece's last ``width`` inputs (zeros in front of a piece
-        shorter than that), ``[pieces, width]`` flattened, then one zero row at index
-        ``len(flat) * width`` for inputs before the document's start."""
-        zero = len(self.flat) * width
+        in the all-gathered tails: every sent piece's last ``width`` inputs (zeros in front of a
+        piece shorter than that), ``[sent pieces, width]`` flattened, then one zero row at index
+        ``len(row) * width`` for inputs before the document's start."""
+        zero = len(self.row) * width
         out = []
         for piece in self.by_rank[rank]:
             row = []
@@ -102,7 +121,7 @@ class PiecePlan:
                 while cur >= 0 and q < self.flat[cur].origin:  # walk back to the piece holding q
                     cur = self.flat[cur].pred
                 # q lies in the last `width` tokens of that piece: it ends before `piece` starts
-                row.append(zero if cur < 0 else cur * width + width - (self.flat[cur].end - q))
+                row.append(zero if cur < 0 else self.row[cur] * width + width - (self.flat[cur].end - q))
             out.append(row)
         return out
 

@@ -97,6 +97,7 @@ class _Call:
     def __init__(self, kernels: StateKernels, plan: PiecePlan, rank: int, group: dist.ProcessGroup) -> None:
         self.kernels, self.plan, self.rank, self.group = kernels, plan, rank, group
         self.pieces = plan.by_rank[rank]
+        self.sent = list(plan.sent[rank])  # the pieces another rank continues (their tails, their states)
         self.originals: dict[str, Callable[..., Any]] = {}
         buckets: dict[int, list[int]] = {}  # pieces of one length run as one batch of rows
         for i, piece in enumerate(self.pieces):
@@ -121,10 +122,12 @@ class _Call:
         c = x.shape[1]
         if width == 0:
             return x.new_zeros(len(self.pieces), c, 0), None
+        sent = [self.pieces[i] for i in self.sent]
         tails = [_pad_left(x[p.row, :, max(p.start, p.start + p.length - width):p.start + p.length], width)
-                 for p in self.pieces]
-        tails_t = torch.stack(tails) if tails else x.new_zeros(0, c, width)  # [pieces, C, width]
-        every = gather_seq(tails_t, dim=0, group=self.group, sizes=self.plan.counts)  # [all pieces, C, width]
+                 for p in sent]
+        # no tail to send: still an input of x's graph, so that the gather's backward runs here too
+        tails_t = torch.stack(tails) if tails else x[:0, :, :1].expand(0, c, width)  # [sent, C, width]
+        every = gather_seq(tails_t, dim=0, group=self.group, sizes=self.plan.counts)  # [all sent, C, width]
         table = torch.cat([every.transpose(1, 2).reshape(-1, c), every.new_zeros(1, c)])  # [all * width + 1, C]
         key = ("halo index", self.rank, width, x.device)
         if key not in self.plan.cache:
@@ -146,8 +149,9 @@ class _Call:
         m, b = (torch.cat([getattr(loc, f) for loc in locals_])[rows.to(locals_[0].state.device)]
                 for f in ("transition", "state"))  # [pieces, *M], [pieces, *B]
         dtype = torch.promote_types(b.dtype, torch.float32)
-        mine = torch.cat([m.flatten(1), b.flatten(1)], 1).to(dtype)[:len(self.pieces)]  # [pieces, |M| + |B|]
-        every = gather_seq(mine, dim=0, group=self.group, sizes=self.plan.counts)  # [all pieces, |M| + |B|]
+        sent = torch.tensor(self.sent, dtype=torch.long, device=b.device)
+        mine = torch.cat([m.flatten(1), b.flatten(1)], 1).to(dtype)[sent]  # [sent, |M| + |B|]
+        every = gather_seq(mine, dim=0, group=self.group, sizes=self.plan.counts)  # [all sent, |M| + |B|]
         split = m[0].numel()
         m_all, b_all = every[:, :split].reshape(-1, *m.shape[1:]), every[:, split:].reshape(-1, *b.shape[1:])
         initial = (_initial_states(self.plan, self.rank, m_all, b_all, self.kernels.kind.combine) if self.pieces
@@ -211,12 +215,13 @@ def _put(full: Tensor, pieces: tuple[Piece, ...], buckets: list[list[int]], outs
 def _initial_states(plan: PiecePlan, rank: int, m_all: Tensor, b_all: Tensor,
                     combine: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """Each of ``rank``'s pieces' initial state ``[pieces, *B]``: the prefix ``S_next = M . S + B``
-    along every chain of pieces, one batched step per chain level (a piece's predecessor is one
-    level up), zero for a document's first piece."""
+    along every chain of sent pieces (``m_all``, ``b_all``: their summaries, rows as
+    :attr:`PiecePlan.row`), one batched step per chain level (a piece's predecessor is one level
+    up), zero for a document's first piece."""
     where: dict[int, tuple[int, int]] = {}  # flat piece -> (level, row in that level's states)
     finals: list[Tensor] = []
     for d, level in enumerate(plan.levels):
-        idx = torch.tensor(level, device=b_all.device)
+        idx = torch.tensor([plan.row[i] for i in level], device=b_all.device)
         if d == 0:  # from a zero state, the final state is B
             finals.append(b_all[idx])
         else:

@@ -98,8 +98,9 @@ class DeltaRule:
         eye = torch.eye(dk, dtype=dtype, device=v.device).expand(n, h, dk, dk)
         init = torch.cat([eye.new_zeros(n, h, dk, dv), eye], -1)  # [n, H, K, V + K]
         out, final = call.replace(value=wide, initial_state=init, output_final_state=True)()
-        # out [n, T, H, V + K] = [out0 | Q'];  final [n, H, K, V + K] = [B | M]
-        return Local(out[..., :dv], final[..., dv:], final[..., :dv], aux=out[..., dv:])
+        # out [n, T, H, V + K] = [out0 | Q'];  final [n, H, K, V + K] = [B | M]. Q' kept as its own
+        # tensor (the correction saves it for backward), so that `out` dies with the layer's forward
+        return Local(out[..., :dv], final[..., dv:], final[..., :dv], aux=out[..., dv:].contiguous())
 
     def combine(self, transition: Tensor, state: Tensor) -> Tensor:
         return transition @ state  # [n, H, K, K] @ [n, H, K, V]
