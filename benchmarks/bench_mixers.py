@@ -186,12 +186,30 @@ def _layer_bytes(rank: int, world: int, seq: int, modes: tuple[str, ...]) -> dic
 
 
 def goals(args: argparse.Namespace) -> None:
+    """The cheap tables first (one layer each), the whole-model steps last: a run stopped early
+    still has them."""
     big = max(args.goal_seqs)
     env, kw = {"OMP_NUM_THREADS": "1"}, {"timeout": 7200, "pg_timeout": 3600}
     print("issue 28's goals: Qwen3-Next shape, hidden 256, 3 Gated DeltaNet + 1 attention layers (hybrid) vs 4 "
-          "attention layers; float32, forward + backward, one row\n")
-    print("per-rank peak memory (live tensor storage of one step, MiB) and step time (s, median)")
-    print(f"{'S':>6} {'model':28} {'P=1':>9} {'P=4':>9} {'P=4/P=1':>8} {'/ attention':>11} {'step P=4 s':>10}")
+          "attention layers; float32, forward + backward, one row", flush=True)
+    print(f"\nrecurrent layer (one Gated DeltaNet layer) at S={big}: activation bytes its forward keeps for the "
+          "backward, per rank")
+    print(f"{'P':>2} {'state MiB':>10} {'vs P=1':>7} {'heads MiB':>10} {'vs P=1':>7}", flush=True)
+    kept = {}
+    for p in (1, 2, 4):
+        ranks = run_distributed(_layer_bytes, p, big, ("state", "heads"), env=env, **kw)
+        kept[p] = {m: max(r[m]["kept_mib"] for r in ranks) for m in ("state", "heads")}
+        print(f"{p:>2} {kept[p]['state']:10.2f} {kept[p]['state'] / kept[1]['state']:7.3f} {kept[p]['heads']:10.2f}"
+              f" {kept[p]['heads'] / kept[1]['heads']:7.3f}", flush=True)
+    print("\nbytes communicated per recurrent layer (forward + backward, the largest rank), P=4")
+    print(f"{'S':>6} {'state KiB':>10} {'heads KiB':>10}", flush=True)
+    for s in (min(args.goal_seqs) // 2, big):
+        ranks = run_distributed(_layer_bytes, 4, s, ("state", "heads"), env=env, **kw)
+        print(f"{s:>6} {max(r['state']['moved_kib'] for r in ranks):10.1f} "
+              f"{max(r['heads']['moved_kib'] for r in ranks):10.1f}", flush=True)
+    print("\nper-rank peak memory (live tensor storage of one step, MiB) and step time (s, median)")
+    print(f"{'S':>6} {'model':28} {'P=1':>9} {'P=4':>9} {'P=4/P=1':>8} {'/ attention':>11} {'step P=4 s':>10}",
+          flush=True)
     for s in args.goal_seqs:
         one = run_distributed(_steps, 1, s, [("hybrid", "hybrid", None), ("attention", "attention", None)],
                               args.repeats, env=env, **kw)[0]
@@ -206,22 +224,8 @@ def goals(args: argparse.Namespace) -> None:
             ratio = peak[base] / ref
             print(f"{s:>6} {label:28} {ref:9.1f} {peak[base]:9.1f} {ratio:8.3f} {ratio / attention:10.3f}x"
                   f" {step[base]:10.2f}")
-        print(f"{s:>6} step time at P=4, state passing / split by heads: {step['hybrid'] / step['hybrid-heads']:.2f}x")
-    print(f"\nrecurrent layer (one Gated DeltaNet layer) at S={big}: activation bytes its forward keeps for the "
-          "backward, per rank")
-    print(f"{'P':>2} {'state MiB':>10} {'vs P=1':>7} {'heads MiB':>10} {'vs P=1':>7}")
-    kept = {}
-    for p in (1, 2, 4):
-        ranks = run_distributed(_layer_bytes, p, big, ("state", "heads"), env=env, **kw)
-        kept[p] = {m: max(r[m]["kept_mib"] for r in ranks) for m in ("state", "heads")}
-        print(f"{p:>2} {kept[p]['state']:10.2f} {kept[p]['state'] / kept[1]['state']:7.3f} {kept[p]['heads']:10.2f}"
-              f" {kept[p]['heads'] / kept[1]['heads']:7.3f}")
-    print("\nbytes communicated per recurrent layer (forward + backward, the largest rank), P=4")
-    print(f"{'S':>6} {'state KiB':>10} {'heads KiB':>10}")
-    for s in (min(args.goal_seqs) // 2, big):
-        ranks = run_distributed(_layer_bytes, 4, s, ("state", "heads"), env=env, **kw)
-        print(f"{s:>6} {max(r['state']['moved_kib'] for r in ranks):10.1f} "
-              f"{max(r['heads']['moved_kib'] for r in ranks):10.1f}")
+        print(f"{s:>6} step time at P=4, state passing / split by heads: {step['hybrid'] / step['hybrid-heads']:.2f}x",
+              flush=True)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ pieces are read in the original order, no token moves::
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -69,7 +69,8 @@ class StatePassing:
         shard = batch.shard
         start, n = shard.local_range(batch.sp_rank)
         keep = None if shard.key_keep is None else shard.key_keep[:, start:start + n].to(x.device, torch.long)
-        call = _Call(kernels, piece_plan(shard, x.shape[0]), batch.sp_rank, group)
+        gather = partial(gather_seq, dim=0, group=group)
+        call = StateCall(kernels, piece_plan(shard, x.shape[0]), batch.sp_rank, gather)
         replacements = {kernels.conv: call.conv, kernels.scan: call.scan, **dict.fromkeys(kernels.fused, _no_fused)}
         with kernels_replaced(modeling_module(type(module)), replacements) as originals:
             call.originals = originals
@@ -91,11 +92,19 @@ def _no_fused(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class _Call:
-    """One mixer call's replacement kernels: the pieces of this rank, the group, the originals."""
+Gather = Callable[..., Tensor]
+"""``gather(t [n, ...], sizes=counts) -> [sum(counts), ...]``: every rank's ``t`` in rank order, with
+autograd (:func:`seqpar.comm.gather.gather_seq` over the SP group, dim 0)."""
 
-    def __init__(self, kernels: StateKernels, plan: PiecePlan, rank: int, group: dist.ProcessGroup) -> None:
-        self.kernels, self.plan, self.rank, self.group = kernels, plan, rank, group
+
+class StateCall:
+    """One mixer call's replacement kernels (:meth:`conv`, :meth:`scan`): this rank's pieces, the
+    all-gather over the SP group (``gather``; the unit tests pass an in-process one), and the
+    kernels they replace (``originals``, by name: set once :func:`.compat.kernels_replaced` has
+    them)."""
+
+    def __init__(self, kernels: StateKernels, plan: PiecePlan, rank: int, gather: Gather) -> None:
+        self.kernels, self.plan, self.rank, self.gather = kernels, plan, rank, gather
         self.pieces = plan.by_rank[rank]
         self.sent = list(plan.sent[rank])  # the pieces another rank continues (their tails, their states)
         self.originals: dict[str, Callable[..., Any]] = {}
@@ -127,7 +136,7 @@ class _Call:
                  for p in sent]
         # no tail to send: still an input of x's graph, so that the gather's backward runs here too
         tails_t = torch.stack(tails) if tails else x[:0, :, :1].expand(0, c, width)  # [sent, C, width]
-        every = gather_seq(tails_t, dim=0, group=self.group, sizes=self.plan.counts)  # [all sent, C, width]
+        every = self.gather(tails_t, sizes=self.plan.counts)  # [all sent, C, width]
         table = torch.cat([every.transpose(1, 2).reshape(-1, c), every.new_zeros(1, c)])  # [all * width + 1, C]
         key = ("halo index", self.rank, width, x.device)
         if key not in self.plan.cache:
@@ -151,7 +160,7 @@ class _Call:
         dtype = torch.promote_types(b.dtype, torch.float32)
         sent = torch.tensor(self.sent, dtype=torch.long, device=b.device)
         mine = torch.cat([m.flatten(1), b.flatten(1)], 1).to(dtype)[sent]  # [sent, |M| + |B|]
-        every = gather_seq(mine, dim=0, group=self.group, sizes=self.plan.counts)  # [all sent, |M| + |B|]
+        every = self.gather(mine, sizes=self.plan.counts)  # [all sent, |M| + |B|]
         split = m[0].numel()
         m_all, b_all = every[:, :split].reshape(-1, *m.shape[1:]), every[:, split:].reshape(-1, *b.shape[1:])
         initial = (_initial_states(self.plan, self.rank, m_all, b_all, self.kernels.kind.combine) if self.pieces
