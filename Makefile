@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# --overwrite: `make train` again replaces the demo's earlier run (a bare `seqpar train` refuses to
+# delete the checkpoints in its --save-dir)
 train: install
-	$(VENV)/bin/seqpar train
+	$(VENV)/bin/seqpar train --overwrite
 
 # The heavy grids (`-m heavy`: too long for `make test`) and the CLI's attention grid at P = 1..4.
 verify: install

@@ -26,7 +26,7 @@ import time
 import torch
 
 import seqpar
-from seqpar.bench import _peak_rss_mib, _reset_peak_rss, _rss_mib
+from seqpar.bench.probes import peak_rss_mib, reset_peak_rss, rss_mib
 from seqpar.comm.launch import run_distributed
 from seqpar.integrations.models import build_model
 from seqpar.testing.memory import MIB, LiveMemory
@@ -67,11 +67,11 @@ def memory_worker(rank: int, world: int, switches: dict | None, seq: int) -> dic
     model, opt = _build(mesh, seq, switches)
     batch = _batch(seq)
     gc.collect()
-    base = _rss_mib()
-    reset_ok = _reset_peak_rss()
+    base = rss_mib()
+    reset_ok = reset_peak_rss()
     with LiveMemory() as probe:
         _step(model, opt, mesh, batch)
-    return {"live_mib": probe.peak_bytes / MIB, "rss_mib": max(0.0, _peak_rss_mib(reset_ok) - base)}
+    return {"live_mib": probe.peak_bytes / MIB, "rss_mib": max(0.0, peak_rss_mib(reset_ok) - base)}
 
 
 def time_worker(rank: int, world: int, configs: dict[str, dict | None], seq: int, steps: int

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from seqpar.bench import _peak_rss_mib, _reset_peak_rss, _rss_mib
+from seqpar.bench.probes import peak_rss_mib, reset_peak_rss, rss_mib
 from seqpar.comm.launch import run_distributed
 
 
@@ -31,10 +31,10 @@ def _work(rank: int, world: int, seq: int, doc: int | None, heads: int, dim: int
     segments = None if doc is None else (torch.arange(seq) // doc)[None]  # [1, S] document ids
     shard = SeqShard((n,) * world, None, None, segments)
     ring_attention(q, k, v, group=dist.group.WORLD, causal=True, shard=shard, validate=False).sum().backward()
-    reset_ok, base = _reset_peak_rss(), _rss_mib()
+    reset_ok, base = reset_peak_rss(), rss_mib()
     t0 = time.perf_counter()
     ring_attention(q, k, v, group=dist.group.WORLD, causal=True, shard=shard, validate=False).sum().backward()
-    out = torch.tensor([time.perf_counter() - t0, _peak_rss_mib(reset_ok) - base])
+    out = torch.tensor([time.perf_counter() - t0, peak_rss_mib(reset_ok) - base])
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return {"s": float(out[0]), "mib": float(out[1])}
 

@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 SAVE=${SAVE:-/tmp/seqpar-gpu-runs}  # the runs' metrics and checkpoints
-RUN=($PY -m torch.distributed.run --standalone --nproc-per-node 1 -m seqpar.cli.main train --sp 1 --no-progress)
+RUN=($PY -m torch.distributed.run --standalone --nproc-per-node 1 -m seqpar.cli.main train --sp 1 --no-progress --overwrite)
 GPU_TESTS=(tests/attention/test_lse_kernels.py tests/attention/test_cuda_path.py)
 TAIL=40 step tests 240 $PY -m pytest -p no:cacheprovider -m gpu -v -rfEs --tb=short -k "not flex and not cudnn" \
     "${GPU_TESTS[@]}"
@@ -46,7 +46,7 @@ for seq in 131072 1048576; do
     step "long-$seq" 150 "${RUN[@]}" --model small-llama3 --seq-len "$seq" --steps 1 --eval-rows 0 \
         --save-dir "$SAVE/long-$seq"
 done
-step train-cpu 60 $PY -m seqpar.cli.main train --steps 2 --seq-len 256 --eval-rows 2 --no-progress \
+step train-cpu 60 $PY -m seqpar.cli.main train --steps 2 --seq-len 256 --eval-rows 2 --no-progress --overwrite \
     --save-dir "$SAVE/cpu"
 # last, so that their compiles (flex: a few graphs per dtype) cannot starve the steps above: the
 # opt-in kernels' gpu tests, then their time and memory (pass: set FLEX_VERIFIED / list cuDNN as verified)

@@ -4,7 +4,8 @@ The package is layered, lowest first (a module imports only its own layer or bel
 checks it): ``comm`` (mesh, collectives, cross-rank agreement, local process launch), ``attention``
 (spec and kernels, the float64 reference, layouts, Ulysses, ring, hybrid, dispatch), ``batch``
 (shard_batch, targets, the exact loss), ``integrations`` (transformers, FSDP2/DDP, models) beside
-``planner``, ``testing`` (parity engines), ``train``, ``bench``, and ``cli`` on top.
+``planner``, ``testing`` (parity engines), ``train``, ``bench``, and ``cli`` on top; below them all
+``errors`` and ``compat`` (every private torch / transformers / accelerate name seqpar touches).
 
 What a user calls is listed in ``__all__``; everything else stays importable from its module.
 """
@@ -21,10 +22,11 @@ from .comm.collectives import all_to_all
 from .comm.gather import gather_seq, split_seq
 from .comm.mesh import init_mesh
 from .errors import Refused
+from .integrations.export import save_pretrained
 from .integrations.fsdp import apply_ddp, apply_fsdp
 from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize
 from .integrations.memory import memory_switches, reduce_memory, restore_memory, token_stats
-from .integrations.trainer import parallelize_trainer
+from .integrations.trainer import SeqParTrainerMixin, parallelize_trainer
 from .planner import Plan, plan
 
 __version__ = "0.1.0"
@@ -32,11 +34,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Plan",
     "Refused",
+    "SeqParTrainerMixin",
     "SeqShard",
     "all_to_all",
     "apply_ddp",
-    "attention_kernel",
     "apply_fsdp",
+    "attention_kernel",
     "count_target_tokens",
     "gather_log_probs",
     "gather_seq",
@@ -48,9 +51,10 @@ __all__ = [
     "parallelized",
     "plan",
     "reduce_memory",
-    "restore_memory",
     "reference_attention",
+    "restore_memory",
     "ring_attention",
+    "save_pretrained",
     "shard_batch",
     "sp_attention",
     "split_seq",

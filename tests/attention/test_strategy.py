@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar.attention.dispatch import resolve_strategy
 from seqpar.comm.launch import run_distributed
+from seqpar.integrations.state import state_of
 
 pytestmark = pytest.mark.distributed  # every test here starts gloo worker processes
 
@@ -28,7 +29,7 @@ def _worker(rank, world):
         out["bad"] = str(e)
     model, _ = build_model("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
     parallelize(model, flat, strategy="auto")
-    out["model"] = model._seqpar_parallel.strategy
+    out["model"] = state_of(model).parallel.strategy
     return out
 
 

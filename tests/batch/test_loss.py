@@ -1,6 +1,7 @@
 """The SP loss without a model: per-token losses, the global mean with local-only gradients (weights,
 num_items_in_batch, no targets), gather_log_probs with autograd, and sync_gradients -- against the
-same quantities on the unsharded tensors (float64, 3 gloo processes)."""
+same quantities on the unsharded tensors (float64, 3 gloo processes). Gradients are averaged over
+the ranks, as DDP / FSDP2 / sync_gradients do: each rank's share is scaled for that average."""
 
 import pytest
 import torch
@@ -79,7 +80,8 @@ def _worker(rank, world):
                            shift_labels=local["shift_labels"], **{BATCH_KWARG: info}, **kw)
             loss.backward()
             grad = full.grad.clone()
-            torch.distributed.all_reduce(grad, group=group)  # what sync_gradients does for parameters
+            torch.distributed.all_reduce(grad, group=group)  # what sync_gradients / DDP do for parameters:
+            grad /= world                                     # the average over the ranks
             out[(layout, variant)] = (float(loss.detach()), grad)
         # gather_log_probs: every rank computes the same loss from the whole sequence's log-probs
         local = seqpar.shard_batch(batch, mesh, layout=layout)
@@ -90,8 +92,8 @@ def _worker(rank, world):
         (logp * weights).sum().backward()
         grad = full.grad.clone()
         torch.distributed.all_reduce(grad, group=group)
-        out[(layout, "logp")] = (logp.detach(), grad)
-    # sync_gradients: sums over sp (and dp); parameters without a gradient count as zeros
+        out[(layout, "logp")] = (logp.detach(), grad / world)
+    # sync_gradients: averages over sp (and dp); parameters without a gradient count as zeros
     lin = torch.nn.Linear(2, 2, dtype=torch.float64)
     lin.weight.grad = torch.full_like(lin.weight, float(rank + 1))
     seqpar.sync_gradients(lin, mesh)
@@ -148,7 +150,7 @@ def test_gather_log_probs_whole_sequence_in_token_order(ranks, layout):
         logp, grad = r[(layout, "logp")]
         assert logp.shape == (B, S)
         assert float((logp - ref.detach()).abs().max()) <= 1e-12
-        assert float((grad - logits.grad).abs().max()) <= 1e-12  # each rank's slice once, not P times
+        assert float((grad - logits.grad).abs().max()) <= 1e-12  # each rank's slice once, not P times or 1/P
 
 
 @pytest.mark.distributed
@@ -159,8 +161,8 @@ def test_loss_function_refuses_a_batch_it_cannot_trust(ranks):
 
 
 @pytest.mark.distributed
-def test_sync_gradients_sums_and_fills_missing(ranks):
+def test_sync_gradients_averages_and_fills_missing(ranks):
     for r in ranks:
         w, b = r["sync"]
-        assert torch.equal(w, torch.full((2, 2), float(sum(range(1, P + 1))), dtype=torch.float64))
+        assert torch.equal(w, torch.full((2, 2), sum(range(1, P + 1)) / P, dtype=torch.float64))
         assert torch.equal(b, torch.zeros(2, dtype=torch.float64))

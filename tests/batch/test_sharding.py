@@ -9,7 +9,7 @@ import torch
 import seqpar
 from seqpar.attention.layout import document_cuts, layout_indices
 from seqpar.attention.shard import SeqShard
-from seqpar.batch.sharding import BATCH_KWARG, LocalBatch, _checksum, _local_problem
+from seqpar.batch.sharding import BATCH_KWARG, LocalBatch, _local_problem, checksum
 from seqpar.batch.targets import (
     IGNORE_INDEX,
     prepare_batch,
@@ -81,7 +81,9 @@ Z = torch.zeros(2, 4, dtype=torch.long)
     ({"input_ids": Z, BATCH_KWARG: None}, "already sharded"),
     ({"labels": Z}, "neither input_ids"),
     ({"input_ids": torch.zeros(8, dtype=torch.long)}, "input_ids must be"),
-    ({"input_ids": Z, "pixel_values": torch.zeros(1)}, "does not know"),
+    ({"input_ids": Z, "pixel_valuez": torch.zeros(1)}, "does not know"),
+    ({"input_ids": Z, "image_grid_thw": torch.tensor([[1, 2, 2]])}, "without pixel_values"),
+    ({"input_ids": Z, "token_type_ids": Z}, "bidirectional attention inside each image"),
     ({"input_ids": Z, "labels": torch.zeros(2, 5, dtype=torch.long)}, "labels must have"),
     ({"input_ids": Z, "attention_mask": torch.ones(2, 1, 4, 4)}, "attention_mask must be"),
     ({"input_ids": Z, "position_ids": torch.zeros(3, 4, dtype=torch.long)}, "position_ids must be"),
@@ -122,22 +124,22 @@ def test_cu_seqlens_alone_give_the_documents():
 
 def test_checksum_tells_batches_apart():
     a = torch.arange(20).view(2, 10)
-    assert _checksum(a) == _checksum(a.clone())
-    assert _checksum(a) != _checksum(a.flip(1))  # same tokens, other order
-    assert _checksum(None) == -1.0
+    assert checksum(a) == checksum(a.clone())
+    assert checksum(a) != checksum(a.flip(1))  # same tokens, other order
+    assert checksum(None) == -1.0
 
 
-def test_local_batch_grad_scale_folds_the_dp_average():
+def test_local_batch_grad_scale_is_made_for_the_average_over_the_ranks():
     shard = SeqShard((3, 3))
     mean = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=4, denominator=10, num_items_in_batch=None,
                       loss_weights=None)
-    assert mean.grad_scale == 1 / 40  # per-dp-rank mean, averaged over 4 dp ranks by the sum
+    assert mean.grad_scale == 2 / 10  # per-dp-rank mean: the sp average combines the shares, dp averages means
     glob = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=4, denominator=50, num_items_in_batch=50,
                       loss_weights=None)
-    assert glob.grad_scale == 1 / 50
+    assert glob.grad_scale == 8 / 50  # one global mean: the average over all 2 x 4 ranks combines the shares
     empty = LocalBatch(shard, sp_rank=0, sp_size=2, dp_size=1, denominator=0, num_items_in_batch=None,
                        loss_weights=None)
-    assert empty.grad_scale == 1.0  # no target: loss 0, not NaN
+    assert empty.grad_scale == 2.0  # no target: loss 0, not NaN
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +283,7 @@ def test_count_target_tokens_sums_over_dp(ranks):
     assert all(isinstance(r["count"], int) for r in ranks)
     # bare labels know nothing of padding or documents: every shifted label counts
     assert all(r["count_labels"] == 2 * (2 * 10) + 8 for r in ranks)
-    assert all(r["dp_denominator"] == expected and r["dp_scale"] == 1 / expected for r in ranks)
+    assert all(r["dp_denominator"] == expected and r["dp_scale"] == 4 / expected for r in ranks)  # dp x sp = 4
 
 
 @pytest.mark.distributed

@@ -8,8 +8,10 @@ import math
 import pytest
 
 from seqpar import bench
+from seqpar.bench import search
 from seqpar.cli import bench as cli_bench
 from seqpar.cli.main import main
+from seqpar.cli.tables import write_csv
 
 
 def _row(p, strategy, n, mem, t, doc_len=0):
@@ -33,7 +35,7 @@ def test_ratios_are_against_one_rank_at_the_same_length(tmp_path):
     assert rows[1]["mem_ratio"] == 0.5 and rows[1]["time_ratio"] == pytest.approx(1.5)
     assert math.isnan(rows[2]["mem_ratio"])  # no 1-rank row at 2048
     path = tmp_path / "b.csv"
-    cli_bench.write_csv(rows, str(path), cli_bench.CSV_FIELDS)
+    write_csv(rows, str(path), cli_bench.CSV_FIELDS)
     got = list(csv.DictReader(open(path)))
     assert got[1]["mem_ratio"] == "0.500" and got[1]["tokens_per_rank"] == "512" and got[1]["rss_mib"] == "40.0"
     cli_bench.plot(rows, str(tmp_path / "b.png"), "t")
@@ -69,7 +71,7 @@ def test_packing_ratios_growth_table_and_csv(tmp_path):
     ulysses_line = table.splitlines()[-1].split()
     assert ulysses_line[4:7] == ["16.0", "-", "-"]  # no packed row: no ratio
     path = tmp_path / "p.csv"
-    cli_bench.write_csv(rows, str(path), cli_bench.PACKING_CSV_FIELDS)
+    write_csv(rows, str(path), cli_bench.PACKING_CSV_FIELDS)
     got = list(csv.DictReader(open(path)))
     assert (got[3]["doc_len"], got[3]["mem_ratio"], got[3]["growth"]) == ("128", "2.400", "4.000")
 
@@ -133,7 +135,7 @@ def test_max_seq_search_grows_then_bisects(monkeypatch):
         fits = case.seq_len <= 5000
         return bench.Trial(case.seq_len, fits, 1.0 if fits else float("nan"), 0.1, not fits)
 
-    monkeypatch.setattr(bench, "try_step", fake)
+    monkeypatch.setattr(search, "try_step", fake)
     case = bench.BenchCase("tiny-llama", "", 1, "ulysses", 64, sizing="builtin")
     best, trials = bench.max_seq(case, 1, start=1000, granularity=64, precision=0.05)
     assert tried[:4] == [960, 1920, 3840, 7680] and [t.seq_len for t in trials] == tried
@@ -146,7 +148,7 @@ def test_max_seq_search_grows_then_bisects(monkeypatch):
     tried.clear()
     assert bench.max_seq(case, 1, start=1000, granularity=64, limit=3000)[0] == 2944  # the limit tried last
     assert tried == [960, 1920, 2944]
-    monkeypatch.setattr(bench, "try_step", lambda c, cap, timeout=0.0: bench.Trial(c.seq_len, False, 0, 0, True))
+    monkeypatch.setattr(search, "try_step", lambda c, cap, timeout=0.0: bench.Trial(c.seq_len, False, 0, 0, True))
     assert bench.max_seq(case, 1, start=1000, granularity=64)[0] == 0  # nothing fits
 
 
@@ -159,7 +161,7 @@ def test_max_seq_switch_sets_and_ratios():
     for bad in ("loss+ckpt", "layers+offload", ","):
         with pytest.raises(ValueError, match="--switches"):
             max_seq.parse_switches(bad)
-    rows = max_seq.add_max_seq_ratios([
+    rows = bench.add_max_seq_ratios([
         {"nproc": 1, "strategy": "ulysses", "switches": "off", "max_seq": 1000},
         {"nproc": 1, "strategy": "ulysses", "switches": "on", "max_seq": 8000},
         {"nproc": 4, "strategy": "ulysses", "switches": "on", "max_seq": 36000},

@@ -45,6 +45,39 @@ def files(tmp_path_factory):
 
     model, _ = build_model("tiny-llama", max_position_embeddings=64)
     model.save_pretrained(d / "ckpt")
+    # fine-tuning data and checkpoints (issue 25)
+    from datasets import Dataset
+
+    Dataset.from_list([{"body": "no text column"}]).to_parquet(str(d / "nocol.parquet"))
+    (d / "role.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                           {"role": "bot", "content": "yo"}]}) + "\n")
+    (d / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                           {"role": "assistant", "content": "yo"}]}) + "\n")
+    (d / "data.parquet.txt").write_bytes(b"PAR1\x15\x04\x15\x00\x15\x02")
+    (d / "noweights").mkdir()
+    model.config.save_pretrained(d / "noweights")
+    (d / "notcausal").mkdir()
+    import transformers
+
+    transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(d / "notcausal")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(d / "notcausal" / "model.safetensors"))
+    import shutil
+
+    shutil.copytree(d / "ckpt", d / "ckpt_tok")
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3, "hi": 4, "yo": 5}
+    word = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    word.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=word, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
+                            unk_token="[UNK]").save_pretrained(d / "ckpt_tok")  # a tokenizer without a chat template
+    shutil.copytree(d / "ckpt", d / "earlier" / "checkpoints" / "step_00000007")
+    torch.save({"step": 7}, d / "earlier" / "checkpoints" / "step_00000007" / "trainer.pt")
+    (d / "exported" / "hf").mkdir(parents=True)
+    (d / "exported" / "hf" / "config.json").write_text("{}")
     return d
 
 
@@ -79,6 +112,35 @@ CASES = {
     "steps zero": (lambda d: ["--steps", "0"], ["--steps"]),
     "loss tile zero": (lambda d: ["--loss-tile", "0"], ["--loss-tile must be >= 1"]),
     "mlp tile negative": (lambda d: ["--mlp-tile", "-2", "--no-tiled-loss"], ["--mlp-tile must be >= 1"]),
+    # issue 25: fine-tuning data, checkpoints, save dirs and options
+    "parquet without the text column": (lambda d: ["--data", str(d / "nocol.parquet")],
+                                        ["nocol.parquet", "no 'text' column", "['body']", "--text-field"]),
+    "binary file named as text": (lambda d: ["--data", str(d / "data.parquet.txt")],
+                                  ["data.parquet.txt", "binary file", "*.parquet"]),
+    "chat row with an unknown role": (lambda d: ["--data", str(d / "role.jsonl")],
+                                      ["role.jsonl:1", "messages[1]", "'bot'", "rename it"]),
+    "chat data for a built-in's bytes": (lambda d: ["--data", str(d / "chat.jsonl")],
+                                         ["chat.jsonl:1", "no chat template", "--tokenizer"]),
+    "chat data, template-less tokenizer": (lambda d: ["--model", str(d / "ckpt_tok"), "--data", str(d / "chat.jsonl"),
+                                                      "--seq-len", "32"], ["TokenizersBackend", "no chat template",
+                                                                           "--chat-template"]),
+    "checkpoint without weights": (lambda d: ["--model", str(d / "noweights"), "--seq-len", "32"],
+                                   ["noweights", "holds no weights"]),
+    "config that is not a causal LM": (lambda d: ["--model", str(d / "notcausal"), "--seq-len", "32"],
+                                       ["notcausal", "cannot build a causal LM", "ViTConfig"]),
+    "save dir holding checkpoints": (lambda d: ["--save-dir", str(d / "earlier")],
+                                     ["holds 1 checkpoint of an earlier run", "step 7", "--resume", "--overwrite"]),
+    "resume and overwrite": (lambda d: ["--resume", "--overwrite"], ["--resume", "--overwrite", "choose one"]),
+    "save dir holding an export": (lambda d: ["--save-dir", str(d / "exported")],
+                                   ["holds an earlier run's export", "--overwrite"]),
+    "lora alpha without rank": (lambda d: ["--lora-alpha", "16"], ["--lora-alpha", "without --lora-r"]),
+    "lora rank negative": (lambda d: ["--lora-r", "-1"], ["--lora-r must be >= 0"]),
+    "eval every negative": (lambda d: ["--eval-every", "-1"], ["--eval-every must be >= 0"]),
+    "tokenizer dir missing": (lambda d: ["--tokenizer", str(d / "none")], ["--tokenizer", "no such directory"]),
+    "chat template for bytes": (lambda d: ["--chat-template", str(d / "good.txt"), "--data", str(d / "good.txt")],
+                                ["--chat-template needs a transformers tokenizer"]),
+    "lora targets matching nothing": (lambda d: ["--lora-r", "2", "--lora-targets", "nope"],
+                                      ["--lora-targets nope", "not found"]),
 }
 
 
@@ -103,12 +165,34 @@ def test_resume_with_other_options_is_refused(files, capsys, tmp_path):
     _assert_one_line(code, err, "dp=1", "--dp 1")
 
 
-def test_problem_only_a_worker_sees_is_reported_once(files, capsys):
-    """The byte tokenizer needs 259 ids, the checkpoint has 128: found after the model loads in the
-    workers, reported as one line."""
-    code, err = _run(capsys, "--model", str(files / "ckpt"), "--data", str(files / "good.txt"), "--seq-len", "32",
-                     "--steps", "1", "--save-dir", str(files / "w"))
-    _assert_one_line(code, err, "259 token ids", "128")
+def test_problem_only_a_worker_sees_is_reported_once(files):
+    """A bad option the parent did not check (a job prepared with other options than it runs with):
+    the workers find it -- peft, once the model is built -- and it comes back as one ValueError."""
+    import dataclasses
+
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.job import prepare_job
+    from seqpar.train.launcher import run_local
+
+    cfg = TrainConfig(seq_len=32, steps=1, progress=False, save_dir=str(files / "w"))
+    job = dataclasses.replace(prepare_job(cfg), cfg=cfg.replace(lora_r=2, lora_targets=["nope"]))
+    with pytest.raises(ValueError, match="--lora-targets nope: Target modules {'nope'} not found"):
+        run_local(job)
+
+
+def test_vocabulary_checked_against_the_ids_the_data_uses(files, capsys, tmp_path):
+    """The byte tokenizer of a checkpoint without its own: text whose bytes reach id 198 does not fit
+    the checkpoint's 128 embeddings (found before any worker starts); plain ASCII text does."""
+    (tmp_path / "accents.txt").write_text("caf\u00e9 na\u00efve")
+    code, err = _run(capsys, "--model", str(files / "ckpt"), "--data", str(tmp_path / "accents.txt"), "--seq-len",
+                     "32", "--steps", "1", "--save-dir", str(files / "w"))
+    _assert_one_line(code, err, "the data uses token ids up to 198", "embeds 128", "its own tokenizer")
+    from seqpar.train.config import TrainConfig
+    from seqpar.train.job import prepare_job
+
+    job = prepare_job(TrainConfig(model=str(files / "ckpt"), data=[str(files / "good.txt")], seq_len=32,
+                                  save_dir=str(tmp_path / "w")))
+    assert job.data.max_token_id < 128 < job.data.vocab_size == 259  # fits: only the ids used count
 
 
 def test_real_process_prints_one_line(files):
@@ -130,3 +214,11 @@ def test_help_documents_every_option_with_its_default(capsys):
         assert "--" + name.replace("_", "-") in out, name
     assert out.count("(default:") >= len(FIELDS)
     assert json.dumps(4096) in out  # the default sequence length is shown
+    from seqpar.integrations.models import BUILTIN_MODELS
+
+    flat = " ".join(out.split())
+    for name in BUILTIN_MODELS:
+        assert name in flat, name
+    for words in ("*.parquet, *.arrow and datasets.save_to_disk directories", "*.jsonl / *.json",
+                  "binary files are refused", "at most a tenth of the rows", "{% generation %}"):
+        assert words in flat, words

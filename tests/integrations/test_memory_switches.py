@@ -18,6 +18,7 @@ import seqpar
 from seqpar.batch.tiled_loss import Head, tiled_gather_log_probs
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
+from seqpar.integrations.state import state_of
 from seqpar.integrations.tiling import _TiledMLP, agreed_tiles
 from seqpar.testing.model_parity import (
     GRAD_TOL,
@@ -57,7 +58,7 @@ def _parity(cases, world):
             continue
         model = make_model(case)
         batch = case_batch(case, model.config.vocab_size)
-        ref_loss, ref_grads = reference_grads(model, batch)
+        ref_loss, ref_grads = reference_grads(model, batch, loss_scale=p)  # the scale seqpar's loss runs at
         sp = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh, strategy=case.strategy), mesh,
                                   **SWITCHES)
         loss = sp(**seqpar.shard_batch(batch, mesh, layout=case.layout)).loss
@@ -221,7 +222,7 @@ def _uneven(rank, world):
     sp = seqpar.reduce_memory(seqpar.parallelize(copy.deepcopy(model), mesh), mesh, tiled_mlp=True, mlp_tile=4)
     local = seqpar.shard_batch(case_batch(case, model.config.vocab_size), mesh)
     sp(**local).loss.backward()
-    tiles = list(sp.model.layers[0].mlp._seqpar_mlp_tile[1].tiles_run)
+    tiles = list(state_of(sp).memory.context.tiles_run)
     mine = local["input_ids"].shape[1]
     chatty = _Chatty()
     x = torch.randn(1, mine, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank),
@@ -264,13 +265,74 @@ def _refusal(world):
     return out
 
 
+def _seqpar_attributes(model):
+    """``{module name: the _seqpar* attributes seqpar left on it}``, modules without any left out."""
+    out = {}
+    for name, m in model.named_modules():
+        attrs = sorted(a for a in vars(m) if a.startswith("_seqpar"))
+        if attrs:
+            out[name] = attrs
+    return out
+
+
+def _fingerprint(model):
+    """What parallelize / reduce_memory change on a model, to compare before and after an undo."""
+    loss = model.loss_function
+    return {"attention": model.config._attn_implementation, "loss": getattr(loss, "__qualname__", type(loss).__name__),
+            "pre_hooks": len(model._forward_pre_hooks), "hooks": sum(len(m._forward_hooks) for m in model.modules()),
+            "forwards": sorted(n for n, m in model.named_modules() if "forward" in vars(m)),
+            "attributes": _seqpar_attributes(model)}
+
+
+def _undo_stack(world):
+    """The one state record and its undo stack: where seqpar keeps its state, what restore_memory and
+    unparallelize pop, a deep copy undone on its own, and a parallelize that fails half-way rolled back."""
+    import seqpar.integrations.hf as hf
+
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    model = make_model(ModelCase())
+    plain, plain_loss = _fingerprint(model), model.loss_function
+    seqpar.parallelize(model, mesh)
+    parallel, parallel_loss = _fingerprint(model), model.loss_function
+    steps_parallel = state_of(model).pending()
+    seqpar.reduce_memory(model, mesh, **SWITCHES)
+    out = {"plain": plain, "parallel": parallel, "steps_parallel": steps_parallel,
+           "attributes": _seqpar_attributes(model), "steps": state_of(model).pending(),
+           "memory_steps": state_of(model).pending("memory"), "switched": _fingerprint(model)}
+    twin = copy.deepcopy(model)  # an EMA / DPO reference copy: undone on its own, the original untouched
+    seqpar.unparallelize(twin)
+    out["twin"], out["original after twin"] = _fingerprint(twin), _fingerprint(model)
+    out["twin record"] = state_of(twin) is None
+    seqpar.restore_memory(model)
+    out["restored"], out["steps_restored"] = _fingerprint(model), state_of(model).pending()
+    out["same losses"] = [model.loss_function is parallel_loss]
+    out["memory_switches"] = seqpar.memory_switches(model)
+    seqpar.reduce_memory(model, mesh, **SWITCHES)
+    seqpar.unparallelize(model)
+    out["unparallelized"], out["record"] = _fingerprint(model), state_of(model) is None
+    out["same losses"].append(model.loss_function is plain_loss)
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("token mixers failed")
+
+    wrap, hf.wrap_token_mixers = hf.wrap_token_mixers, broken
+    try:
+        seqpar.parallelize(model, mesh)
+    except RuntimeError as e:
+        out["failed"] = str(e)
+    finally:
+        hf.wrap_token_mixers = wrap
+    out["rolled back"], out["record after failure"] = _fingerprint(model), state_of(model) is None
+    return out
+
+
 def run_default(rank, world):
     torch.set_num_threads(1)
     return {"parity": _parity(DEFAULT, world), "tiled": _tiled_vs_untiled(world), "eval": _eval(world),
             "log_probs": _log_probs(world),
             "fsdp": _fsdp(world),
             "counts": _counts(world), "steady": _steady_tensors(world), "uneven": _uneven(rank, world),
-            "refusal": _refusal(world)}
+            "refusal": _refusal(world), "undo": _undo_stack(world)}
 
 
 def run_grid(rank, world):
@@ -354,6 +416,41 @@ def test_bad_input_and_unknown_head_refused_on_every_rank(results):
         messages = [r["refusal"][what] for r in results]
         assert messages[0] is not None and words in messages[0], (what, messages[0])
         assert all(m == messages[0] for m in messages), what
+
+
+def test_one_state_record_on_the_model_nothing_on_its_modules(results):
+    for r in (res["undo"] for res in results):
+        # the model carries seqpar's one record; no submodule carries anything
+        assert r["attributes"] == {"": ["_seqpar"]}, r["attributes"]
+        assert r["plain"]["attributes"] == {}
+        switched = r["switched"]["forwards"]
+        assert len(switched) == 4 and all(n.endswith(("mlp", "layers.0", "layers.1")) for n in switched), switched
+
+
+def test_undo_stack_restore_memory_pops_its_own_steps_unparallelize_all(results):
+    for r in (res["undo"] for res in results):
+        assert r["steps"][:len(r["steps_parallel"])] == r["steps_parallel"]  # parallelize's first, then memory's
+        assert r["memory_steps"] and all(s.startswith("memory: ") for s in r["memory_steps"])
+        assert r["steps"] == r["steps_parallel"] + r["memory_steps"]
+        # restore_memory: back to the parallelized model, parallelize's steps still on the stack
+        assert r["restored"] == r["parallel"] and r["steps_restored"] == r["steps_parallel"]
+        assert r["memory_switches"] == {"tiled_loss": False, "tiled_mlp": False, "checkpoint": "none"}
+        # unparallelize after reduce_memory again: the plain model, no record left
+        assert r["unparallelized"] == r["plain"] and r["record"]
+        assert r["same losses"] == [True, True]  # each loss function back as the very object it was
+        assert r["plain"]["loss"] != r["parallel"]["loss"] != r["switched"]["loss"]  # the sensor sees them
+
+
+def test_a_deep_copy_is_undone_on_its_own(results):
+    for r in (res["undo"] for res in results):
+        assert r["twin"] == r["plain"] and r["twin record"]  # the copy: plain again
+        assert r["original after twin"] == r["switched"]  # the original: untouched
+
+
+def test_a_parallelize_failing_half_way_is_rolled_back(results):
+    for r in (res["undo"] for res in results):
+        assert r["failed"] == "token mixers failed"
+        assert r["rolled back"] == r["plain"] and r["record after failure"]
 
 
 @pytest.mark.heavy

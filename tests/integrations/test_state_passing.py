@@ -346,6 +346,7 @@ def _strict_rows(rank, world, families, sizes, grid, mode="state"):
         case_batch,
         precision_floor,
         reference_grads,
+        sp_loss_scale,
     )
     from seqpar.testing.scans64 import float64_scans
 
@@ -357,12 +358,16 @@ def _strict_rows(rank, world, families, sizes, grid, mode="state"):
         vocab = decoder_config(model.config)[0].vocab_size
         with float64_scans(model):
             floor = precision_floor(model, case_batch(ModelCase(batch="packed", seq=17), vocab))
+            refs = {}
             for kind, seq, strategy, layout in grid:
                 batch = case_batch(ModelCase(batch=kind, seq=seq), vocab)
-                ref_loss, ref = reference_grads(model, batch)
                 for p, mesh in meshes[strategy].items():
                     if mesh is None or seq < p:
                         continue
+                    scale = sp_loss_scale(mesh)  # the oracle back-propagates at seqpar's loss scale
+                    if (kind, seq, scale) not in refs:
+                        refs[(kind, seq, scale)] = reference_grads(model, batch, loss_scale=scale)
+                    ref_loss, ref = refs[(kind, seq, scale)]
                     loss, grads, modes = _sp_grads(model, batch, mesh, strategy, layout, mode)
                     strict = max((_diff(grads[n], ref[n]) for n in ref if n not in floor.params), default=0.0)
                     f32 = max((_diff(grads[n], ref[n]) / max(float(ref[n].abs().max()), 1e-30) for n in ref

@@ -30,6 +30,7 @@ from seqpar.testing.model_parity import (
     precision_floor,
     reference_grads,
     run_model_parity,
+    sp_loss_scale,
     sp_meshes,
 )
 from seqpar.testing.zoo import VARIANTS, build_tiny
@@ -97,13 +98,14 @@ def _parity(rank, world, families, sizes, grid, mode=HEADS):
         family_mode = mode if mode in listed else None  # LFM2 lists no heads: its own choice (the halo)
         refs = {}
         for kind, seq, strategy, layout in grid:
-            if (kind, seq) not in refs:
-                batch = case_batch(ModelCase(batch=kind, seq=seq), vocab)
-                refs[(kind, seq)] = batch, reference_grads(model, batch)
-            batch, ref = refs[(kind, seq)]
             for p, mesh in meshes[strategy].items():
                 if mesh is None or seq < p:
                     continue
+                scale = sp_loss_scale(mesh)  # the oracle back-propagates at seqpar's loss scale
+                if (kind, seq, scale) not in refs:
+                    batch = case_batch(ModelCase(batch=kind, seq=seq), vocab)
+                    refs[(kind, seq, scale)] = batch, reference_grads(model, batch, loss_scale=scale)
+                batch, ref = refs[(kind, seq, scale)]
                 r = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=ref, floor=floor,
                                    layout=layout, mixer_mode=family_mode)
                 rows.append({"family": family, "case": (kind, seq, strategy, layout), "P": p, "float32": bool(floor),

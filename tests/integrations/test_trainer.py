@@ -3,7 +3,9 @@
 Each case trains the same script twice: in this process without seqpar (the reference), and on
 gloo workers with ``parallelize_trainer(trainer, mesh)`` -- sp=2 on 2 processes, dp=2 x sp=2 on 4
 (``-m heavy``). The Trainer runs Ulysses on padded rows, SFTTrainer padded rows on Ulysses and
-packed (padding-free) rows on ring attention with the doc-zigzag layout.
+packed (padding-free) rows on ring attention with the doc-zigzag layout. The padded SFT run comes
+through the mixin (``class ...(SeqParTrainerMixin, SFTTrainer)``, the mesh given to the
+constructor), the others through ``parallelize_trainer`` on the trainer as built.
 Every logged loss and the final weights must agree to 1e-6 in float32, with gradient accumulation
 2 and micro-batches of different token counts. Resuming from a Trainer checkpoint must reproduce
 the uninterrupted run's losses; bad input must raise the same ValueError on every rank before any
@@ -105,7 +107,7 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, resume: str | None = N
     predict), "sft-padded" or "sft-packed" (3 steps). With ``mesh`` it adds the one seqpar line
     (packed rows on ring attention and the doc-zigzag layout); without, one process reads the dp
     ranks' rows as one batch of ``dp`` x MICRO."""
-    from seqpar.integrations.trainer import parallelize_trainer
+    from seqpar.integrations.trainer import SeqParTrainerMixin, parallelize_trainer
 
     net = _model()
     batch = MICRO if mesh is not None else MICRO * dp
@@ -119,10 +121,17 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, resume: str | None = N
         from trl import SFTTrainer
 
         packing = kind == "sft-packed"
-        trainer = SFTTrainer(model=net, args=_args(out, batch, trl=True, packing=packing),
-                             train_dataset=Dataset.from_list(_rows(160 if packing else 48, 1)),
-                             processing_class=_tokenizer())
-    if mesh is not None:
+        cls, extra = SFTTrainer, {}
+        if mesh is not None and kind == "sft-padded":  # the user's own class, sequence-parallel from birth
+
+            class MySFTTrainer(SeqParTrainerMixin, SFTTrainer):
+                pass
+
+            cls, extra = MySFTTrainer, {"mesh": mesh}
+        trainer = cls(model=net, args=_args(out, batch, trl=True, packing=packing),
+                      train_dataset=Dataset.from_list(_rows(160 if packing else 48, 1)),
+                      processing_class=_tokenizer(), **extra)
+    if mesh is not None and not isinstance(trainer, SeqParTrainerMixin):
         ring = kind == "sft-packed"
         parallelize_trainer(trainer, mesh, strategy="ring" if ring else "ulysses",
                             layout="doc-zigzag" if ring else "contiguous")  # the line a user adds
@@ -262,3 +271,30 @@ def test_refuses_losses_it_would_ignore(option, value):
     setattr(trainer if option == "compute_loss_func" else args, option, value)
     with pytest.raises(ValueError, match=option):
         _check_loss_options(trainer)
+
+
+def test_mixin_overrides_public_trainer_methods_only():
+    """The mixin changes a step through the Trainer's public hooks, no private method."""
+    from transformers import Trainer
+
+    from seqpar import SeqParTrainerMixin
+
+    overridden = [n for n, v in vars(SeqParTrainerMixin).items() if callable(v) and hasattr(Trainer, n)]
+    assert "compute_loss" in overridden and "get_train_dataloader" in overridden
+    assert [n for n in overridden if n.startswith("_") and n != "__init__"] == []
+
+
+def test_mixin_needs_mesh_or_sp_and_parallelize_trainer_refuses_it_twice():
+    import seqpar
+
+    class Base:
+        def __init__(self, **kwargs):
+            raise AssertionError("the trainer must not be built when the seqpar arguments are wrong")
+
+    class MyTrainer(seqpar.SeqParTrainerMixin, Base):
+        pass
+
+    with pytest.raises(ValueError, match="give MyTrainer either mesh=seqpar.init_mesh"):
+        MyTrainer(model=None)
+    with pytest.raises(ValueError, match="already sequence-parallel"):
+        seqpar.parallelize_trainer(object.__new__(MyTrainer), sp=2)

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.distributed  # every test here starts gloo worker proce
 
 
 def _metrics(save_dir):
+    """The per-step lines of metrics.jsonl (the evaluations' lines, with "eval_loss", left out)."""
     with open(os.path.join(save_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [m for m in map(json.loads, f) if "eval_loss" not in m]
 
 
 # --------------------------------------------------------------------------------------------
@@ -41,15 +42,18 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     # the memory switches' per-call overhead dominates at 64 tokens: only the plain resume pair has them on
     smoke = TrainConfig(seq_len=64, micro_batch=8, lr=5e-3, warmup=5, steps=60, save_every=30, progress=False, seed=0,
-                        save_dir=str(root / "smoke"), **OFF)
+                        save_dir=str(root / "smoke"), plot=False, **OFF)
     # the memory switches on (the defaults), with tiles small enough to cut these rows: resume stays exact
     resume = TrainConfig(seq_len=64, micro_batch=2, lr=5e-3, warmup=2, steps=8, save_every=4, progress=False,
-                         eval_rows=2, loss_tile=24, mlp_tile=16)
+                         eval_rows=2, loss_tile=24, mlp_tile=16, plot=False)
     out = {"smoke": run_local(prepare_job(smoke)), "smoke_cfg": smoke}
-    # an earlier, different run in the same directory: the next run replaces it without complaint
+    # an earlier, different run in the same directory: the next run replaces it only with --overwrite
     out["earlier"] = run_local(prepare_job(resume.replace(save_dir=str(root / "straight"), steps=3, save_every=1,
                                                           keep_checkpoints=5, seq_len=16, **OFF)))
-    out["straight"] = run_local(prepare_job(resume.replace(save_dir=str(root / "straight"))))
+    with pytest.raises(ValueError) as refused:
+        prepare_job(resume.replace(save_dir=str(root / "straight")))
+    out["refused"] = str(refused.value)
+    out["straight"] = run_local(prepare_job(resume.replace(save_dir=str(root / "straight"), overwrite=True)))
     part = resume.replace(save_dir=str(root / "parts"))
     out["first_half"] = run_local(prepare_job(part), stop_after=4)
     out["resumed"] = run_local(prepare_job(part.replace(resume=True)))
@@ -78,6 +82,11 @@ def test_metrics_one_line_per_step(runs):
         assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_mib", "peak_reserved_mib"} <= set(m)
         assert len(m["peak_mem_mib"]) == 2 and m["peak_reserved_mib"] == m["peak_mem_mib"]  # the CPU: both RSS
     assert [m["loss"] for m in lines] == [loss for _, loss in runs["smoke"].losses]
+    with open(os.path.join(runs["dirs"]["smoke"], "metrics.jsonl")) as f:
+        evals = [m for m in map(json.loads, f) if "eval_loss" in m]  # before and after training
+    s = runs["smoke"]
+    assert [(m["step"], m["eval_loss"], m["eval_accuracy"]) for m in evals] == [
+        (0, s.first_eval.loss, s.first_eval.accuracy), (60, s.final_eval.loss, s.final_eval.accuracy)]
 
 
 def test_checkpoints_written_and_loadable(runs):
@@ -114,9 +123,13 @@ def test_resume_continues_the_same_loss_curve_exactly(runs, kind):
         assert runs["straight"].final_eval == runs["resumed"].final_eval
 
 
-def test_second_run_replaces_the_first(runs):
-    """A fresh run into a save dir that holds an earlier run starts over there (no error)."""
+def test_second_run_replaces_the_first_only_with_overwrite(runs):
+    """A fresh run into a save dir that holds an earlier run's checkpoints is refused before any worker
+    starts (the message names --resume and --overwrite); with --overwrite it starts over there."""
+    assert "holds 3 checkpoints of an earlier run (the latest at step 3)" in runs["refused"]
+    assert "--resume continues it, --overwrite deletes them" in runs["refused"]
     assert runs["earlier"].steps == 3 and runs["straight"].replaced_previous
+    assert runs["straight"].replaced_steps == [1, 2, 3]
     assert [s for s, _ in complete_checkpoints(runs["dirs"]["straight"])] == [4, 8]
     assert [m["step"] for m in _metrics(runs["dirs"]["straight"])] == list(range(1, 9))
 

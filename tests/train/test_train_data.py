@@ -168,3 +168,46 @@ def test_summary_reports_cuda_allocated_and_reserved():
     assert "FSDP2, bfloat16)" in cuda and "memory      checkpoint layers" in cuda
     cpu = format_summary(RunSummary(**{**base, "device": "cpu"}))
     assert "rank 0: 100 MiB, rank 1: 101 MiB (peak RSS" in cpu
+
+
+def test_resume_accepts_a_checkpoint_from_before_the_fine_tuning_options(tmp_path):
+    """A checkpoint whose options lack those added since (tokenizer, LoRA, ...) ran at their defaults:
+    resuming it with the defaults is the same run; with another value it is refused."""
+    from seqpar.train.job import check_resumable, prepare_job
+
+    cfg = TrainConfig(seq_len=64, save_dir=str(tmp_path))
+    job = prepare_job(cfg)
+    old = {k: v for k, v in cfg.to_dict().items() if k not in ("tokenizer", "train_on", "overflow", "lora_r")}
+    check_resumable(job, {"config": old, "dp": job.dp, "step": 1}, "ckpt")
+    with pytest.raises(ValueError, match="--lora-r 0 -> 2"):
+        check_resumable(prepare_job(cfg.replace(lora_r=2)), {"config": old, "dp": job.dp, "step": 1}, "ckpt")
+
+
+def test_summary_and_banner_say_what_the_run_continued_replaced_trained_and_wrote():
+    import dataclasses
+
+    from seqpar.cli.train import describe_start, format_summary
+    from seqpar.train.job import prepare_job
+    from seqpar.train.loop import EvalResult
+    from seqpar.train.run import RunSummary
+
+    base = {f.name: None for f in dataclasses.fields(RunSummary)}
+    ev = [(4, EvalResult(2.5, 0.1, 9)), (8, EvalResult(2.0, 0.2, 9))]
+    base.update(steps=8, losses=[(5, 3.0), (8, 2.0)], train_time_s=1.0, data="d", metrics="m", world=2, sp=2, dp=1,
+                strategy="ulysses", layout="contiguous", params=1000, trainable=40,
+                lora="LoRA r=4, alpha=8 on all-linear", fsdp=False, tokens_per_step=8, replaced_previous=False,
+                reason="", attention="a", dtype="float32",
+                memory="m", setup_s=0.0, eval_s=0.0, peak_mem_mib=[], peak_reserved_mib=[], device="cpu",
+                evals=ev, final_eval=ev[-1][1], resumed_from="/r/checkpoints/step_00000004", resumed_step=4,
+                replaced_steps=[], export="/r/hf", export_lora="adapter", summary_file="/r/summary.json", plot=None)
+    text = format_summary(RunSummary(**base))
+    assert "1,000 parameters (40 trained: LoRA r=4, alpha=8 on all-linear)" in text
+    assert "evaluations step 4: 2.5000, step 8: 2.0000 (held-out loss)" in text
+    assert "resumed     from step 4 (/r/checkpoints/step_00000004)" in text
+    assert "exported    /r/hf (peft's LoRA adapter" in text and "summary.json" in text
+    merged = format_summary(RunSummary(**{**base, "export_lora": "merged", "replaced_steps": [2, 3]}))
+    assert "(save_pretrained, LoRA merged: AutoModelForCausalLM" in merged
+    assert "replaced    an earlier run's checkpoints (steps 2, 3; --overwrite)" in merged
+    job = dataclasses.replace(prepare_job(TrainConfig(seq_len=64)), resume_from="/r/checkpoints/step_00000004",
+                              resume_step=4)
+    assert "seqpar train: resuming from step 4 (/r/checkpoints/step_00000004)" in describe_start(job)

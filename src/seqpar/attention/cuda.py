@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import compat
 from .rect_kernel import RectKernel, pad_head_dim, tile_bias
 from .spec import AttnSpec
 
@@ -91,13 +92,13 @@ class CudaFlashKernel(RectKernel):
         scale, nq = spec.scale_for(q.shape[-1]), q.shape[2]
         causal = how == "causal"
         if uses_flash(how, q.dtype, dim):
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False,
+            out, lse = compat.cuda_flash_attention(qp, kp, vp, 0.0, causal, False,
                                                                            scale=scale)[:2]
             return out[..., :v.shape[-1]], lse
         bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype)
         if bias is not None:  # a row that sees no key would be NaN: let it see all, drop it below
             bias = _aligned_bias(bias.masked_fill(~seen[:, None], 0.0), (*qp.shape[:2], nq, kp.shape[2]))
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qp, kp, vp, bias, True, 0.0, causal,
+        out, lse = compat.cuda_efficient_attention(qp, kp, vp, bias, True, 0.0, causal,
                                                                            scale=scale)[:2]
         lse = lse[..., :nq]  # the op pads lse's length to a multiple of 32
         if seen is not None:
@@ -115,7 +116,7 @@ class CudaFlashKernel(RectKernel):
         no_rng = (torch.empty(2, dtype=torch.int64, device=q.device), torch.empty((), dtype=torch.int64,
                                                                                   device=q.device))
         if uses_flash(how, q.dtype, dim):
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dq, dk, dv = compat.cuda_flash_attention_backward(
                 dop, qp, kp, vp, outp, lse, None, None, nq, nk, 0.0, causal, *no_rng, scale=scale)
         else:
             bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype)
@@ -124,7 +125,7 @@ class CudaFlashKernel(RectKernel):
                 qp, dop = qp * seen[:, None], dop * seen[:, None]
                 lse = lse.masked_fill(~seen, 0.0)  # P = exp(0 - 0): finite, times dS = 0
             lse = torch.nn.functional.pad(lse, (0, -(-nq // 32) * 32 - nq))
-            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dq, dk, dv, _ = compat.cuda_efficient_attention_backward(
                 *(_bmhk(x) for x in (dop, qp, kp, vp)), bias, _bmhk(outp), lse, no_rng[1], no_rng[1], 0.0,
                 [True, True, True, False], causal, scale=scale)
         return dq[..., :d], _sum_heads(dk[..., :d], n_kv), _sum_heads(dv[..., :dv_dim], n_kv)
@@ -151,7 +152,7 @@ class CudnnKernel(CudaFlashKernel):
         if not _uses_cudnn(how, q, v):
             return super().tile_forward(q, k, v, spec, how, q_pos, k_pos)
         qp, kp, vp, _ = self._prepare(q, k, v)
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        out, lse = compat.cudnn_attention(
             qp, kp, vp, None, True, 0.0, how == "causal", False, scale=spec.scale_for(q.shape[-1]))[:2]
         return out[..., :v.shape[-1]], lse.reshape(q.shape[:3]).float()  # cuDNN's lse: [B, H, Sq, 1]
 
@@ -164,7 +165,7 @@ class CudnnKernel(CudaFlashKernel):
         dop, outp = pad_head_dim(dout, dim), pad_head_dim(out, dim)
         rng = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: never read
         # no bias, and None for the cumulative lengths (undefined: not the nested-tensor path)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dq, dk, dv = compat.cudnn_attention_backward(
             *(_bmhk(x) for x in (dop, qp, kp, vp, outp)), lse.float().contiguous()[..., None], rng, rng, None, None,
             None, q.shape[2], k.shape[2], 0.0, how == "causal", scale=spec.scale_for(d))
         return dq[..., :d], _sum_heads(dk[..., :d], n_kv), _sum_heads(dv[..., :dv_dim], n_kv)

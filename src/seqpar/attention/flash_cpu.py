@@ -7,9 +7,9 @@ mask, or an additive mask of the tile's own size (never the block's).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from .. import compat
 from .rect_kernel import RectKernel, pad_head_dim, tile_bias
 from .spec import AttnSpec
 
@@ -29,7 +29,7 @@ class CpuFlashKernel(RectKernel):
                      k_pos: Tensor) -> tuple[Tensor, Tensor]:
         bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype)
         dim = max(q.shape[-1], v.shape[-1])
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = compat.cpu_flash_attention(
             pad_head_dim(q, dim), pad_head_dim(k, dim), pad_head_dim(v, dim), 0.0, how == "causal",
             attn_mask=bias, scale=spec.scale_for(q.shape[-1]))
         if seen is not None:  # the op reports lse = 0 on rows that see no key
@@ -41,7 +41,7 @@ class CpuFlashKernel(RectKernel):
         bias, _ = tile_bias(spec, how, q_pos, k_pos, q.dtype)
         d, dv_dim = q.shape[-1], v.shape[-1]
         dim = max(d, dv_dim)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = compat.cpu_flash_attention_backward(
             pad_head_dim(dout, dim).contiguous(), pad_head_dim(q, dim), pad_head_dim(k, dim), pad_head_dim(v, dim),
             pad_head_dim(out, dim).contiguous(), lse.contiguous(), 0.0, how == "causal", attn_mask=bias,
             scale=spec.scale_for(d))

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .. import compat
 from ..errors import Refused
 from .blocks import merged_block_grads
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported
@@ -204,7 +205,7 @@ class FlexKernel(LseKernel):
             warnings.warn(f"kernel='flex' on {q.device.type} runs torch's uncompiled flex, which builds the S x S "
                           "scores (and has no backward): for tests; use kernel='auto'", stacklevel=2)
         # past dynamo's recompile limit a compiled call would silently run uncompiled (O(S^2)): raise instead
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), warnings.catch_warnings():
+        with compat.fail_on_recompile_limit(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             out, res = _flex(compiled)(
                 q, k, v, score_mod=None if spec.softcap is None else _softcap(spec.softcap, q.device), block_mask=bm,

@@ -71,7 +71,7 @@ def hybrid_attention(
 
     Layouts and options as :func:`seqpar.ring_attention` (``ring_grad_group``: its ``grad_group``);
     ``shard`` and ``layout`` describe the ``R * U`` sp ranks in ring-major order
-    (:func:`seqpar.layout.layout_indices` with ``ulysses=U``).
+    (:func:`seqpar.attention.layout.layout_indices` with ``ulysses=U``).
     Returns a contiguous ``[B, S_local, H, Dv]``. Raises ValueError on every rank for inconsistent
     inputs; an exception in one rank's kernel is raised on every rank of the grid.
     """

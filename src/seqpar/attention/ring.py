@@ -15,7 +15,7 @@ the :class:`SeqShard` on every rank, so only K and V travel. A block that causal
 is skipped, and a partly hidden one is trimmed to the bounding box of its visible pairs (with zigzag
 this halves every off-diagonal block and removes its mask).
 
-How K/V travel is a small swappable object (:mod:`seqpar.ring_comm`): ``"p2p"`` (one hop per
+How K/V travel is a small swappable object (:mod:`seqpar.attention.ring_comm`): ``"p2p"`` (one hop per
 step, the next block's transfer overlapping this block's compute; backward sends dK/dV one step
 behind, so each returns to its owner; no rank ever holds more than two K/V blocks) or
 ``"allgather"`` (gather K/V once; the backward reduce-scatters dK/dV). Unequal local lengths travel
@@ -223,7 +223,7 @@ def ring_attention(
         shard: batch-level :class:`SeqShard`; its ``positions`` say which global token each rank holds.
         layout: ``"contiguous"``, ``"zigzag"`` or ``"doc-zigzag"`` (balanced per packed document:
             needs the batch's ``shard``, from :func:`seqpar.shard_batch`); without a shard it says
-            which tokens each rank holds (:func:`seqpar.layout.layout_indices`); with one it must
+            which tokens each rank holds (:func:`seqpar.attention.layout.layout_indices`); with one it must
             agree with the shard.
             None: the shard's layout, else contiguous.
         comm: ``"p2p"`` (K/V pass from rank to rank, overlapped) or ``"allgather"`` (gathered once).

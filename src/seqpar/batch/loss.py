@@ -6,10 +6,31 @@ Each SP rank holds the logits of its own tokens only. The loss of the whole sequ
 
 (N: the target count of this dp rank's batch, or ``num_items_in_batch``). Every rank computes its
 local sum; one all-reduce makes the *value* global on every rank, while the *gradient* stays local:
-rank r back-propagates only its own share ``d(local_sum_r) / N``. Cross-rank paths (attention) send
-their gradients back through the attention's own collectives, so after summing parameter
-gradients over the dp x sp ranks (:func:`sync_gradients`, FSDP2 / DDP via :mod:`seqpar.integrations.fsdp`)
-every parameter's gradient equals the non-parallel model's.
+rank r back-propagates only its own share, scaled by the number of ranks the gradients are
+averaged over afterwards::
+
+    d(loss_r) / d(local_sum_r) = dp * sp / N     with num_items_in_batch (N over all dp ranks)
+                               =      sp / N     without (N: this dp rank's targets; the dp
+                                                 average is then the mean of the dp ranks' means)
+
+Cross-rank paths (attention) send their gradients back through the attention's own collectives,
+so the *average* of the parameter gradients over the dp x sp ranks -- what stock DDP and FSDP2
+over those ranks compute (as torchtitan, Megatron, DeepSpeed and accelerate do), and what
+:func:`sync_gradients` computes without a wrapper -- is exactly the non-parallel model's gradient.
+A wrapper that averages over the dp ranks only would leave the sp ranks' shares uncombined:
+parallelized models refuse it at their first training forward (:mod:`seqpar.integrations.fsdp`).
+
+Rounding: scaling by the number of ranks and averaging cancel to float64 rounding. A model that
+computes in float32 inside (Llama's RMSNorm casts to float32 whatever the model's dtype) rounds
+each token's gradient relative to its scale, so when the number of ranks has an odd factor (3, 6)
+its gradients match the unparallelized model's to that model's own float32 precision -- and the
+unparallelized model back-propagating the same scaled loss to float64 rounding (the oracle of
+:func:`seqpar.testing.model_parity.reference_grads`). At a power of two the scaling is exact.
+
+Convention change: the gradients used to be *summed* over the ranks (seqpar's FSDP2 with a divide
+factor of 1, a summing DDP hook), so a model under stock DDP / FSDP2 trained with 1 / (dp * sp) of
+its gradient, silently. Code that summed the gradients itself (an ``all_reduce`` of SUM with no
+division) must now divide by the number of ranks, or call :func:`sync_gradients`.
 """
 
 from __future__ import annotations
@@ -36,8 +57,10 @@ from .targets import IGNORE_INDEX
 class _GlobalTokenMean(torch.autograd.Function):
     """Forward: all-reduce (sum) the ranks' local loss sums, divide by N: the same global loss on
     every rank. Backward: no collective -- ``grad * grad_scale`` into the local sum only. Each rank
-    is responsible for its own targets; summing the parameter gradients over the ranks afterwards
-    (not here) is what makes the total exact, and all-reducing here too would count it P times."""
+    is responsible for its own targets; averaging the parameter gradients over the ranks afterwards
+    (not here: DDP, FSDP2 or sync_gradients) is what makes the total exact, so ``grad_scale``
+    carries the number of ranks that average divides by; all-reducing here too would count each
+    target once per rank."""
 
     @staticmethod
     def forward(ctx, local_sum: Tensor, group: dist.ProcessGroup | None, denominator: float,
@@ -73,12 +96,15 @@ def token_losses(logits: Tensor, targets: Tensor, ignore_index: int = IGNORE_IND
 
 def sp_token_mean(local_sum: Tensor, batch: LocalBatch, group: dist.ProcessGroup | None,
                   denominator: float | None = None) -> Tensor:
-    """The global token mean from this rank's summed token losses (see :class:`_GlobalTokenMean`)."""
+    """The global token mean from this rank's summed token losses (see :class:`_GlobalTokenMean`).
+    ``denominator``: a ``num_items_in_batch`` the loss function was given (N over every dp rank,
+    as with :func:`seqpar.shard_batch`'s own); default: the batch's."""
     if denominator is None:
         denominator, grad_scale = batch.denominator, batch.grad_scale
+        denominator = denominator if denominator > 0 else 1.0
     else:
-        grad_scale = 1.0 / denominator
-    denominator = denominator if denominator > 0 else 1.0
+        denominator = denominator if denominator > 0 else 1.0
+        grad_scale = batch.sp_size * batch.dp_size / denominator  # averaged over every dp x sp rank
     return _GlobalTokenMean.apply(local_sum, group, float(denominator), grad_scale)
 
 
@@ -131,8 +157,9 @@ def gather_log_probs(logits: Tensor, labels: Tensor | dict[str, Any], mesh: Devi
     ``labels`` of :func:`shard_batch`), or the local batch dict itself. Returns ``[B, S]`` in the
     original token order (0 where the target is ignored), differentiable: every SP rank may compute
     the same sequence-level loss (DPO, RL) from it, and back-propagates into its own logits only
-    (an all-gather whose backward keeps this rank's slice), so summing parameter gradients over the
-    SP ranks gives the exact gradient. ``shard`` (or a local batch dict) gives uneven lengths and
+    (an all-gather whose backward keeps this rank's slice, times the SP size), so *averaging* the
+    parameter gradients over the SP ranks (DDP / FSDP2 / :func:`sync_gradients`) gives the exact
+    gradient -- over dp x sp, the dp ranks' mean of it. ``shard`` (or a local batch dict) gives uneven lengths and
     the layout; without it the shards are taken as equal and contiguous.
     """
     labels, shard = labels_and_shard(labels, shard)
@@ -156,24 +183,44 @@ def labels_and_shard(labels: Tensor | dict[str, Any], shard: SeqShard | LocalBat
     return labels, shard
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Forward: the identity. Backward: ``grad * factor``. Not a collective: it pre-scales a
+    rank's share of a gradient by the number of ranks that will average it (see the module
+    docstring), where the value itself must stay unscaled."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.factor, None
+
+
 def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShard | None) -> Tensor:
     """``[B, S_local] -> [B, S]`` in the original token order on every rank of the SP ``group``;
-    the backward keeps this rank's slice (see :func:`gather_log_probs`)."""
+    the backward keeps this rank's slice, times the SP size (see :func:`gather_log_probs`)."""
     sizes = shard.seq_lens if shard is not None else None
+    p = dist.get_world_size(group)
+    if p > 1:  # every SP rank back-propagates the same loss: its slice, scaled for the average
+        picked = _ScaleGrad.apply(picked, float(p))
     full = gather_seq(picked, dim=1, group=group, sizes=sizes, grad="slice")  # [B, S] in layout order
     if shard is not None and shard.positions is not None:
         full = full.index_select(1, inverse_permutation(shard.positions).to(full.device))
     return full
 
 
-def _sum_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """One all-reduce (sum) per dtype of every gradient, flattened into one buffer."""
+def _average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """One all-reduce per dtype of every gradient, flattened into one buffer, divided by the
+    group's size (a SUM and a division: gloo has no ReduceOp.AVG)."""
     by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in params:
         by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
     for ps in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in ps])
         dist.all_reduce(flat, group=group)
+        flat.div_(dist.get_world_size(group))
         offset = 0
         for p in ps:
             n = p.grad.numel()
@@ -182,20 +229,21 @@ def _sum_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
 
 
 def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Sum every parameter's gradient over the sp and dp ranks of ``mesh`` (one all-reduce per
-    axis and dtype), completing the gradient contract of the seqpar loss. Parameters without a
-    gradient count as zeros (every rank must send the same buffers). Use this without FSDP / DDP;
-    with them see :mod:`seqpar.integrations.fsdp`. Raises ValueError for sharded (DTensor) gradients."""
+    """Average every parameter's gradient over the sp and dp ranks of ``mesh`` (one all-reduce per
+    axis and dtype), completing the gradient contract of the seqpar loss: what stock DDP over the
+    dp x sp ranks does, for a model without a wrapper. Parameters without a gradient count as zeros
+    (every rank must send the same buffers). Raises ValueError for sharded (DTensor) gradients."""
     as_mesh(mesh, "sync_gradients")
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if type(p).__name__ == "DTensor" or type(p.grad).__name__ == "DTensor":
             raise ValueError("sync_gradients got FSDP-sharded (DTensor) parameters: FSDP reduces gradients "
-                             "itself -- use seqpar.apply_fsdp(model, mesh) so that it sums over dp x sp")
+                             "itself -- shard over every dp x sp rank (seqpar.apply_fsdp(model, mesh)) and "
+                             "drop the sync_gradients call")
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if not params:
         return
     for axis in (Axis.SP.value, Axis.DP.value):
         if has_axis(mesh, axis) and axis_size(mesh, axis) > 1:
-            _sum_grads(params, axis_group(mesh, axis))
+            _average_grads(params, axis_group(mesh, axis))

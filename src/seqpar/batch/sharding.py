@@ -33,7 +33,9 @@ from ..attention.shard import SeqShard
 from ..comm.agree import MISSING, check, share
 from ..comm.collectives import comm_device
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, dp_size, has_axis
+from ..errors import Refused
 from .targets import CU_SEQLENS_KEYS, IGNORE_INDEX, cu_seqlens_problem, prepare_batch, target_count
+from .visual import ROUTED_KEYS, VisualBatch, fingerprint, refused_key_problem, visual_batch, visual_problem
 
 BATCH_KWARG = "seqpar_batch"
 """The key under which a sharded batch carries its :class:`LocalBatch` into ``model(**local)``."""
@@ -51,13 +53,16 @@ class LocalBatch:
     sp_rank       this rank's index in the SP group; sp_size its size; dp_size the data-parallel size
     denominator   N of the loss: ``num_items_in_batch`` if given, else the (weighted) target count
                   of this dp rank's whole batch
-    grad_scale    d(out.loss)/d(local sum of token losses): 1/N with ``num_items_in_batch``, else
-                  1/(N * dp_size) -- the dp average folded in, so a plain sum over dp x sp averages
+    grad_scale    d(out.loss)/d(local sum of token losses): ``dp_size * sp_size / N`` with
+                  ``num_items_in_batch`` (N counts every dp rank), else ``sp_size / N`` (N: this dp
+                  rank's targets) -- so that the *average* over the dp x sp ranks that DDP / FSDP2 /
+                  :func:`seqpar.sync_gradients` take is the exact gradient (see :mod:`seqpar.batch.loss`)
     loss_weights  [B, S_local] per-target weights (shifted with the labels) or None
+    visual        the whole batch's images / video (:class:`~seqpar.batch.visual.VisualBatch`) or None
     """
 
     __slots__ = ("shard", "sp_rank", "sp_size", "dp_size", "denominator", "grad_scale", "num_items_in_batch",
-                 "loss_weights", "attention_calls", "mask_cache")
+                 "loss_weights", "attention_calls", "mask_cache", "visual")
 
     def __init__(self, shard: SeqShard, *, sp_rank: int, sp_size: int, dp_size: int, denominator: float,
                  num_items_in_batch: float | None, loss_weights: Tensor | None) -> None:
@@ -66,10 +71,15 @@ class LocalBatch:
         self.num_items_in_batch = num_items_in_batch
         self.denominator = denominator
         n = float(denominator) if denominator > 0 else 1.0  # no target at all: the loss is 0, not NaN
-        self.grad_scale = 1.0 / n if num_items_in_batch is not None else 1.0 / (n * dp_size)
+        # the ranks' gradients are averaged afterwards: each rank's share is scaled by how many
+        # ranks the average divides by (all dp x sp with a global N; sp alone with a per-dp-rank
+        # N, whose dp average is then the mean of the dp ranks' means)
+        ranks = sp_size * dp_size if num_items_in_batch is not None else sp_size
+        self.grad_scale = ranks / n
         self.loss_weights = loss_weights
         self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)
         self.mask_cache: dict[Any, Any] = {}  # dense masks shared by the layers of this batch
+        self.visual: VisualBatch | None = None  # set by shard_batch for a batch with images
 
     @property
     def local_len(self) -> int:
@@ -96,9 +106,13 @@ def _local_problem(batch: Mapping[str, Any]) -> tuple[str | None, int, int]:
     if (ids is not None and ids.dim() != 2) or (ids is None and emb.dim() != 3):
         return "input_ids must be [batch, seq_len] (inputs_embeds [batch, seq_len, hidden])", -1, -1
     b, s = int(ref.shape[0]), int(ref.shape[1])
-    if set(batch) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - {"use_cache"}:
+    refused = refused_key_problem(batch)
+    if refused is not None:
+        return refused, b, s
+    if set(batch) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - {"use_cache"} - set(ROUTED_KEYS):
         return (f"the batch has keys shard_batch does not know: use only {list(BATCH_KEYS)} (and the "
-                f"{list(CU_SEQLENS_KEYS)} of DataCollatorWithFlattening)"), b, s
+                f"{list(CU_SEQLENS_KEYS)} of DataCollatorWithFlattening, the {list(ROUTED_KEYS)} of a "
+                "vision-language processor)"), b, s
     labels, mask, pos, w = (batch.get(k) for k in ("labels", "attention_mask", "position_ids", "loss_weights"))
     if labels is not None and tuple(labels.shape) != (b, s):
         return "labels must have the shape of input_ids [batch, seq_len]", b, s
@@ -109,10 +123,10 @@ def _local_problem(batch: Mapping[str, Any]) -> tuple[str | None, int, int]:
         return "position_ids must be [batch, seq_len] or [1, seq_len]", b, s
     if w is not None and (labels is None or tuple(w.shape) != (b, s)):
         return "loss_weights must have the shape of labels [batch, seq_len] and need labels", b, s
-    return cu_seqlens_problem(batch, b, s), b, s
+    return cu_seqlens_problem(batch, b, s) or visual_problem(batch, b, s), b, s
 
 
-def _checksum(t: Tensor | None) -> float:
+def checksum(t: Tensor | None) -> float:
     """A cheap fingerprint of an integer tensor, exact in float64, to tell whether SP ranks hold the
     same batch (the classic bug: a data loader sharded over all ranks instead of over dp)."""
     if t is None:
@@ -127,6 +141,7 @@ _SAME = {
     "labels": "the label content", "mask": "the attention_mask content",
     "pos": "the position_ids content",
     "weights": "whether loss_weights are given", "layout": "layout", "items": "num_items_in_batch",
+    "visual": f"the images / video (the batch's {list(ROUTED_KEYS)})",
 }
 
 
@@ -153,15 +168,20 @@ def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, n
     ok = problem is None
     facts = {
         "batch": float(b), "seq": float(s),
-        "ids": _checksum(batch.get("input_ids")) if ok else MISSING,
-        "labels": _checksum(batch.get("labels")) if ok else MISSING,
-        "mask": _checksum(batch.get("attention_mask")) if ok else MISSING,
-        "pos": _checksum(batch.get("position_ids")) if ok else MISSING,
+        "ids": checksum(batch.get("input_ids")) if ok else MISSING,
+        "labels": checksum(batch.get("labels")) if ok else MISSING,
+        "mask": checksum(batch.get("attention_mask")) if ok else MISSING,
+        "pos": checksum(batch.get("position_ids")) if ok else MISSING,
         "weights": 1.0 if ok and batch.get("loss_weights") is not None else 0.0,
         "layout": float(LAYOUTS.index(layout)) if layout in LAYOUTS else MISSING,
         "items": MISSING if num_items is None else float(num_items),
+        "visual": fingerprint({k: batch[k] for k in ROUTED_KEYS if batch.get(k) is not None}) if ok else MISSING,
+        "refused": float(problem is not None and problem == refused_key_problem(batch)),
     }
     table = share(facts, group, problem=problem, device=device)
+    if any(table.column("refused")):  # a mechanism seqpar will not run: a Refused, raised on every rank
+        raise Refused("seqpar: invalid batch for shard_batch:\n  " + "\n  ".join(
+            f"rank {r}: {msg}" for r, msg in enumerate(table.problems) if msg))
     # a malformed batch makes the comparisons meaningless: report only the problem then
     check(table, what="batch for shard_batch", same=[] if any(table.problems) else list(_SAME),
           describe=lambda n: _SAME[n], hint="every SP rank must get the same full batch: shard the data loader "
@@ -186,7 +206,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         batch: the full batch, identical on every SP rank of a dp group: ``input_ids [B, S]`` (or
             ``inputs_embeds [B, S, E]``), optional ``labels [B, S]`` (unshifted, ``ignore_index``
             for no target), ``attention_mask [B, S]`` (padding), ``position_ids [B or 1, S]``
-            (packed rows restart), ``loss_weights [B, S]`` (per-label weight).
+            (packed rows restart), ``loss_weights [B, S]`` (per-label weight); and a vision-language
+            processor's outputs (:data:`~seqpar.batch.visual.ROUTED_KEYS`: pixels, grids, sizes,
+            ``mm_token_type_ids``), kept whole in the LocalBatch for the model to divide over the ranks.
         mesh: a DeviceMesh with an ``"sp"`` axis (and optionally ``"dp"``): :func:`seqpar.init_mesh`.
         layout: ``"contiguous"``, ``"zigzag"`` or ``"doc-zigzag"`` (zigzag inside every packed
             document and padding run of the batch: balances ring attention on packed rows; see
@@ -259,6 +281,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         out["labels"] = local(prep.targets)
         out["shift_labels"] = out["labels"]
     out["use_cache"] = False
+    positions_given = batch.get("position_ids") is not None or batch.get("cu_seq_lens_q") is not None
+    info.visual = visual_batch(batch, pieces, positions_given)  # the model encodes and routes it
     out[BATCH_KWARG] = info
     return out
 

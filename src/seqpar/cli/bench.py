@@ -18,12 +18,12 @@ every rank running the whole sequence alone.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from typing import Any
 
 from .plan import parse_size
+from .tables import num, write_csv
 
 PACKING_SEQ_LENS = [4096, 8192, 16384, 32768]
 
@@ -179,25 +179,6 @@ CSV_FIELDS = ["model", "strategy", "nproc", "seq_len", "tokens_per_rank", "mem_m
               "time_ratio", "rss_mib", "mem_mib_per_rank", "measure", "dtype", "steps"]
 PACKING_CSV_FIELDS = ["model", "strategy", "nproc", "seq_len", "doc_len", "tokens_per_rank", "mem_mib", "mem_ratio",
                       "growth", "step_s", "time_ratio", "rss_mib", "mem_mib_per_rank", "measure", "dtype", "steps"]
-_FORMATS = {"mem_mib": ".1f", "rss_mib": ".1f", "mem_ratio": ".3f", "time_ratio": ".3f", "growth": ".3f",
-            "step_s": ".4f", "peak_mib": ".1f", "cap_mib": ".1f", "vs_off": ".3f", "vs_p1": ".3f"}
-
-
-def write_csv(rows: list[dict[str, Any]], path: str, fields: list[str]) -> None:
-    import csv
-
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            extra: dict[str, Any] = {}
-            if "seq_len" in r:
-                extra["tokens_per_rank"] = -(-r["seq_len"] // r["nproc"])
-            if "mem_mib_per_rank" in r:
-                extra["mem_mib_per_rank"] = ";".join(str(m) for m in r["mem_mib_per_rank"])
-            w.writerow({**r, **{k: format(r[k], f) for k, f in _FORMATS.items() if k in r}, **extra})
-
-
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     """Memory per rank and step time against sequence length, one line per (P, strategy, packed)."""
     import matplotlib
@@ -239,10 +220,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _num(x: float | None, spec: str, width: int) -> str:
-    return f"{'-':>{width}}" if x is None or math.isnan(x) else f"{x:>{width}{spec}}"
-
-
 def format_packing_table(rows: list[dict[str, Any]]) -> str:
     """One line per (P, strategy, length): plain and packed memory per rank and step time, the
     packed/plain ratios and each series' growth over half the length."""
@@ -255,8 +232,8 @@ def format_packing_table(rows: list[dict[str, Any]]) -> str:
     for (p, strat, n), pair in sorted(by.items()):
         a, b = pair.get(False, {}), pair.get(True, {})  # plain, packed
         lines.append(
-            f"{p:>2} {strat:<8} {n:>7} | {_num(a.get('mem_mib'), '.1f', 9)} {_num(b.get('mem_mib'), '.1f', 10)}"
-            f" {_num(b.get('mem_ratio'), '.2f', 6)} | {_num(a.get('step_s'), '.3f', 8)}"
-            f" {_num(b.get('step_s'), '.3f', 8)} {_num(b.get('time_ratio'), '.2f', 6)} |"
-            f" {_num(a.get('growth'), '.2f', 8)} {_num(b.get('growth'), '.2f', 9)}")
+            f"{p:>2} {strat:<8} {n:>7} | {num(a.get('mem_mib'), '.1f', 9)} {num(b.get('mem_mib'), '.1f', 10)}"
+            f" {num(b.get('mem_ratio'), '.2f', 6)} | {num(a.get('step_s'), '.3f', 8)}"
+            f" {num(b.get('step_s'), '.3f', 8)} {num(b.get('time_ratio'), '.2f', 6)} |"
+            f" {num(a.get('growth'), '.2f', 8)} {num(b.get('growth'), '.2f', 9)}")
     return "\n".join(lines)

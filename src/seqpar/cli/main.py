@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ["train", "verify", "bench", "plan"]
+SUBCOMMANDS = ["train", "export", "verify", "bench", "plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """``seqpar bench --max-seq``: the longest sequence whose full training step (forward, backward,
 AdamW) fits a per-rank memory cap, for each P and each set of memory switches, found by running.
 
-Each trial is one fresh set of worker processes (:func:`seqpar.bench.try_step`): the cap counts the
+Each trial is one fresh set of worker processes (:func:`seqpar.bench.peak.try_step`): the cap counts the
 resident memory a rank adds above its runtime baseline (torch and the process group loaded, the code
 paths warmed on a tiny model) -- the model's weights, AdamW states, gradients and activations, as a
 GPU's memory would hold them. A watchdog ends a rank that crosses the cap; the verdict is the kernel's
@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 from typing import Any
+
+from .tables import num, write_csv
 
 SWITCH_PARTS = ("loss", "mlp", "layers", "offload")
 
@@ -46,23 +48,6 @@ def parse_switches(text: str, loss_tile: int | None = None, mlp_tile: int | None
     return out
 
 
-def predicted_max(case: Any, cap_bytes: int, granularity: int, limit: int) -> int:
-    """The longest multiple of ``granularity`` tokens the planner's memory model fits in the cap
-    (0 if none): only where the search starts."""
-    from dataclasses import replace
-
-    from seqpar import bench
-
-    def fits(n: int) -> bool:
-        return bench.estimate(replace(case, seq_len=n)).device_peak(on_cpu=True) <= cap_bytes
-
-    lo, hi = 0, limit // granularity
-    while lo < hi:  # largest k with fits(k * granularity)
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid * granularity) else (lo, mid - 1)
-    return lo * granularity
-
-
 def run_max_seq(args: argparse.Namespace, strategies: list[str], nprocs: list[int]) -> int:
     from seqpar import bench
     from seqpar.planner import format_bytes
@@ -83,7 +68,7 @@ def run_max_seq(args: argparse.Namespace, strategies: list[str], nprocs: list[in
     rows, trials = [], []
     for case in cases:
         g = 64 * case.nproc
-        guess = predicted_max(case, args.mem_cap, g, args.limit)
+        guess = bench.predicted_max(case, args.mem_cap, g, args.limit)
         where = f"P={case.nproc} {case.strategy if case.nproc > 1 else '':<7} switches {case.switches.label}"
         print(f"  {where}: planner predicts {guess} tokens under {format_bytes(args.mem_cap)}; searching...",
               file=sys.stderr, flush=True)
@@ -104,11 +89,9 @@ def run_max_seq(args: argparse.Namespace, strategies: list[str], nprocs: list[in
         trials += [{"nproc": case.nproc, "strategy": case.strategy, "switches": case.switches.label,
                     "seq_len": t.seq_len, "fits": t.fits, "stopped": t.stopped, "peak_mib": t.peak_mib,
                     "step_s": t.step_s} for t in tried]
-    add_max_seq_ratios(rows)
+    bench.add_max_seq_ratios(rows)
     os.makedirs(args.out, exist_ok=True)
     csv_path, png_path = os.path.join(args.out, "bench_max_seq.csv"), os.path.join(args.out, "bench_max_seq.png")
-    from .bench import write_csv
-
     write_csv(rows, csv_path, MAX_SEQ_FIELDS)
     write_csv(trials, os.path.join(args.out, "bench_max_seq_trials.csv"), TRIAL_FIELDS)
     plot_max_seq(rows, png_path, f"seqpar bench --max-seq: {model} {args.dtype}, cap "
@@ -126,30 +109,14 @@ MAX_SEQ_FIELDS = ["model", "strategy", "nproc", "switches", "max_seq", "vs_off",
 TRIAL_FIELDS = ["nproc", "strategy", "switches", "seq_len", "fits", "stopped", "peak_mib", "step_s"]
 
 
-def add_max_seq_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``vs_off``: max_seq over the same (P, strategy) without switches; ``vs_p1``: over P=1 with the
-    same switches (nan where that row is missing or 0)."""
-    by = {(r["nproc"], r["strategy"], r["switches"]): r["max_seq"] for r in rows}
-    p1 = {r["switches"]: r["max_seq"] for r in rows if r["nproc"] == 1}
-    nan = float("nan")
-    for r in rows:
-        off = by.get((r["nproc"], r["strategy"], "off"))
-        r["vs_off"] = r["max_seq"] / off if off else nan
-        one = p1.get(r["switches"])
-        r["vs_p1"] = r["max_seq"] / one if one else nan
-    return rows
-
-
 def format_max_seq_table(rows: list[dict[str, Any]]) -> str:
-    from .bench import _num
-
     head = (f"{'P':>2} {'strategy':<8} {'switches':<18} {'max_seq':>8} {'x off':>6} {'x P=1':>6} {'planner':>8} "
             f"{'peak MiB':>9} {'step s':>7}")
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r["switches"] != "off", r["switches"], r["nproc"], r["strategy"])):
         lines.append(f"{r['nproc']:>2} {r['strategy'] if r['nproc'] > 1 else '-':<8} {r['switches']:<18} "
-                     f"{r['max_seq']:>8} {_num(r['vs_off'], '.2f', 6)} {_num(r['vs_p1'], '.2f', 6)} "
-                     f"{r['predicted']:>8} {_num(r['peak_mib'], '.0f', 9)} {_num(r['step_s'], '.2f', 7)}")
+                     f"{r['max_seq']:>8} {num(r['vs_off'], '.2f', 6)} {num(r['vs_p1'], '.2f', 6)} "
+                     f"{r['predicted']:>8} {num(r['peak_mib'], '.0f', 9)} {num(r['step_s'], '.2f', 7)}")
     return "\n".join(lines)
 
 

@@ -5,6 +5,12 @@ long-range copy task (4096-token rows, every answer 2048 tokens back) and report
 held-out answer accuracy against chance, and peak memory per rank. On GPUs:
 ``torchrun --nproc-per-node 8 -m seqpar.cli.main train --model PATH --data FILE ... --dtype bfloat16``.
 Options may also come from a YAML / TOML file (--config); the command line wins.
+
+Fine-tuning: chat (assistant-only loss), prompt/completion, text, parquet / arrow / save_to_disk
+data (--data), LoRA (--lora-r), evaluation every N steps (--eval-every), tensorboard / wandb
+(--report-to), a transformers checkpoint at the end (--export-hf; later: seqpar export).
+A --save-dir that already holds checkpoints is continued with --resume or replaced with
+--overwrite; without either the run refuses to start.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import signal
 import sys
 from typing import Any
 
-from seqpar.train.config import FIELDS, TrainConfig, describe_memory, load_config_file
+from seqpar.train.config import FIELDS, OPTIONAL_KINDS, TrainConfig, describe_memory, load_config_file
+from seqpar.train.job import Job
 from seqpar.train.run import RunSummary
 
 
@@ -29,15 +36,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         meta = f.metadata
         default = f.default
         shown = meta.get("shown", "off" if default is False else "on" if default is True else default)
-        text = f"{meta['help']} (default: {shown})"
+        text = f"{meta['help']} (default: {shown})".replace("%", "%%")  # argparse %-formats help texts
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": text}
-        if name in ("progress", "tiled_loss", "tiled_mlp"):
+        if name in ("progress", "tiled_loss", "tiled_mlp", "plot"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", **kw)
             continue
-        kind = {"dp": int, "nproc": int, "data": str, "timeout": float}.get(name, type(default))
+        kind = OPTIONAL_KINDS.get(name, type(default))
+        kind = str if kind is list else kind  # nargs="+" gives the list
         for extra in ("choices", "nargs", "metavar"):
             if extra in meta:
                 kw[extra] = meta[extra]
@@ -64,7 +72,8 @@ def format_summary(s: RunSummary) -> str:
     lines = [f"seqpar train: {s.steps} steps{this_run} in {_duration(s.train_time_s)} "
              f"(+{s.setup_s:.0f}s setup, {s.eval_s:.0f}s eval) -- sp={s.sp} x dp={s.dp} "
              f"({s.strategy}, {s.world} ranks on {s.device.split(':')[0]}{', FSDP2' if s.fsdp else ''}, {s.dtype}), "
-             f"{s.tokens_per_step:,} tokens per step, {s.params:,} parameters"]
+             f"{s.tokens_per_step:,} tokens per step, {s.params:,} parameters"
+             f"{f' ({s.trainable:,} trained: {s.lora})' if s.lora else ''}"]
     lines.append(f"  data        {s.data}")
     lines.append(f"  attention   {s.attention}; layout {s.layout}")
     lines.append(f"  memory      {s.memory}")
@@ -79,6 +88,9 @@ def format_summary(s: RunSummary) -> str:
         if first:
             acc += f"; before training {100 * first.accuracy:.1f}%"
         lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} answers; loss {ev.loss:.4f}")
+    if s.evals and len(s.evals) > 1:
+        losses = ", ".join(f"step {step}: {e.loss:.4f}" for step, e in s.evals)
+        lines.append(f"  evaluations {losses} (held-out loss)")
     if s.peak_mem_mib and s.device.startswith("cuda"):
         mem = ", ".join(f"rank {r}: {a:,.0f} / {b:,.0f} MiB" for r, (a, b) in
                         enumerate(zip(s.peak_mem_mib, s.peak_reserved_mib, strict=True)))
@@ -86,12 +98,39 @@ def format_summary(s: RunSummary) -> str:
     elif s.peak_mem_mib:
         mem = ", ".join(f"rank {r}: {m:,.0f} MiB" for r, m in enumerate(s.peak_mem_mib))
         lines.append(f"  peak memory {mem} (peak RSS of the process, setup included)")
-    lines.append(f"  metrics     {s.metrics} (one JSON line per step)")
+    lines.append(f"  metrics     {s.metrics} (one JSON line per step and per evaluation)"
+                 f"{'; summary.json' if s.summary_file else ''}{'; loss.png' if s.plot else ''}")
     if s.checkpoint:
-        lines.append(f"  checkpoint  {s.checkpoint} (torch.distributed.checkpoint; --resume continues)")
+        lines.append(f"  checkpoint  {s.checkpoint} (torch.distributed.checkpoint; --resume continues; seqpar export "
+                     "writes it for transformers)")
+    if s.export and s.export_lora == "adapter":
+        lines.append(f"  exported    {s.export} (peft's LoRA adapter: peft.AutoPeftModelForCausalLM.from_pretrained "
+                     "loads it)")
+    elif s.export:
+        lines.append(f"  exported    {s.export} (save_pretrained{', LoRA merged' if s.export_lora else ''}: "
+                     "AutoModelForCausalLM.from_pretrained loads it)")
     if s.resumed_from:
-        lines.append(f"  resumed     from {s.resumed_from}")
+        lines.append(f"  resumed     from step {s.resumed_step} ({s.resumed_from})")
+    if s.replaced_steps:
+        lines.append(f"  replaced    an earlier run's checkpoints (steps {', '.join(map(str, s.replaced_steps))}; "
+                     "--overwrite)")
     return "\n".join(lines)
+
+
+def describe_start(job: Job) -> str:
+    """The run's first line: where it runs, what it continues or replaces."""
+    cfg = job.cfg
+    line = (f"seqpar train: {job.world} local workers on the CPU (gloo, 1 thread each), sp={job.sp} x dp={job.dp}, "
+            f"{job.strategy}{' (auto: ' + job.reason + ')' if job.reason else ''}, --seq-len {cfg.seq_len}, "
+            f"{cfg.steps} steps -> {os.path.abspath(cfg.save_dir)}; memory: {describe_memory(cfg)}")
+    if job.resume_from:
+        line += f"\nseqpar train: resuming from step {job.resume_step} ({os.path.abspath(job.resume_from)})"
+    if job.replaces:
+        line += (f"\nseqpar train: --overwrite: deleting the earlier run's checkpoints (steps "
+                 f"{', '.join(map(str, job.replaces))}) in {os.path.abspath(cfg.save_dir)}")
+    if job.data is not None:
+        line += f"\nseqpar train: data: {job.data.describe()}"
+    return line
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -108,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
             summary = run_torchrun(cfg)
         except ValueError as e:  # the same on every rank: say it once
             if rank == 0:
-                print(f"seqpar train: error: {e}", file=sys.stderr)
+                print(f"seqpar train: error: {e}", file=sys.stderr, flush=True)
+            else:  # torchrun stops every rank when the first one exits: let rank 0 say it first
+                import time
+
+                time.sleep(5)
             return 2
         if summary is not None:
             print(format_summary(summary), flush=True)
@@ -124,9 +167,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"seqpar train: this host has {torch.cuda.device_count()} CUDA device(s), but without torchrun the "
               "workers run on the CPU (gloo); for the GPUs: torchrun --nproc-per-node N -m seqpar.cli.main train "
               "...", file=sys.stderr, flush=True)
-    print(f"seqpar train: {job.world} local workers on the CPU (gloo, 1 thread each), sp={job.sp} x dp={job.dp}, "
-          f"{job.strategy}{' (auto: ' + job.reason + ')' if job.reason else ''}, --seq-len {cfg.seq_len}, "
-          f"{cfg.steps} steps -> {os.path.abspath(cfg.save_dir)}; memory: {describe_memory(cfg)}", flush=True)
+    print(describe_start(job), flush=True)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # terminate like Ctrl-C: stop the workers
     try:
         summary = run_local(job)

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import compat
 from .agree import fence
 
 T = TypeVar("T")
@@ -143,7 +144,7 @@ class Guard:
             _PENDING.note(self.groups, self.batch)
             if direction == "backward":
                 # every deferred backward queues one; the first to run checks, the rest find nothing
-                torch.autograd.Variable._execution_engine.queue_callback(check_failures)
+                compat.queue_backward_callback(check_failures)
             return
         error, self.error = self.error, None
         heard = self._heard.pop(direction, None)

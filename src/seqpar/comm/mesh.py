@@ -12,10 +12,13 @@ ring step holds consecutive shards, so its all-to-all yields one contiguous ring
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .. import compat
 
 
 class Axis(str, Enum):
@@ -83,12 +86,32 @@ def init_mesh(*, sp: int, dp: int | None = None, ulysses: int | None = None, rin
         raise ValueError(f"ulysses={ulysses} x ring={ring} = {ulysses * ring} != sp={sp}")
     mesh = init_device_mesh(device_type, (dp, ring, ulysses),
                             mesh_dim_names=(Axis.DP.value, Axis.RING.value, Axis.ULYSSES.value))
-    mesh[(Axis.RING.value, Axis.ULYSSES.value)]._flatten(Axis.SP.value)
+    compat.flatten_mesh(mesh[(Axis.RING.value, Axis.ULYSSES.value)], Axis.SP.value)
     _add_grad_groups(mesh, Axis.RING.value)
     return mesh
 
 
-_GRAD_GROUPS = "_seqpar_grad_groups"
+class _PerMesh:
+    """Values kept beside a mesh for as long as the mesh lives, found by the mesh's identity; nothing
+    is set on the DeviceMesh itself. Not a ``WeakKeyDictionary``: that compares keys with
+    ``DeviceMesh.__eq__``, i.e. by contents, so two equal meshes (two ``init_mesh`` calls with the
+    same sizes) would share one entry, and it would vanish with the first of them -- whenever the
+    cyclic collector frees it, a moment that can differ between ranks, after which ring's dK/dV hops
+    would run over different groups on different ranks. Not a dict keyed by ``id()`` either: an id
+    is reused after its mesh is gone. A handful of meshes live in a process; a scan is enough."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[weakref.ref[DeviceMesh], dict[str, dist.ProcessGroup]]] = []
+
+    def set(self, mesh: DeviceMesh, value: dict[str, dist.ProcessGroup]) -> None:
+        self._entries = [(ref, v) for ref, v in self._entries if ref() is not None and ref() is not mesh]
+        self._entries.append((weakref.ref(mesh), value))
+
+    def get(self, mesh: DeviceMesh) -> dict[str, dist.ProcessGroup]:
+        return next((v for ref, v in self._entries if ref() is mesh), {})
+
+
+_GRAD_GROUPS = _PerMesh()  # the companion groups of init_mesh's meshes, by mesh
 
 
 def _add_grad_groups(mesh: DeviceMesh, axis: str) -> None:
@@ -101,13 +124,13 @@ def _add_grad_groups(mesh: DeviceMesh, axis: str) -> None:
     if ranks.shape[1] < 2:
         return
     mine, _ = dist.new_subgroups_by_enumeration(ranks.tolist())
-    setattr(mesh, _GRAD_GROUPS, {axis: mine})
+    _GRAD_GROUPS.set(mesh, {axis: mine})
 
 
 def grad_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup | None:
     """The companion group of ``axis`` for ring dK/dV hops (see :func:`_add_grad_groups`), or None
     for a mesh built without one (ring attention then uses the axis group itself)."""
-    return getattr(mesh, _GRAD_GROUPS, {}).get(axis)
+    return _GRAD_GROUPS.get(mesh).get(axis)
 
 
 def as_mesh(mesh: object, what: str) -> DeviceMesh:

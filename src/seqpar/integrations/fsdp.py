@@ -1,11 +1,18 @@
-"""FSDP2 and DDP over the dp x sp ranks, with the gradient reduction the seqpar loss needs: a sum.
+"""FSDP2 and DDP over the dp x sp ranks: the stock wrappers, averaging as they always do.
 
-The seqpar loss gives each rank the gradient of its own share (see :mod:`seqpar.batch.loss`), so the
-parameter gradients must be *summed* over all dp x sp ranks. FSDP2 and DDP average by default
-(they divide by the number of ranks): that would scale every gradient by ``1 / (dp * sp)``. Here
-FSDP2 gets a gradient divide factor of 1 (``set_gradient_divide_factor``) and DDP a communication
-hook that all-reduces without dividing -- both public torch APIs. The dp average, when the loss is
-a per-dp-rank mean, is already folded into the loss's gradient scale.
+The seqpar loss scales each rank's share of the gradient by the number of ranks (see
+:mod:`seqpar.batch.loss`), so the *average* of the parameter gradients over every dp x sp rank --
+what DDP and FSDP2 compute by default, as in torchtitan, Megatron, DeepSpeed and accelerate -- is
+exactly the non-parallel model's gradient. Any stock wrapper over those ranks works::
+
+    DistributedDataParallel(model)                    the world is the mesh's dp x sp ranks
+    fully_shard(block, mesh=flat); fully_shard(model, mesh=flat)    flat: 1-D over dp x sp
+    accelerate's DDP / FSDP2, transformers' Trainer    (over every process)
+
+:func:`apply_fsdp` and :func:`apply_ddp` are shorthands for the first two with ``mesh``'s ranks.
+A wrapper that reduces over only part of the ranks (FSDP over the dp axis alone, DDP over the dp
+group) would leave the sp ranks' shares uncombined: :func:`check_gradient_reduction` refuses it at
+the model's first training forward, on every rank, before any gradient exists.
 """
 
 from __future__ import annotations
@@ -16,7 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..comm.mesh import as_mesh
+from ..errors import Refused
+
+
+def mesh_ranks(mesh: DeviceMesh) -> list[int]:
+    """The global ranks of every position of ``mesh``, sorted (dp x sp, hybrid axes included)."""
+    return sorted(int(r) for r in mesh.mesh.flatten().tolist())
 
 
 def dp_sp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -25,7 +39,7 @@ def dp_sp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     The whole world when the mesh spans it (no new group); otherwise a new group, which, like
     ``dist.new_group``, every rank of the world must create together.
     """
-    ranks = sorted(int(r) for r in as_mesh(mesh, "dp_sp_group").mesh.flatten().tolist())
+    ranks = mesh_ranks(as_mesh(mesh, "dp_sp_group"))
     if ranks == list(range(dist.get_world_size())):
         return dist.group.WORLD
     return dist.new_group(ranks)
@@ -36,49 +50,60 @@ def dp_sp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return DeviceMesh.from_group(dp_sp_group(mesh), mesh.device_type, mesh_dim_names=("dp_sp",))
 
 
-def _block_classes(model: nn.Module) -> set[str]:
-    """Class names of the repeated blocks (decoder layers) transformers declares for its models."""
-    names = getattr(model, "_no_split_modules", None) or []
-    return {n for n in names if isinstance(n, str)}
-
-
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) -> nn.Module:
-    """FSDP2 over all dp x sp ranks: ``fully_shard`` each decoder block, then the root, with
-    gradients summed (not averaged) over the ranks. Call after :func:`seqpar.parallelize`.
+    """FSDP2 over all dp x sp ranks: ``fully_shard`` each decoder block, then the root, on the
+    flattened mesh (:func:`dp_sp_mesh`), with FSDP2's own gradient averaging. Call after
+    :func:`seqpar.parallelize`.
 
     Gradients then equal the non-parallel model's (as DTensors sharded over the ranks). Extra
     keywords go to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...).
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     flat = dp_sp_mesh(mesh)
-    blocks = _block_classes(model)
+    blocks = compat.decoder_block_classes(model)
     for module in list(model.modules()):
         if module is not model and type(module).__name__ in blocks:
             fully_shard(module, mesh=flat, **fully_shard_kwargs)
     fully_shard(model, mesh=flat, **fully_shard_kwargs)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            if hasattr(module, "set_gradient_divide_factor"):
-                module.set_gradient_divide_factor(1.0)
-            else:  # torch < 2.6 names it after the reduce-scatter
-                module.set_reduce_scatter_divide_factor(1.0)
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
-                # a divide factor of 1 otherwise becomes PREMUL_SUM in fp32/bf16, which gloo lacks
-                module.set_force_sum_reduction_for_comms(True)
     return model
 
 
-def _sum_allreduce_hook(group, bucket):  # no annotations: DDP compares them to the real classes, not strings
-    """DDP communication hook: all-reduce the bucket and keep the sum (the default divides)."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
-
-
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, **ddp_kwargs: Any) -> nn.parallel.DistributedDataParallel:
-    """DDP over all dp x sp ranks with gradients summed, not averaged. Call after
+    """Stock DDP over all dp x sp ranks of ``mesh`` (its default averaging). Call after
     :func:`seqpar.parallelize`; returns the DDP wrapper (``ddp(**local)`` works as ``model(**local)``)."""
-    group = dp_sp_group(mesh)
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **ddp_kwargs)
-    ddp.register_comm_hook(group, _sum_allreduce_hook)
-    return ddp
+    return nn.parallel.DistributedDataParallel(model, process_group=dp_sp_group(mesh), **ddp_kwargs)
+
+
+def gradient_reduction_problem(model: nn.Module, mesh: DeviceMesh) -> str | None:
+    """Why the data-parallel wrappers around ``model`` would not give it exact gradients, or None.
+
+    Looks at the DDP whose forward is running (if any) and at every FSDP2 module inside ``model``:
+    each must average over exactly the ranks of ``mesh``. No communication: the verdict follows
+    from how this rank was wrapped, which a symmetric setup makes the same on every rank."""
+    from torch.distributed.fsdp import FSDPModule
+
+    want = mesh_ranks(mesh)
+    reducers: list[tuple[str, list[int]]] = []
+    ddp = compat.active_ddp_module()
+    if ddp is not None:
+        reducers.append(("DistributedDataParallel", sorted(dist.get_process_group_ranks(ddp.process_group))))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            reducers += [(f"FSDP2 (fully_shard) on {type(module).__name__}", mesh_ranks(m))
+                         for m in compat.fsdp_meshes(module)]
+    for what, got in reducers:
+        if got != want:
+            return (f"{what} averages the gradients over ranks {got}, but this model is sequence-parallel over "
+                    f"the dp x sp ranks {want}: each rank holds only its share of the gradient, so the average "
+                    "must span every one of them -- wrap over the whole mesh: DistributedDataParallel over "
+                    "all its ranks (seqpar.apply_ddp(model, mesh)), fully_shard over the flattened dp x sp "
+                    "mesh (seqpar.apply_fsdp(model, mesh)), or no wrapper and seqpar.sync_gradients(model, mesh)")
+    return None
+
+
+def check_gradient_reduction(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Raise :class:`seqpar.Refused` if :func:`gradient_reduction_problem` finds one."""
+    problem = gradient_reduction_problem(model, mesh)
+    if problem is not None:
+        raise Refused(problem)

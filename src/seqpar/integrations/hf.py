@@ -32,14 +32,16 @@ and the loss function.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..attention.dispatch import check_strategy, resolve_strategy, sp_attention
 from ..attention.kernels import KernelArg
 from ..attention.shard import chunked_documents
@@ -47,12 +49,15 @@ from ..batch.loss import make_loss_function
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.mesh import Axis, as_mesh, axis_group
 from ..errors import Refused
+from .fsdp import check_gradient_reduction
 from .hf_kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
 from .mixers import check_token_mixers, wrap_token_mixers
 from .models import decoder_config
+from .peft import unwrap_peft
+from .state import ParallelState, ensure_state, set_loss_function, state_of, undo
+from .vlm import install_vision
 
-_ATTR = "_seqpar_parallel"  # our own attribute on the model: how to undo parallelize
 _names = itertools.count()
 
 
@@ -62,20 +67,6 @@ class _LastBatch:
     way (StableLM, Nemotron). Replaced at every call, None when a call carries no batch."""
 
     batch: LocalBatch | None = None
-
-
-@dataclass
-class _Parallel:
-    name: str
-    original: str
-    sub_config: str | None  # None: the top-level config; else e.g. "text_config"
-    loss_function: Callable[..., Any]
-    strategy: str
-    kernel: KernelArg | None
-    num_heads: int
-    num_kv_heads: int
-    hook: Any  # the forward pre-hook's handle
-    unwrap_mixers: Callable[[], None] = lambda: None  # undoes wrap_token_mixers
 
 
 def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str, config: Any,
@@ -171,15 +162,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         axis_group(mesh, Axis.RING.value)
     from transformers import AttentionInterface, PreTrainedModel
 
+    outer, model = model, unwrap_peft(model)  # a peft PeftModel: the transformers model it wraps (adapters inside)
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"seqpar.parallelize wraps transformers models ({type(model).__name__} is not a "
                          "PreTrainedModel); in your own module call seqpar.sp_attention instead of attention")
-    if getattr(model, _ATTR, None) is not None:
+    record = state_of(model)
+    if record is not None and record.parallel is not None:
         raise ValueError("this model is already parallelized: call seqpar.unparallelize(model) first")
     config, sub = decoder_config(model.config)
     check_token_mixers(model)  # a model seqpar cannot make exact is refused, never run on shards
     strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
-    original = config._attn_implementation
+    original = compat.attn_implementation(config)
     if original is not None and original.startswith("seqpar_"):
         raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
     if original == "sdpa" and getattr(config, "attn_logit_softcapping", None) and kernel is None:
@@ -189,22 +182,40 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     last = _LastBatch()
     AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last))
     model.set_attn_implementation(name if sub is None else {sub: name})
-    if config._attn_implementation != name:
+    if compat.attn_implementation(config) != name:
         AttentionInterface.register(name, _released)
         raise Refused(f"{type(model).__name__} does not route its attention through transformers' "
                       "AttentionInterface, so seqpar cannot wrap it (its attention would stay local)")
 
     def catch_batch(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
         last.batch = kwargs.get(BATCH_KWARG)
+        if torch.is_grad_enabled():  # a step that will have gradients: are they reduced over every rank?
+            check_gradient_reduction(model, mesh)
 
-    state = _Parallel(name=name, original=original, sub_config=sub, loss_function=model.loss_function,
-                      strategy=strategy, kernel=kernel, num_heads=int(config.num_attention_heads),
-                      num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-                      hook=model.register_forward_pre_hook(catch_batch, with_kwargs=True))
-    model.loss_function = make_loss_function(mesh)
-    state.unwrap_mixers = wrap_token_mixers(model, mesh, lambda: last.batch)  # Mamba, Gated DeltaNet, short convs
-    setattr(model, _ATTR, state)
-    return model
+    record = ensure_state(model)
+    record.parallel = ParallelState(
+        name=name, original=original, sub_config=sub, strategy=strategy, kernel=kernel,
+        num_heads=int(config.num_attention_heads),
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
+    try:
+        record.push("parallel", f"attention implementation {original!r}",
+                    functools.partial(_set_attention, model, original, sub))
+        hook = model.register_forward_pre_hook(catch_batch, with_kwargs=True)
+        record.push("parallel", "the forward pre-hook catching the batch", hook.remove)
+        record.push("parallel", "the loss function", functools.partial(set_loss_function, model, model.loss_function))
+        model.loss_function = make_loss_function(mesh)
+        # images: encoded once over the SP ranks, routed to the ranks that hold their tokens
+        record.push("parallel", "the vision pre-hook", install_vision(model, mesh).remove)
+        # Mamba, Gated DeltaNet, short convolutions
+        record.push("parallel", "the token mixers", wrap_token_mixers(model, mesh, lambda: last.batch))
+    except BaseException:
+        undo(model, "parallel")  # nothing half-installed stays behind
+        raise
+    return outer
+
+
+def _set_attention(model: nn.Module, implementation: str | None, sub_config: str | None) -> None:
+    model.set_attn_implementation(implementation if sub_config is None else {sub_config: implementation})
 
 
 def attention_kernel(model: nn.Module) -> str:
@@ -213,7 +224,8 @@ def attention_kernel(model: nn.Module) -> str:
     from ..attention.kernels import lse_kernel_for
     from ..attention.spec import AttnSpec
 
-    state: _Parallel | None = getattr(model, _ATTR, None)
+    record = state_of(model)
+    state = record.parallel if record is not None else None
     if state is None:
         raise ValueError("this model is not parallelized by seqpar")
     if state.kernel is not None:
@@ -242,18 +254,12 @@ def unparallelize(model: nn.Module) -> nn.Module:
     """Undo :func:`parallelize` (and :func:`seqpar.reduce_memory`, if it was called): the original
     attention implementation and loss function come back. The registered seqpar function stays
     registered: a deep copy of the parallelized model (an EMA or DPO reference model) still uses it."""
-    from .memory import restore_memory
-
-    state: _Parallel | None = getattr(model, _ATTR, None)
-    if state is None:
+    outer, model = model, unwrap_peft(model)
+    record = state_of(model)
+    if record is None or record.parallel is None:
         raise ValueError("this model is not parallelized by seqpar")
-    restore_memory(model)
-    model.set_attn_implementation(state.original if state.sub_config is None else {state.sub_config: state.original})
-    model.loss_function = state.loss_function
-    state.hook.remove()
-    state.unwrap_mixers()
-    delattr(model, _ATTR)
-    return model
+    undo(model)  # every step, newest first: reduce_memory's (made after parallelize) before parallelize's
+    return outer
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ its shards plus the largest module's own parameters in float32.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .. import compat
 from ..errors import Refused
 
 
@@ -53,33 +54,32 @@ def _module_on_temporaries(module: nn.Module, init_dtype: torch.dtype, params: b
     value the init never wrote is caught), run the block, then write this rank's part of each back
     into the real (possibly sharded) tensor and restore it. ``params=False``: the parameters'
     temporaries are thrown away (only the buffers are kept)."""
-    saved: list[tuple[dict[str, Any], str, Tensor]] = []
-    for table in (module._buffers, module._parameters):
-        for name, real in list(table.items()):
-            if real is None:
-                continue
-            dtype = init_dtype if real.is_floating_point() else real.dtype
-            temp = torch.empty(tuple(real.shape), dtype=dtype)
-            if temp.is_floating_point():
-                temp.fill_(float("nan"))
-            table[name] = nn.Parameter(temp, requires_grad=real.requires_grad) if table is module._parameters \
-                else temp
-            saved.append((table, name, real))
+    # assigning to a registered name replaces the parameter / buffer in place (nn.Module.__setattr__)
+    saved: list[tuple[bool, str, Tensor]] = []  # (is a parameter, name, the real tensor)
+    own = [(False, n, t) for n, t in module.named_buffers(recurse=False, remove_duplicate=False)]
+    own += [(True, n, t) for n, t in module.named_parameters(recurse=False, remove_duplicate=False)]
+    for is_param, name, real in own:
+        dtype = init_dtype if real.is_floating_point() else real.dtype
+        temp = torch.empty(tuple(real.shape), dtype=dtype)
+        if temp.is_floating_point():
+            temp.fill_(float("nan"))
+        setattr(module, name, nn.Parameter(temp, requires_grad=real.requires_grad) if is_param else temp)
+        saved.append((is_param, name, real))
     try:
         yield
         with torch.no_grad():
-            for table, name, real in saved:
-                if table is module._parameters and not params:
+            for is_param, name, real in saved:
+                if is_param and not params:
                     continue
-                full = table[name]
+                full = getattr(module, name)
                 if full.is_floating_point() and bool(full.isnan().any()):
                     raise Refused(f"{type(module).__name__}.{name} is not set by the model's own weight "
                                   "initialisation (_init_weights), so it cannot be initialized sharded: build "
                                   "the model unsharded (--fsdp off) or load its weights from a checkpoint")
                 _write(real, full.detach())
     finally:
-        for table, name, real in saved:
-            table[name] = real
+        for _, name, real in saved:
+            setattr(module, name, real)
 
 
 def _pretrained_modules(model: nn.Module) -> list[nn.Module]:
@@ -105,25 +105,18 @@ def materialize(model: nn.Module, device: torch.device | str, *, init_dtype: tor
         raise ValueError(f"{type(model).__name__} is not a transformers PreTrainedModel: materialize needs its "
                          "_init_weights to initialize the weights")
     model.to_empty(device=device)
-    for m in model.modules():  # freshly built on meta: nothing is initialized yet
-        m._is_hf_initialized = False
-    originals = {id(p): p._init_weights for p in pretrained}
+    compat.mark_uninitialized(model)  # freshly built on meta: nothing is initialized yet
 
-    def wrapped(owner: nn.Module):
+    def wrap(original: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
         def init_one(module: nn.Module) -> None:
-            if not params and not [b for b in module.buffers(recurse=False) if b is not None]:
+            if not params and not list(module.buffers(recurse=False)):
                 return
             with _module_on_temporaries(module, init_dtype, params):
-                originals[id(owner)](module)
+                original(module)
         return init_one
 
-    try:
-        for p in pretrained:
-            p._init_weights = wrapped(p)  # an instance attribute shadows the method for this call only
+    with compat.init_weights_override(pretrained, wrap):  # each module's init runs on temporaries
         pretrained[0].initialize_weights()
-    finally:
-        for p in pretrained:
-            del p._init_weights
     return model
 
 

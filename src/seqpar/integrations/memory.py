@@ -1,7 +1,8 @@
 """The longest sequence per rank in one call: ``seqpar.reduce_memory(model, mesh)``.
 
 Three switches, each exact (float64 parity with the plain model), each undone by
-:func:`restore_memory` (which :func:`seqpar.unparallelize` calls)::
+:func:`restore_memory` (and by :func:`seqpar.unparallelize`): every change is an undo step on the
+model's record (:mod:`.state`)::
 
     model(**local)                      forward pre-hook: the batch's shard lengths; logits_to_keep=1 with labels
       decoder                           forward hook: its last hidden state  # [B, S_local, H]
@@ -28,20 +29,23 @@ approximated.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import check_tile, tiled_token_stats
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, axis_group
 from ..errors import Refused
+from .state import MemoryState, ensure_state, set_loss_function, state_of, undo
 from .tiled_head import TiledLossFunction, decoder_of, last_hidden, output_head, shifted_targets
 from .tiling import TileContext, checkpoint_layer, is_per_token_mlp, tile_mlp, untile
 
@@ -50,30 +54,10 @@ DEFAULT_LOSS_TILE = 1024
 """Tokens per loss tile: a [1024, V] float32 tile is 128 MiB at a 32k vocabulary, 512 MiB at 128k."""
 DEFAULT_MLP_TILE = 2048
 """Tokens per MLP tile: bounds a gated MLP's intermediates to [B, 2048, 3 x intermediate]."""
-_ATTR = "_seqpar_memory"
-
-
-@dataclass
-class _Memory:
-    tiled_loss: bool
-    tiled_mlp: bool
-    checkpoint: str
-    loss_tile: int
-    mlp_tile: int
-    mesh: DeviceMesh | None
-    context: TileContext
-    loss_function: Any  # the model's loss function before reduce_memory
-    mlps: list[nn.Module]
-    layers: list[nn.Module]
-    offload: str  # what checkpoint="offload" does on this device, in words
-    hooks: list[Any] = field(default_factory=list)
-    hidden: Tensor | None = None  # the decoder's last hidden state of the running call
-    catch: bool = False  # whether the running call computes a loss (only then is the hidden state kept)
-    head_checked: bool = False
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
-    names = {n for n in (getattr(model, "_no_split_modules", None) or []) if isinstance(n, str)}
+    names = compat.decoder_block_classes(model)
     return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 
@@ -117,15 +101,14 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
     that is not a positive int, an unknown checkpoint mode, offload without pinned memory, a head or
     MLP that cannot be tiled exactly, a parallelized model without its mesh, or a second call.
     """
-    from .hf import _ATTR as PARALLEL
-
     check_tile(loss_tile, "loss_tile")
     check_tile(mlp_tile, "mlp_tile")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint={checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
-    if getattr(model, _ATTR, None) is not None:
+    record = state_of(model)
+    if record is not None and record.memory is not None:
         raise ValueError("reduce_memory was already called on this model: call seqpar.restore_memory(model) first")
-    if getattr(model, PARALLEL, None) is not None and mesh is None:
+    if record is not None and record.parallel is not None and mesh is None:
         raise ValueError("this model is parallelized: pass reduce_memory the mesh it was parallelized with")
     flag = next((f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)),
                 "is_gradient_checkpointing")
@@ -144,17 +127,28 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
             raise Refused(f"tiled_loss: {type(model).__name__}.forward takes no logits_to_keep, so its head would "
                           "make the full logits anyway: use tiled_loss=False")
     offload = _offload_mode(model) if checkpoint == "offload" else ""
-    state = _Memory(tiled_loss, tiled_mlp, checkpoint, loss_tile, mlp_tile, mesh, TileContext(),
-                    getattr(model, "loss_function", None), mlps, layers if checkpoint != "none" else [], offload)
-    for mlp in state.mlps:
-        tile_mlp(mlp, mlp_tile, state.context)
-    for layer in state.layers:
-        checkpoint_layer(layer, checkpoint == "offload", state.context)
-    state.hooks.append(model.register_forward_pre_hook(_BeforeForward(state), with_kwargs=True))
-    if tiled_loss:
-        state.hooks.append(decoder_of(model).register_forward_hook(_CatchHidden(state)))
-        model.loss_function = TiledLossFunction(model, state)
-    setattr(model, _ATTR, state)
+    state = MemoryState(tiled_loss, tiled_mlp, checkpoint, loss_tile, mlp_tile, mesh, TileContext(), mlps,
+                        layers if checkpoint != "none" else [], offload)
+    record = ensure_state(model)
+    record.memory = state
+    try:
+        for mlp in state.mlps:
+            tile_mlp(mlp, mlp_tile, state.context)
+            record.push("memory", f"tiled {type(mlp).__name__}", functools.partial(untile, mlp))
+        for layer in state.layers:
+            checkpoint_layer(layer, checkpoint == "offload", state.context)
+            record.push("memory", f"checkpointed {type(layer).__name__}", functools.partial(untile, layer))
+        hook = model.register_forward_pre_hook(_BeforeForward(state), with_kwargs=True)
+        record.push("memory", "the model's forward pre-hook", hook.remove)
+        if tiled_loss:
+            hook = decoder_of(model).register_forward_hook(_CatchHidden(state))
+            record.push("memory", "the decoder's forward hook", hook.remove)
+            record.push("memory", "the loss function",
+                        functools.partial(set_loss_function, model, getattr(model, "loss_function", None)))
+            model.loss_function = TiledLossFunction(model, state)
+    except BaseException:
+        undo(model, "memory")  # nothing half-installed stays behind
+        raise
     return model
 
 
@@ -163,7 +157,7 @@ class _BeforeForward:
     ``logits_to_keep=1`` when labels are passed (the head then runs on the last token only). A
     callable object, not a closure, so that a deep copy of the model hooks its own state."""
 
-    def __init__(self, state: _Memory) -> None:
+    def __init__(self, state: MemoryState) -> None:
         self.state = state
 
     def __call__(self, _module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -181,7 +175,7 @@ class _BeforeForward:
 class _CatchHidden:
     """The decoder's forward hook: keeps its last hidden state for the loss of the same call."""
 
-    def __init__(self, state: _Memory) -> None:
+    def __init__(self, state: MemoryState) -> None:
         self.state = state
 
     def __call__(self, _module: nn.Module, _args: Any, output: Any) -> None:
@@ -205,7 +199,8 @@ def token_stats(model: nn.Module, batch: dict[str, Any], *, tile: int | None = N
     batch with ``labels``) without making its logits: per-token losses and argmax hits, ``tile``
     tokens at a time (default: the model's loss_tile, else :data:`DEFAULT_LOSS_TILE`). Sum them over
     the SP ranks for totals. Raises ValueError without labels."""
-    state: _Memory | None = getattr(model, _ATTR, None)
+    record = state_of(model)
+    state = record.memory if record is not None else None
     labels = batch.get("labels")
     if labels is None:
         raise ValueError("token_stats needs the batch's labels")
@@ -225,24 +220,17 @@ def token_stats(model: nn.Module, batch: dict[str, Any], *, tile: int | None = N
 
 
 def restore_memory(model: nn.Module) -> nn.Module:
-    """Undo :func:`reduce_memory` (called by :func:`seqpar.unparallelize`; a no-op on a model without
-    the switches). Returns the model."""
-    state: _Memory | None = getattr(model, _ATTR, None)
-    if state is None:
-        return model
-    for handle in state.hooks:
-        handle.remove()
-    for module in (*state.mlps, *state.layers):
-        untile(module)
-    if state.tiled_loss:
-        model.loss_function = state.loss_function
-    delattr(model, _ATTR)
+    """Undo :func:`reduce_memory`: its own undo steps popped, newest first; :func:`seqpar.parallelize`'s
+    stay (:func:`seqpar.unparallelize` pops both). A no-op on a model without the switches. Returns
+    the model."""
+    undo(model, "memory")
     return model
 
 
 def memory_switches(model: nn.Module) -> dict[str, Any]:
     """What :func:`reduce_memory` turned on for ``model``, for printing (all off when not called)."""
-    state: _Memory | None = getattr(model, _ATTR, None)
+    record = state_of(model)
+    state = record.memory if record is not None else None
     if state is None:
         return {"tiled_loss": False, "tiled_mlp": False, "checkpoint": "none"}
     out: dict[str, Any] = {"tiled_loss": state.tiled_loss, "tiled_mlp": state.tiled_mlp,

@@ -10,7 +10,7 @@ forward hook caught in the same call.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,9 +22,7 @@ from ..batch.tiled_loss import Head, tiled_loss_sum
 from ..comm.agree import check, share
 from ..comm.mesh import Axis, axis_group
 from ..errors import Refused
-
-if TYPE_CHECKING:
-    from .memory import _Memory
+from .state import MemoryState
 
 _HEAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 """How far the model's own logits may be from the tiled head's (relative to the largest logit):
@@ -81,12 +79,13 @@ def check_head(model: nn.Module, head: Head, hidden: Tensor, logits: Tensor, gro
 
 
 class TiledLossFunction:
-    """``model.loss_function`` with tiled_loss: the loss from the decoder's hidden state (caught by
-    :class:`_CatchHidden` in the same call), not from the logits it is handed (the last token's).
-    Sharded batches get seqpar's exact global token mean (:func:`seqpar.batch.loss.sp_token_mean`),
-    plain ones transformers' mean (or sum over ``num_items_in_batch``), in float32 at least."""
+    """``model.loss_function`` with tiled_loss: the loss from the decoder's hidden state (caught in the
+    same call by the forward hook :func:`seqpar.reduce_memory` puts on the decoder), not from the
+    logits it is handed (the last token's). Sharded batches get seqpar's exact global token mean
+    (:func:`seqpar.batch.loss.sp_token_mean`), plain ones transformers' mean (or sum over
+    ``num_items_in_batch``), in float32 at least."""
 
-    def __init__(self, model: nn.Module, state: _Memory) -> None:
+    def __init__(self, model: nn.Module, state: MemoryState) -> None:
         self.model, self.state = model, state
 
     def __call__(self, logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,

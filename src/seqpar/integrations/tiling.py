@@ -1,9 +1,11 @@
 """The per-module pieces of :func:`seqpar.reduce_memory`: a per-token MLP run in sequence tiles, and a
 decoder layer checkpointed (optionally with its input parked in host memory).
 
-Both are installed as an instance ``forward`` bound to the module (``types.MethodType``), so the
-model's parameter names, ``state_dict`` and FSDP2's per-layer hooks stay as they are, a deep copy
-rebinds to the copy, and deleting the attribute restores the class's forward.
+Both are installed as an instance ``forward``: a small callable object holding the module, its tile
+or offload flag and the model's :class:`TileContext` (nothing else is set on the module). The
+model's parameter names, ``state_dict`` and FSDP2's per-layer hooks stay as they are; a deep copy of
+the model copies the object with it, bound to the copy's module and the copy's context; deleting
+the instance attribute (:func:`untile`) restores the class's forward.
 
 Tiled MLP (one autograd Function: "tiles without grad in forward, each tile recomputed with grad
 in backward")::
@@ -23,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,23 +107,28 @@ class _TiledMLP(torch.autograd.Function):
         return (None, None, None, grad_x, *(by_param.get(id(p)) for p in params))
 
 
-def _tiled_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
-    tile, context = self._seqpar_mlp_tile
-    if x.dim() != 3:
-        raise Refused(f"{type(self).__name__} got a {x.dim()}-D input; tiled_mlp splits [batch, seq, hidden] "
-                      "along the sequence: use tiled_mlp=False for this model")
-    n = agreed_tiles(x.shape[1], context.longest, tile)
-    context.tiles_run.append(n)
-    if not torch.is_grad_enabled():
-        run = type(self).forward
-        return torch.cat([run(self, x[:, i * tile:(i + 1) * tile]) for i in range(n)], dim=1)
-    return _TiledMLP.apply(self, n, tile, x, *self.parameters())
+class _TiledForward:
+    """``mlp.forward`` with tiled_mlp: the MLP in the agreed number of sequence tiles."""
+
+    def __init__(self, mlp: nn.Module, tile: int, context: TileContext) -> None:
+        self.mlp, self.tile, self.context = mlp, tile, context
+
+    def __call__(self, x: Tensor) -> Tensor:
+        mlp, tile = self.mlp, self.tile
+        if x.dim() != 3:
+            raise Refused(f"{type(mlp).__name__} got a {x.dim()}-D input; tiled_mlp splits [batch, seq, hidden] "
+                          "along the sequence: use tiled_mlp=False for this model")
+        n = agreed_tiles(x.shape[1], self.context.longest, tile)
+        self.context.tiles_run.append(n)
+        if not torch.is_grad_enabled():
+            run = type(mlp).forward
+            return torch.cat([run(mlp, x[:, i * tile:(i + 1) * tile]) for i in range(n)], dim=1)
+        return _TiledMLP.apply(mlp, n, tile, x, *mlp.parameters())
 
 
 def tile_mlp(mlp: nn.Module, tile: int, context: TileContext) -> None:
     """Run ``mlp`` in sequence tiles of ``tile`` tokens (in place; :func:`untile` undoes it)."""
-    mlp._seqpar_mlp_tile = (tile, context)
-    mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
+    mlp.forward = _TiledForward(mlp, tile, context)
 
 
 class _ToHost(torch.autograd.Function):
@@ -141,36 +147,42 @@ class _ToHost(torch.autograd.Function):
         return grad.to(ctx.device, non_blocking=True)
 
 
-def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    offload, context = self._seqpar_checkpoint
-    run = type(self).forward
-    if not torch.is_grad_enabled():
-        return run(self, *args, **kwargs)  # nothing is saved for a backward: nothing to checkpoint
-    if not args and "hidden_states" in kwargs:
-        args, kwargs = (kwargs.pop("hidden_states"),), kwargs
-    longest = context.longest  # the recompute runs in the backward, maybe after other batches' forwards
-    x = args[0] if args else None  # hidden_states [B, S_local, H]
-    park = offload and isinstance(x, Tensor) and x.device.type != "cpu"  # on the CPU it is in host memory already
+class _CheckpointedForward:
+    """``layer.forward`` with checkpoint="layers" / "offload": the layer under a non-reentrant
+    checkpoint, its recompute run with the batch's context of the forward."""
 
-    def layer(h: Tensor | None, *rest: Any, **kw: Any) -> Any:
-        with context.using(longest):
-            if h is None:
-                return run(self, **kw)
-            return run(self, h.to(x.device, non_blocking=True) if park else h, *rest, **kw)
+    def __init__(self, layer: nn.Module, offload: bool, context: TileContext) -> None:
+        self.layer, self.offload, self.context = layer, offload, context
 
-    if not args:  # every input by keyword: checkpointed all the same, nothing to park
-        return checkpoint(lambda **kw: layer(None, **kw), use_reentrant=False, **kwargs)
-    # non-reentrant: the recompute repeats the layer's collectives in the same order on every rank
-    return checkpoint(layer, _ToHost.apply(x) if park else x, *args[1:], use_reentrant=False, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, context = self.layer, self.context
+        run = type(module).forward
+        if not torch.is_grad_enabled():
+            return run(module, *args, **kwargs)  # nothing is saved for a backward: nothing to checkpoint
+        if not args and "hidden_states" in kwargs:
+            args, kwargs = (kwargs.pop("hidden_states"),), kwargs
+        longest = context.longest  # the recompute runs in the backward, maybe after other batches' forwards
+        x = args[0] if args else None  # hidden_states [B, S_local, H]
+        park = self.offload and isinstance(x, Tensor) and x.device.type != "cpu"  # the CPU: in host memory already
+
+        def layer(h: Tensor | None, *rest: Any, **kw: Any) -> Any:
+            with context.using(longest):
+                if h is None:
+                    return run(module, **kw)
+                return run(module, h.to(x.device, non_blocking=True) if park else h, *rest, **kw)
+
+        if not args:  # every input by keyword: checkpointed all the same, nothing to park
+            return checkpoint(lambda **kw: layer(None, **kw), use_reentrant=False, **kwargs)
+        # non-reentrant: the recompute repeats the layer's collectives in the same order on every rank
+        return checkpoint(layer, _ToHost.apply(x) if park else x, *args[1:], use_reentrant=False, **kwargs)
 
 
 def checkpoint_layer(layer: nn.Module, offload: bool, context: TileContext) -> None:
     """Checkpoint ``layer`` (non-reentrant); ``offload``: keep its saved input in pinned host memory."""
-    layer._seqpar_checkpoint = (offload, context)
-    layer.forward = types.MethodType(_checkpointed_forward, layer)
+    layer.forward = _CheckpointedForward(layer, offload, context)
 
 
 def untile(module: nn.Module) -> None:
     """Undo :func:`tile_mlp` or :func:`checkpoint_layer` on ``module``."""
-    for attr in ("forward", "_seqpar_mlp_tile", "_seqpar_checkpoint"):
-        module.__dict__.pop(attr, None)
+    if isinstance(module.__dict__.get("forward"), (_TiledForward, _CheckpointedForward)):
+        del module.__dict__["forward"]

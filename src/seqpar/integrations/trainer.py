@@ -1,36 +1,38 @@
-"""Sequence parallelism inside ``transformers.Trainer`` and ``trl.SFTTrainer``, in one line.
+"""Sequence parallelism inside ``transformers.Trainer`` and ``trl.SFTTrainer``: a mixin, or one line.
 
 ::
+
+    class MyTrainer(seqpar.SeqParTrainerMixin, SFTTrainer):          # your own trainer class
+        ...
+    trainer = MyTrainer(model=model, args=args, train_dataset=ds, sp=2)
 
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds)   # or Trainer(...), unchanged
     seqpar.parallelize_trainer(trainer, sp=2)                        # the one added line
     trainer.train()                                                  # torchrun --nproc-per-node 4 ...
 
-:func:`parallelize_trainer` parallelizes ``trainer.model`` over a ``dp x sp`` mesh and turns the
-trainer into a subclass of its own class that changes what a step does, and nothing else::
+Both parallelize ``trainer.model`` over a ``dp x sp`` mesh; :func:`parallelize_trainer` makes a built
+trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public Trainer methods only
+(``get_*_dataloader``, ``get_batch_samples``, ``compute_loss``, ``prediction_step``,
+``evaluation_loop``) and changes what a step does, nothing else::
 
-    data        train loader split over dp only (accelerate's batch sampler: num_processes = dp),
-                so the sp ranks of a dp group get the same batch; eval / predict loaders unsplit
+    data        train loader split over dp only (accelerate's batch sampler: num_processes = dp,
+                through seqpar.compat), so the sp ranks of a dp group get the same batch; eval /
+                predict loaders unsplit
     per step    get_batch_samples: the step's micro-batches; N = seqpar.count_target_tokens(over
                 dp) -- the exact target count (transformers' own count sums the sp copies too);
                 one all-gather over all ranks checks that each SP group holds the same batches,
                 so a collator that differs across an SP group raises on every rank, before any step
     per micro   compute_loss: model(**shard_batch(batch, mesh, num_items_in_batch=N)).loss
                   value: this dp group's share of the step's global token mean     x dp
-                  grad:  d(this rank's token losses) / N                            x dp * sp
+                  grad:  d(this rank's token losses) * dp * sp / N   (the seqpar loss's own)
     gradients   the Trainer's own DDP over all dp x sp ranks averages, i.e. divides by dp * sp:
-                with the x dp * sp above, it sums -- the gradient contract of the seqpar loss
-                (:mod:`seqpar.batch.loss`). accelerate's FSDP2 averages over all processes the
-                same way, so the same scale applies (not exercised on CPU, where accelerate runs
-                DDP even when FSDP is configured)
-    logging     the Trainer logs the mean over all ranks of the summed values: x dp makes it
-                the global token mean, the loss the same run without seqpar logs
+                exactly the gradient of the global token mean (:mod:`seqpar.batch.loss`).
+                accelerate's FSDP2 averages over all processes the same way (not exercised on
+                CPU, where accelerate runs DDP even when FSDP is configured)
+    logging     the Trainer logs the mean over all ranks of the values: x dp makes it the global
+                token mean, the loss the same run without seqpar logs
     eval        every rank runs every eval batch (its SP group shards it), the loss is the batch
                 token mean, logits are gathered back to [B, S, V]; no cross-rank gather after
-
-Why the Trainer's DDP over all ranks rather than DDP over dp plus seqpar's ``sync_gradients``:
-it is one all-reduce either way, and the Trainer keeps its no_sync accumulation, clipping and
-checkpointing untouched; the averaging it does is undone exactly by the gradient scale.
 
 accelerate's own context / sequence parallelism (``ParallelismConfig(cp_size=...)``: torch
 context_parallel, which drops the attention mask, so packed documents would attend across their
@@ -47,8 +49,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..attention.layout import inverse_permutation
-from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, _checksum, count_target_tokens, shard_batch
+from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, checksum, count_target_tokens, shard_batch
 from ..batch.targets import CU_SEQLENS_KEYS
 from ..comm.agree import Table, check, share
 from ..comm.gather import gather_seq
@@ -60,32 +63,33 @@ DERIVED_KEYS = ("max_length_q", "max_length_k", "seq_idx")
 """Keys of TRL's / transformers' padding-free collators that follow from ``cu_seq_lens_*`` (which
 ``shard_batch`` checks against the position ids): dropped, seqpar derives what it needs."""
 
-_ATTR = "_seqpar_trainer"
+
+class _State:
+    """The mesh and layout a trainer runs on, and its sizes: world = dp * sp ranks."""
+
+    def __init__(self, mesh: DeviceMesh, layout: str) -> None:
+        self.mesh, self.layout = mesh, layout
+        self.world, self.dp = int(mesh.mesh.numel()), dp_size(mesh)
+        self.sp = self.world // self.dp
+        self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Forward: ``x * value_scale``; backward: ``grad * grad_scale``. The Trainer needs the loss
-    value and its gradient scaled differently (see the module docstring): one for the log, one
-    for the ranks' averaging."""
+class SeqParTrainerMixin:
+    """Sequence parallelism for a ``transformers.Trainer`` subclass (``Trainer``, TRL's
+    ``SFTTrainer``, yours): put it first among the bases and give the constructor ``sp=N`` (or
+    ``mesh=seqpar.init_mesh(...)``), and optionally ``strategy`` / ``layout`` as for
+    :func:`parallelize_trainer`. The other arguments go to the trainer unchanged.
 
-    @staticmethod
-    def forward(ctx, x: Tensor, value_scale: float, grad_scale: float) -> Tensor:
-        ctx.grad_scale = grad_scale
-        return x * value_scale
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad * ctx.grad_scale, None, None
-
-
-class _SeqParTrainer:
-    """What :func:`parallelize_trainer` adds to a Trainer class (placed first in its MRO)."""
+    Raises what :func:`parallelize_trainer` raises, from the constructor."""
 
     loss_is_scaled_for_ga = True  # the loss is normalised by N over the whole accumulation window
+    _seqpar: _State
 
-    @property
-    def _seqpar(self) -> _State:
-        return getattr(self, _ATTR)
+    def __init__(self, *args: Any, sp: int | None = None, mesh: DeviceMesh | None = None,
+                 strategy: str = "ulysses", layout: str = "contiguous", **kwargs: Any) -> None:
+        _check_mesh_or_sp(mesh, sp, type(self).__name__)  # before the trainer is built
+        super().__init__(*args, **kwargs)
+        self._seqpar = _setup(self, mesh, sp, strategy, layout, who=type(self).__name__)
 
     # ---- data ---------------------------------------------------------------------------
 
@@ -127,7 +131,7 @@ class _SeqParTrainer:
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
-        """The seqpar loss of this rank's shard, scaled for the Trainer's logging and averaging."""
+        """The seqpar loss of this rank's shard, its value scaled for the Trainer's logging."""
         state = self._seqpar
         if num_items_in_batch is not None and not isinstance(num_items_in_batch, (int, float)):
             num_items_in_batch = float(num_items_in_batch)
@@ -138,9 +142,10 @@ class _SeqParTrainer:
         if loss is None:
             raise ValueError("the batch has no labels: seqpar's Trainer integration trains a causal LM on labels")
         if model.training and num_items_in_batch:
-            # value x dp: the log's mean over all ranks is the global mean; grad x dp*sp: the
-            # DDP / FSDP average over all ranks becomes the sum the seqpar loss needs
-            loss = _ScaleGrad.apply(loss, float(state.dp), float(state.world))
+            # value x dp (the log's mean over all ranks becomes the global mean), gradient
+            # unchanged (the seqpar loss already scales it for the DDP / FSDP average): the
+            # second term is exactly zero in value and carries the gradient
+            loss = loss.detach() * state.dp + (loss - loss.detach())
         if return_outputs:
             outputs.logits = _full_logits(outputs.logits, local[BATCH_KWARG], state.mesh)
             return loss, outputs
@@ -149,7 +154,7 @@ class _SeqParTrainer:
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None):
         """Loss (the batch's token mean), logits ``[B, S, V]`` and labels of a whole batch, on every rank."""
-        inputs = self._prepare_inputs(inputs)
+        inputs = {k: v.to(self.args.device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
         labels = inputs.get("labels")
         with torch.no_grad():
             local = shard_batch(_model_batch(inputs), self._seqpar.mesh, layout=self._seqpar.layout)
@@ -160,23 +165,14 @@ class _SeqParTrainer:
         return loss, _full_logits(outputs.logits.detach(), local[BATCH_KWARG], self._seqpar.mesh), labels
 
 
-class _State:
-    """The mesh and layout a trainer runs on, and its sizes: world = dp * sp ranks."""
-
-    def __init__(self, mesh: DeviceMesh, layout: str) -> None:
-        self.mesh, self.layout = mesh, layout
-        self.world, self.dp = int(mesh.mesh.numel()), dp_size(mesh)
-        self.sp = self.world // self.dp
-        self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
-
-
 _classes: dict[type, type] = {}
 
 
 def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
                         strategy: str = "ulysses", layout: str = "contiguous") -> Any:
     """Make a constructed ``transformers.Trainer`` (or subclass: ``trl.SFTTrainer``) train, evaluate
-    and predict with sequence parallelism over ``mesh`` (or ``seqpar.init_mesh(sp=sp)``), in place.
+    and predict with sequence parallelism over ``mesh`` (or ``seqpar.init_mesh(sp=sp)``), in place:
+    its class becomes :class:`SeqParTrainerMixin` over its own.
 
     Call it after the trainer is built and before ``train()``; the processes come from ``torchrun``
     or ``accelerate launch`` (one per device). The dataset's rows are full sequences; each dp group
@@ -191,11 +187,24 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
     label smoothing, TRL's ``loss_type="dft"``, a router aux loss).
     """
-    if getattr(trainer, _ATTR, None) is not None:
-        raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer)")
-    if (mesh is None) == (sp is None):
-        raise ValueError("give parallelize_trainer either mesh=seqpar.init_mesh(sp=...) or sp=N")
-    mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, "parallelize_trainer")
+    if isinstance(trainer, SeqParTrainerMixin):
+        raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
+                         "seqpar.SeqParTrainerMixin)")
+    state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
+    base = type(trainer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(f"SeqPar{base.__name__}", (SeqParTrainerMixin, base), {})
+    trainer.__class__ = cls  # the class a user would have written; its __init__ has already run
+    trainer._seqpar = state
+    return trainer
+
+
+def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str, layout: str, *,
+           who: str) -> _State:
+    """Check the trainer and parallelize its model over ``mesh`` (or ``init_mesh(sp=sp)``)."""
+    _check_mesh_or_sp(mesh, sp, who)
+    mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, who)
     state = _State(mesh, layout)
     processes = int(trainer.accelerator.num_processes)
     if state.world != processes:
@@ -210,13 +219,12 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
                          "when seqpar runs the sequence parallelism")
     _check_loss_options(trainer)
     parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
-    base = type(trainer)
-    cls = _classes.get(base)
-    if cls is None:
-        cls = _classes[base] = type(f"SeqPar{base.__name__}", (_SeqParTrainer, base), {})
-    trainer.__class__ = cls
-    setattr(trainer, _ATTR, state)
-    return trainer
+    return state
+
+
+def _check_mesh_or_sp(mesh: DeviceMesh | None, sp: int | None, who: str) -> None:
+    if (mesh is None) == (sp is None):
+        raise ValueError(f"give {who} either mesh=seqpar.init_mesh(sp=...) or sp=N")
 
 
 def _check_loss_options(trainer: Any) -> None:
@@ -253,21 +261,13 @@ def _model_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 def _split_loader(loader: Any, num: int, index: int) -> Any:
     """Make an accelerate-prepared DataLoader hand out ``index``'s share of ``num`` (dp) instead
-    of the process's share of all processes -- the knob the Trainer itself turns for its
-    rank-aware BatchRebalanceSampler."""
-    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+    of the process's share of all processes (:func:`seqpar.compat.split_prepared_loader`)."""
+    from accelerate.data_loader import DataLoaderDispatcher
 
     if isinstance(loader, DataLoaderDispatcher):
         raise ValueError("seqpar's Trainer integration splits the data over dp itself: set "
                          "TrainingArguments(accelerator_config={'dispatch_batches': False})")
-    sampler = getattr(loader, "batch_sampler", None)
-    if isinstance(sampler, BatchSamplerShard):
-        sampler.num_processes, sampler.process_index = num, index
-        # one reader of the whole set (eval): no batches repeated to even out the processes
-        sampler.even_batches = sampler.even_batches and num > 1
-    elif isinstance(getattr(loader, "dataset", None), IterableDatasetShard):
-        loader.dataset.num_processes, loader.dataset.process_index = num, index
-    elif dist.get_world_size() > 1:
+    if not compat.split_prepared_loader(loader, num, index) and dist.get_world_size() > 1:
         raise Refused(f"seqpar cannot split this data loader ({type(loader).__name__}) over dp: use a "
                       "map-style or iterable dataset through the Trainer's own get_*_dataloader")
     return loader
@@ -296,7 +296,7 @@ def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: Devi
         ok = isinstance(ids, Tensor) and ids.dim() == 2
         facts[f"{m}.batch"] = float(ids.shape[0]) if ok else -1.0
         facts[f"{m}.seq"] = float(ids.shape[1]) if ok else -1.0
-        facts[f"{m}.ids"] = _checksum(ids) if ok else -1.0
+        facts[f"{m}.ids"] = checksum(ids) if ok else -1.0
         unknown = set(b) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - set(DERIVED_KEYS) - {BATCH_KWARG} if b else set()
         if b is not None and (not ok or unknown) and problem is None:
             problem = (f"micro-batch {m} has no [batch, seq_len] input_ids" if not ok else

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ..compat import TorchDispatchMode, is_traceable_wrapper_subclass
 
 MIB = 2**20
 

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..batch.loss import sync_gradients
 from ..batch.sharding import shard_batch
 from ..batch.targets import IGNORE_INDEX
-from ..comm.mesh import init_mesh
+from ..comm.mesh import Axis, axis_group, init_mesh
 from ..errors import Refused
 from ..integrations.hf import parallelize, unparallelize
 from ..integrations.mixers import chosen_modes, set_mixer_mode
@@ -222,14 +222,30 @@ def param_group(name: str) -> str:
     return "norm"
 
 
-def reference_grads(model: nn.Module, batch: dict[str, Tensor]) -> tuple[float, dict[str, Tensor | None]]:
-    """The non-parallel loss of ``batch`` and every parameter's gradient (``model``'s grads are reset)."""
+def reference_grads(model: nn.Module, batch: dict[str, Tensor], *, loss_scale: float = 1.0
+                    ) -> tuple[float, dict[str, Tensor | None]]:
+    """The non-parallel loss of ``batch`` and every parameter's gradient (``model``'s grads are reset).
+
+    ``loss_scale``: back-propagate ``loss_scale * loss`` and divide the gradients by it -- the same
+    gradient, computed at the scale at which the seqpar loss back-propagates for an average over
+    that many ranks (:func:`sp_loss_scale`). It matters for models that cast to float32 inside
+    (Llama's RMSNorm runs in float32 whatever the model's dtype): they round each token's gradient
+    relative to its scale, so at a scale with an odd factor (3 ranks) only an oracle at the same
+    scale agrees to float64 rounding; at a power of two the scaling commutes with the rounding."""
     model.zero_grad(set_to_none=True)
     ref = reference_loss(model, batch)
-    ref.backward()
-    grads = {n: q.grad for n, q in model.named_parameters()}
+    (ref * loss_scale if loss_scale != 1.0 else ref).backward()
+    grads = {n: (q.grad / loss_scale if loss_scale != 1.0 else q.grad) if q.grad is not None else None
+             for n, q in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return float(ref.detach()), grads
+
+
+def sp_loss_scale(mesh: DeviceMesh) -> int:
+    """The factor by which the seqpar loss scales each rank's gradient for a batch sharded over
+    ``mesh`` without ``num_items_in_batch`` (the SP size: the gradients are then averaged over it,
+    see :mod:`seqpar.batch.loss`): the ``loss_scale`` of the matching :func:`reference_grads`."""
+    return dist.get_world_size(axis_group(mesh, Axis.SP.value))
 
 
 def compare_models(sp_model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMesh, *, strategy: str,
@@ -301,8 +317,9 @@ def compare(case: ModelCase, mesh: DeviceMesh, p: int) -> dict[str, Any]:
         sp_model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": case.checkpointing == "reentrant"})
         sp_model.train()
-    row = compare_models(sp_model, batch, mesh, strategy=case.strategy, reference=reference_grads(model, batch),
-                         floor=floor, layout=case.layout, mixer_mode=case.mixer_mode)
+    reference = reference_grads(model, batch, loss_scale=sp_loss_scale(mesh))
+    row = compare_models(sp_model, batch, mesh, strategy=case.strategy, reference=reference, floor=floor,
+                         layout=case.layout, mixer_mode=case.mixer_mode)
     return {**head, **row}
 
 

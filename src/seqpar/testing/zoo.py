@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import compat
 from ..comm.agree import share
 from ..errors import Refused
 from ..integrations.hf import parallelize, unparallelize
@@ -136,7 +137,7 @@ def _layers_needed(types: Any) -> int:
     return next(max(2, i) for i in range(1, len(types) + 1) if set(map(str, types[:i])) == kinds)
 
 
-def _shrink(d: dict[str, Any]) -> dict[str, Any]:
+def shrink_config(d: dict[str, Any]) -> dict[str, Any]:
     """A config dict with :data:`TINY` sizes, per-layer lists cut to the layers kept, sub-configs shrunk."""
     out = dict(d)
     layers = next((d[k] for k in _LAYER_COUNTS if isinstance(d.get(k), int)), None)
@@ -148,9 +149,9 @@ def _shrink(d: dict[str, Any]) -> dict[str, Any]:
         keep, out["num_kv_shared_layers"] = 2 * keep, keep
     for key, val in d.items():
         if isinstance(val, dict) and val and all(str(k).isdigit() for k in val):  # per-layer settings
-            out[key] = {k: _shrink(v) if isinstance(v, dict) else v for k, v in val.items() if int(k) < keep}
+            out[key] = {k: shrink_config(v) if isinstance(v, dict) else v for k, v in val.items() if int(k) < keep}
         elif isinstance(val, dict) and ("model_type" in val or key.endswith("config")):
-            out[key] = _shrink(val)
+            out[key] = shrink_config(val)
         elif key in _LAYER_COUNTS and isinstance(val, int):
             out[key] = keep
         elif isinstance(val, list) and layers and len(val) == layers:
@@ -186,7 +187,7 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, **DEFAULT_FIXES.get(model_type, {}))
-    d = {**_shrink(config.to_dict()), **overrides}
+    d = {**shrink_config(config.to_dict()), **overrides}
     for key in ("model_type", "transformers_version"):
         d.pop(key, None)
     return type(config).from_dict(d)
@@ -260,7 +261,7 @@ class ZooRow:
     mixer_modes: tuple[str, ...] = ()  # "Class=mode" of each hybrid token mixer, as it ran
 
 
-def _agreed(outcome: str, detail: str, group: dist.ProcessGroup) -> tuple[str, str]:
+def agreed_outcome(outcome: str, detail: str, group: dist.ProcessGroup) -> tuple[str, str]:
     """Every rank's verdict on one run, made the same everywhere (the worst rank's wins)."""
     order = ("exact", "exact (float32 model)", "refused", "mismatch", "crashed")
     table = share({"outcome": float(order.index(outcome))}, group, problem=detail or None)
@@ -274,7 +275,7 @@ def attention_floor(model: nn.Module, batch: dict[str, Any], reference: tuple[fl
     kernels, no sharding) differs from the model by more than float64 rounding but stays within
     float32 precision. Only eager attention can be (transformers' eager softmax is float32)."""
     config = decoder_config(model.config)[0]
-    if config._attn_implementation != "eager":
+    if compat.attn_implementation(config) != "eager":
         return False
     try:
         r = compare_models(copy.deepcopy(model), batch, solo, strategy="ring", reference=reference,
@@ -285,13 +286,16 @@ def attention_floor(model: nn.Module, batch: dict[str, Any], reference: tuple[fl
     return r["ok"] and not tight
 
 
-def _reference(model: nn.Module, kind: str, seq: int) -> Any:
-    """One batch kind's ``(batch, (loss, grads), floor)`` on the unsharded model, or the exception
-    that stopped the unsharded model (then the family cannot be run at this size: not seqpar's)."""
+def _reference(model: nn.Module, kind: str, seq: int, p: int) -> Any:
+    """One batch kind's ``(batch, (loss, grads), floor, (loss, grads) at seqpar's loss scale for
+    sp=p)`` on the unsharded model, or the exception that stopped the unsharded model (then the
+    family cannot be run at this size: not seqpar's). The floors are measured at scale 1, where
+    the one-rank runs compare; at a power of two both references are the same bits."""
     try:
         batch = case_batch(ModelCase(batch=kind, seq=seq), decoder_config(model.config)[0].vocab_size)
         ref = reference_grads(model, batch)
-        return batch, ref, precision_floor(model, batch, ref)
+        scaled = ref if p & (p - 1) == 0 else reference_grads(model, batch, loss_scale=p)
+        return batch, ref, precision_floor(model, batch, ref), scaled
     except Exception as e:
         return e
 
@@ -319,7 +323,7 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
             unparallelize(model)
         except Exception as e:
             outcome, detail = verdict(e)
-        outcome, detail = _agreed(outcome, detail, group)  # every rank runs the same strategies
+        outcome, detail = agreed_outcome(outcome, detail, group)  # every rank runs the same strategies
         if outcome == "exact":
             runnable.append(strategy)
         else:
@@ -342,18 +346,18 @@ def _compared(name: str, model: nn.Module, mesh: DeviceMesh, runnable: list[str]
     refs, floor = {}, Floor()
     for i, (kind, seq) in enumerate(BATCHES):
         owner = i % p
-        box = [_reference(model, kind, seq) if dist.get_rank(group) == owner else None]
+        box = [_reference(model, kind, seq, p) if dist.get_rank(group) == owner else None]
         dist.broadcast_object_list(box, group_src=owner, group=group)
         if isinstance(box[0], Exception):
             e = box[0]
             return [ZooRow(name, "-", "-", p, "unbuildable", "its tiny config does not run without seqpar "
                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")]
-        batch, ref, kind_floor = box[0]
-        refs[kind], floor = (batch, ref), floor | kind_floor
-    floor = floor | Floor(attention=attention_floor(model, *refs["padded"], solo))  # collective over solo's dp
+        batch, ref, kind_floor, scaled = box[0]
+        refs[kind], floor = (batch, ref, scaled), floor | kind_floor
+    floor = floor | Floor(attention=attention_floor(model, *refs["padded"][:2], solo))  # collective over solo's dp
     for strategy in runnable:
         for kind, _ in BATCHES:
-            batch, ref = refs[kind]
+            batch, _, ref = refs[kind]
             outcome, detail, loss_diff, grad_max = ("exact (float32 model)" if floor else "exact"), "", 0.0, 0.0
             ran: tuple[str, ...] = ()
             try:
@@ -365,7 +369,7 @@ def _compared(name: str, model: nn.Module, mesh: DeviceMesh, runnable: list[str]
                     outcome, detail = "mismatch", f"worst {r['worst_param']}"
             except Exception as e:
                 outcome, detail = verdict(e)
-            outcome, detail = _agreed(outcome, detail, group)
+            outcome, detail = agreed_outcome(outcome, detail, group)
             rows.append(ZooRow(name, strategy, kind, p, outcome, detail[:2000], loss_diff, grad_max, ran))
     return rows
 

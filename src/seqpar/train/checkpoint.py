@@ -4,7 +4,8 @@ leaves a half-written one where a resume would look.
 Layout under ``<save_dir>/checkpoints/``::
 
     step_00000200/          complete: model + optimizer (DCP, sharded when FSDP is on),
-      .metadata, *.distcp     trainer.pt (scheduler, step, options), rng_rank<r>.pt (per rank)
+      .metadata, *.distcp     trainer.pt (scheduler, step, options), rng_rank<r>.pt (per rank),
+      config.json, tokenizer/ the model's transformers config and the run's tokenizer (seqpar export)
     .tmp-step_00000300/     being written; renamed to step_00000300 only once every rank is done
 
 The rename is the commit point: a directory named ``step_*`` is always complete, so Ctrl-C or a
@@ -24,6 +25,7 @@ from torch import nn
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 TRAINER_FILE = "trainer.pt"
+TOKENIZER_DIR = "tokenizer"
 
 
 def checkpoint_root(save_dir: str) -> str:
@@ -66,9 +68,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(save_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, trainer_state: dict[str, Any], *, keep: int) -> str:
+                    scheduler: Any, trainer_state: dict[str, Any], *, keep: int, model_config: Any = None,
+                    tokenizer: Any = None) -> str:
     """Save on every rank (a collective); returns the committed directory. Keeps the ``keep``
-    latest complete checkpoints."""
+    latest complete checkpoints. ``model_config`` (a transformers config) and ``tokenizer`` are
+    written beside the weights, so the checkpoint alone can be exported (:mod:`.export`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -86,6 +90,10 @@ def save_checkpoint(save_dir: str, step: int, model: nn.Module, optimizer: torch
     if rank == 0:
         torch.save({**trainer_state, "step": step, "scheduler": scheduler.state_dict()},
                    os.path.join(tmp, TRAINER_FILE))
+        if model_config is not None:
+            model_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(tmp, TOKENIZER_DIR))
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (resumed run)
         os.rename(tmp, final)  # the commit point
         for _, old in complete_checkpoints(save_dir)[:-keep]:

@@ -17,8 +17,15 @@ from typing import Any
 import torch
 
 from seqpar.integrations.memory import CHECKPOINT_MODES, DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
+from seqpar.integrations.models import BUILTIN_MODELS
+
+from .data import OVERFLOW
+from .formats import FORMATS_HELP
+from .tokenizer import TRAIN_ON
 
 STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
+REPORT_TO = ("none", "tensorboard", "wandb")
+LORA_EXPORTS = ("merged", "adapter")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 """--dtype names and the torch dtypes they stand for (the one table; bench uses it too)."""
 
@@ -46,15 +53,25 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 class TrainConfig:
     """Options of ``seqpar train`` (see ``seqpar train --help``)."""
 
-    model: str = _opt("tiny-llama", "a built-in config name (tiny-llama, tiny-qwen3, tiny-mistral, tiny-gemma2, "
-                      "small-llama3; sized by --model-config) or a local transformers checkpoint directory "
-                      "(its tokenizer too)")
+    model: str = _opt("tiny-llama", f"a built-in config name ({', '.join(BUILTIN_MODELS)}; "
+                      f"{', '.join(SIZED_FOR_TRAIN)} at a training size; any field by --model-config) or a local "
+                      "transformers checkpoint directory (its weights, config and tokenizer)")
     model_config: str = _opt("", "JSON object of config fields for a built-in model, applied over the training "
                              f"size {json.dumps(TRAIN_SIZE)}", metavar="JSON", shown="{}")
-    data: list[str] | None = _opt(None, "text files (one document each) or JSONL files (one JSON object per line "
-                                  "with a text field)", nargs="+", metavar="FILE",
-                                  shown="none: the embedded long-range copy task")
-    text_field: str = _opt("text", "the JSONL field that holds the text")
+    tokenizer: str = _opt("", "a transformers tokenizer directory to read --data with", metavar="DIR",
+                          shown="the --model checkpoint's own; bytes for a built-in model")
+    data: list[str] | None = _opt(None, f"data files, read by what they are: {FORMATS_HELP}", nargs="+",
+                                  metavar="FILE", shown="none: the embedded long-range copy task")
+    text_field: str = _opt("text", "the JSONL field / dataset column that holds plain text")
+    train_on: str = _opt("responses", "which tokens carry the loss in chat and prompt/completion data: responses "
+                         "(the assistant turns -- the tokens inside the chat template's {% generation %} markers -- "
+                         "and the completion, as SFT frameworks do) or all (every token)", choices=TRAIN_ON)
+    chat_template: str = _opt("", "a Jinja chat template file used instead of the tokenizer's own", metavar="FILE",
+                              shown="the tokenizer's")
+    overflow: str = _opt("auto", "documents longer than --seq-len: split (the rest goes on in the next row; packed "
+                         "documents flow across row edges), truncate (the rest is dropped; packed documents never "
+                         "cross a row edge) or auto (split plain text, truncate chat and prompt/completion data); the "
+                         "run says what it did", choices=OVERFLOW)
     seq_len: int = _opt(4096, "tokens per row (the sequence every SP group shares)")
     packing: bool = _opt(False, "pack several documents per row (position ids restart, no attention across "
                          "documents) instead of one padded document per row")
@@ -73,13 +90,31 @@ class TrainConfig:
     dtype: str = _opt("auto", "compute dtype: float32, bfloat16 (FSDP2 mixed precision, fp32 master weights), "
                       "float64, or auto (bfloat16 on CUDA, float32 on the CPU)",
                       choices=("auto", *DTYPES))
-    save_dir: str = _opt(os.path.join("runs", "seqpar-train"), "where metrics.jsonl and checkpoints/ go; a "
-                         "fresh run replaces an earlier one there")
+    save_dir: str = _opt(os.path.join("runs", "seqpar-train"), "where metrics.jsonl, summary.json, loss.png and "
+                         "checkpoints/ go; a fresh run refuses a save dir that holds checkpoints (--resume or "
+                         "--overwrite)")
     save_every: int = _opt(100, "checkpoint every N steps (and always at the end); 0: only at the end")
     keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep")
     resume: bool = _opt(False, "continue from the latest complete checkpoint in --save-dir (same loss curve)")
+    overwrite: bool = _opt(False, "start afresh in a --save-dir that holds an earlier run's checkpoints, deleting them")
     seed: int = _opt(2, "seed of the model init and the data order")
-    eval_rows: int = _opt(8, "held-out rows for the final evaluation (task accuracy / loss)")
+    eval_rows: int = _opt(8, "held-out rows for evaluation (task accuracy / loss); --data: at most a tenth of the "
+                          "rows, the rest train")
+    eval_every: int = _opt(0, "evaluate on the held-out rows every N steps (0: before and after training only); "
+                           "every evaluation is a line of metrics.jsonl")
+    report_to: str = _opt("none", "also log the metrics to tensorboard (<save-dir>/tensorboard) or wandb (into "
+                          "<save-dir>/wandb; offline unless wandb is logged in or WANDB_MODE says otherwise); needs "
+                          "pip install 'seqpar[logging]'", choices=REPORT_TO)
+    plot: bool = _opt(True, "write <save-dir>/loss.png at the end: the train and eval loss curves (--no-plot: none)")
+    lora_r: int = _opt(0, "train LoRA adapters of this rank instead of every weight (0: full fine-tuning); needs "
+                        "pip install 'seqpar[lora]'")
+    lora_alpha: float | None = _opt(None, "LoRA scale numerator: adapters scaled by alpha / r", shown="2 x --lora-r")
+    lora_targets: list[str] | None = _opt(None, "module names LoRA adapts (peft's target_modules)", nargs="+",
+                                          metavar="NAME", shown="all-linear: every linear layer but the output head")
+    export_hf: bool = _opt(False, "at the end, write <save-dir>/hf: save_pretrained output (safetensors, config, "
+                           "tokenizer) that AutoModelForCausalLM.from_pretrained loads; or later: seqpar export")
+    lora_export: str = _opt("merged", "what a LoRA run exports: merged (adapters folded into the weights, a plain "
+                            "transformers model) or adapter (peft's adapter files)", choices=LORA_EXPORTS)
     fsdp: str = _opt("auto", "FSDP2 over the dp x sp ranks: on, off, or auto (on with CUDA or bfloat16)",
                      choices=("auto", "on", "off"))
     tiled_loss: bool = _opt(True, "the loss from the final hidden states in tiles of --loss-tile tokens: no "
@@ -107,6 +142,9 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+OPTIONAL_KINDS: dict[str, type] = {"data": list, "dp": int, "nproc": int, "timeout": float, "lora_alpha": float,
+                                   "lora_targets": list}
+"""The type of each option whose default is None (the others: their default's type)."""
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -151,7 +189,7 @@ def load_config_file(path: str) -> dict[str, Any]:
 def _coerce(name: str, value: Any, where: str) -> Any:
     """A config-file value as the field's type (ints, floats, bools, strings, a list of files)."""
     default = FIELDS[name].default
-    kind = {"data": list, "dp": int, "nproc": int, "timeout": float}.get(name, type(default))
+    kind = OPTIONAL_KINDS.get(name, type(default))
     bad = ValueError(f"{where}: {name.replace('_', '-')} = {value!r} should be {kind.__name__}")
     if kind is list:
         if isinstance(value, str):
@@ -235,57 +273,3 @@ def collective_timeout(cfg: TrainConfig, device_type: str) -> float:
     if cfg.timeout is not None:
         return cfg.timeout
     return CUDA_TIMEOUT if device_type == "cuda" else CPU_TIMEOUT
-
-
-def world_layout(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
-    """``(world, sp, dp)`` the job runs with; ValueError naming the option to change."""
-    if cfg.sp < 1:
-        raise ValueError(f"--sp must be >= 1, got {cfg.sp}")
-    if cfg.dp is not None and cfg.dp < 1:
-        raise ValueError(f"--dp must be >= 1, got {cfg.dp}")
-    if world is None:
-        world = cfg.nproc if cfg.nproc is not None else cfg.sp * (cfg.dp or 1)
-    if world < 1:
-        raise ValueError(f"--nproc must be >= 1, got {world}")
-    if world % cfg.sp:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}: choose --sp in {divisors} "
-                         f"or --nproc a multiple of {cfg.sp}")
-    dp = cfg.dp if cfg.dp is not None else world // cfg.sp
-    if dp * cfg.sp != world:
-        raise ValueError(f"--dp {dp} x --sp {cfg.sp} = {dp * cfg.sp} ranks, but the world has {world}: "
-                         f"use --dp {world // cfg.sp} or omit it")
-    return world, cfg.sp, dp
-
-
-def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
-    """Validate what needs no model or data; returns ``(world, sp, dp)``. Raises ValueError."""
-    world, sp, dp = world_layout(cfg, world)
-    positive = {"steps": cfg.steps, "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum,
-                "seq_len": cfg.seq_len, "keep_checkpoints": cfg.keep_checkpoints, "loss_tile": cfg.loss_tile,
-                "mlp_tile": cfg.mlp_tile}
-    for name, v in positive.items():
-        if v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-    if cfg.lr <= 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    for name in ("warmup", "save_every", "eval_rows"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
-    if cfg.grad_clip < 0 or cfg.weight_decay < 0:
-        raise ValueError("--grad-clip and --weight-decay must be >= 0")
-    if cfg.timeout is not None and cfg.timeout <= 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout}")
-    if cfg.checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"unknown --checkpoint {cfg.checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {list(STRATEGIES)}")
-    if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
-        raise ValueError(f"unknown --dtype {cfg.dtype!r}: choose one of {['auto', *DTYPES]}")
-    if cfg.strategy == "hybrid" and sp < 4:
-        raise ValueError(f"--strategy hybrid needs --sp >= 4 (ring x ulysses, each >= 2), got --sp {sp}: "
-                         "use ulysses or ring")
-    model_overrides(cfg)
-    return world, sp, dp

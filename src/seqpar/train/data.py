@@ -1,13 +1,20 @@
-"""Data for ``seqpar train``: user files turned into rows, and the order rows are read in.
+"""Data of ``seqpar train``: tokenized documents into rows, the held-out split and the data order.
 
-Files: ``*.jsonl`` / ``*.json`` hold one JSON object per line with a text field; anything else is
-one plain-text document per file. Documents become rows of exactly ``seq_len`` tokens:
+Files are read by :mod:`.formats` and tokenized by :mod:`.tokenizer` into documents (token ids and,
+per token, whether it is a target). Documents become rows of exactly ``seq_len`` tokens
+(``labels`` = the token where it is a target, else ignored):
 
-* one document per row (default): long documents are cut into ``seq_len`` chunks, the last
-  chunk padded (``attention_mask`` 0, no target);
+* one document per row (default): the row is padded (``attention_mask`` 0, no target);
 * ``packing``: documents follow each other in the row, ``position_ids`` restart at 0 where each
-  one starts (seqpar then keeps attention and targets inside documents); only the very last row
-  is padded.
+  one starts (seqpar then keeps attention and targets inside documents, and every document's
+  targets as they were); only the last row is padded.
+
+A document longer than ``seq_len`` (``--overflow``): **split** -- it goes on in the next row,
+positions restarting (one document per row: ``seq_len`` pieces; packed: wherever a row ends, so
+documents flow across row edges); **truncate** -- its first ``seq_len`` tokens, the rest dropped,
+and with packing a document never crosses a row edge (one that does not fit in the rest of a row
+starts the next). ``auto``: split for plain text, truncate as soon as there is chat or prompt /
+completion data (an SFT example cut in two loses its prompt).
 
 Order: row ``k`` of the whole run (counted over steps, micro-batches, dp ranks, rows) is a pure
 function of ``(seed, k)`` -- an epoch-wise shuffle -- so resuming at a step reads exactly the rows
@@ -16,57 +23,53 @@ the uninterrupted run would have read, whatever the number of ranks.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .formats import TEXT, count_kinds, read_records
 from .tasks import EVAL, IGNORE, TRAIN, CopyTask
+from .tokenizer import ByteTokenizer, Document, HFTokenizer, encode_records
 
-JSONL_EXTS = (".jsonl", ".json")
+OVERFLOW = ("auto", "split", "truncate")
 
 
 def read_documents(paths: Sequence[str], text_field: str = "text") -> list[str]:
-    """The documents of ``paths``. Raises ValueError naming the file (and line) at fault."""
-    if not paths:
-        raise ValueError("--data needs at least one file")
-    docs: list[str] = []
-    for path in paths:
-        if not os.path.exists(path):
-            raise ValueError(f"--data {path!r}: no such file")
-        if os.path.isdir(path):
-            raise ValueError(f"--data {path!r} is a directory: give the files in it (e.g. {path}/*.jsonl)")
-        with open(path, encoding="utf-8", errors="replace") as f:
-            content = f.read()
-        if not content.strip():
-            raise ValueError(f"--data {path!r} is empty")
-        if not path.lower().endswith(JSONL_EXTS):
-            docs.append(content)
-            continue
-        for lineno, line in enumerate(content.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict) or text_field not in obj:
-                keys = list(obj) if isinstance(obj, dict) else type(obj).__name__
-                raise ValueError(f"{path}:{lineno}: no {text_field!r} field (found {keys}); "
-                                 f"set --text-field to the field that holds the text")
-            if not isinstance(obj[text_field], str):
-                raise ValueError(f"{path}:{lineno}: field {text_field!r} must be a string, "
-                                 f"got {type(obj[text_field]).__name__}")
-            docs.append(obj[text_field])
-        if not docs:
-            raise ValueError(f"--data {path!r} holds no documents")
-    return docs
+    """The texts of plain-text data in ``paths`` (chat or prompt / completion records: ValueError).
+    Raises ValueError naming the file (and line) at fault."""
+    records = read_records(paths, text_field)
+    other = next((r for r in records if r.kind != TEXT), None)
+    if other is not None:
+        raise ValueError(f"{other.where} is {other.kind} data, not plain text")
+    return [r.text for r in records]
 
 
-def _row(ids: list[int], positions: list[int], seq_len: int, pad_id: int) -> dict[str, Tensor]:
+def resolve_overflow(overflow: str, kinds: Sequence[str]) -> str:
+    """``--overflow`` with ``auto`` resolved: split for plain text only, else truncate."""
+    if overflow not in OVERFLOW:
+        raise ValueError(f"unknown --overflow {overflow!r}: choose one of {list(OVERFLOW)}")
+    if overflow != "auto":
+        return overflow
+    return "split" if set(kinds) <= {TEXT} else "truncate"
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """What became of the documents: counts for the run's description of its data."""
+
+    documents: int
+    tokens: int
+    targets: int  # tokens in the rows whose prediction carries the loss
+    longer: int  # documents longer than seq_len
+    dropped_tokens: int  # cut off by truncate
+    pieces: int  # what the longer documents became (split: pieces; truncate: the same count)
+    no_target: int  # documents (or pieces) left out: nothing to predict
+    rows: int
+
+
+def _row(ids: list[int], targets: list[bool], positions: list[int], seq_len: int, pad_id: int) -> dict[str, Tensor]:
     n = len(ids)
     input_ids = torch.full((seq_len,), pad_id, dtype=torch.long)
     input_ids[:n] = torch.tensor(ids, dtype=torch.long)
@@ -74,35 +77,78 @@ def _row(ids: list[int], positions: list[int], seq_len: int, pad_id: int) -> dic
     mask[:n] = 1
     pos = torch.arange(seq_len, dtype=torch.long)
     pos[:n] = torch.tensor(positions, dtype=torch.long)
-    labels = input_ids.masked_fill(mask == 0, IGNORE)
+    keep = torch.zeros(seq_len, dtype=torch.bool)
+    keep[:n] = torch.tensor(targets, dtype=torch.bool)
+    labels = input_ids.masked_fill(~keep, IGNORE)
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
 
 
-def make_rows(docs: Sequence[list[int]], seq_len: int, *, packing: bool, pad_id: int) -> list[dict[str, Tensor]]:
-    """Rows of ``seq_len`` tokens from tokenized documents (see the module docstring)."""
+def _counted(targets: Sequence[bool]) -> int:
+    """Targets a document (or piece) really has: its first token has none (nothing precedes it)."""
+    return sum(targets[1:])
+
+
+def _as_document(doc: Document | Sequence[int]) -> Document:
+    return doc if isinstance(doc, Document) else Document(list(doc), [True] * len(doc))
+
+
+def build_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packing: bool, pad_id: int,
+               overflow: str = "split") -> tuple[list[dict[str, Tensor]], RowStats]:
+    """Rows of ``seq_len`` tokens (see the module docstring) and what became of the documents.
+    ``docs``: :class:`Document` s, or plain token lists (every token a target). ``overflow``: split
+    or truncate."""
+    assert overflow in ("split", "truncate"), overflow
+    docs = [_as_document(d) for d in docs]
+    n_docs, n_tokens = len(docs), sum(len(d.ids) for d in docs)
+    longer = sum(len(d.ids) > seq_len for d in docs)
+    dropped = sum(max(0, len(d.ids) - seq_len) for d in docs) if overflow == "truncate" else 0
+    pieces_of_longer = longer if overflow == "truncate" else sum(-(-len(d.ids) // seq_len) for d in docs
+                                                                    if len(d.ids) > seq_len)
+    if overflow == "truncate":
+        docs = [Document(d.ids[:seq_len], d.targets[:seq_len]) for d in docs]
+    elif not packing:
+        docs = [Document(d.ids[s:s + seq_len], d.targets[s:s + seq_len]) for d in docs
+                for s in range(0, len(d.ids), seq_len)]
+    kept = [d for d in docs if _counted(d.targets)]
     rows: list[dict[str, Tensor]] = []
     if not packing:
-        for doc in docs:
-            for start in range(0, len(doc), seq_len):
-                chunk = doc[start:start + seq_len]
-                if len(chunk) >= 2:  # one token has no target
-                    rows.append(_row(chunk, list(range(len(chunk))), seq_len, pad_id))
-        return rows
-    ids: list[int] = []
-    pos: list[int] = []
-    for doc in docs:
-        rest = doc
-        while rest:
-            take = rest[:seq_len - len(ids)]
-            ids += take
-            pos += range(len(take))  # a document cut at a row edge restarts in the next row
-            rest = rest[len(take):]
-            if len(ids) == seq_len:
-                rows.append(_row(ids, pos, seq_len, pad_id))
-                ids, pos = [], []
-    if ids:
-        rows.append(_row(ids, pos, seq_len, pad_id))
-    return [r for r in rows if int(r["attention_mask"].sum()) >= 2]  # a row without a target teaches nothing
+        rows = [_row(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in kept]
+    else:
+        ids: list[int] = []
+        tgt: list[bool] = []
+        pos: list[int] = []
+        for doc in kept:
+            if overflow == "truncate" and len(ids) + len(doc.ids) > seq_len:  # never across a row edge
+                rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+                ids, tgt, pos = [], [], []
+            rest, rest_t = doc.ids, doc.targets
+            while rest:
+                take = seq_len - len(ids)
+                ids += rest[:take]
+                tgt += rest_t[:take]
+                pos += range(len(rest[:take]))  # a document cut at a row edge restarts in the next row
+                rest, rest_t = rest[take:], rest_t[take:]
+                if len(ids) == seq_len:
+                    rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+                    ids, tgt, pos = [], [], []
+        if ids:
+            rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+        rows = [r for r in rows if _row_targets(r)]  # a row without a target teaches nothing
+    stats = RowStats(documents=n_docs, tokens=n_tokens, targets=sum(_row_targets(r) for r in rows),
+                     longer=longer, dropped_tokens=dropped, pieces=pieces_of_longer, no_target=len(docs) - len(kept),
+                     rows=len(rows))
+    return rows, stats
+
+
+def _row_targets(row: dict[str, Tensor]) -> int:
+    """Targets of a row that count: not padding, not the first token of a document."""
+    return int(((row["labels"] != IGNORE) & (row["position_ids"] > 0) & (row["attention_mask"] > 0)).sum())
+
+
+def make_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packing: bool, pad_id: int,
+              overflow: str = "split") -> list[dict[str, Tensor]]:
+    """Rows of ``seq_len`` tokens from tokenized documents (see :func:`build_rows`)."""
+    return build_rows(docs, seq_len, packing=packing, pad_id=pad_id, overflow=overflow)[0]
 
 
 class TextData:
@@ -111,7 +157,8 @@ class TextData:
     def __init__(self, rows: list[dict[str, Tensor]], *, seed: int, eval_rows: int, vocab_size: int,
                  describe: str) -> None:
         if not rows:
-            raise ValueError("--data has no document of two tokens or more: nothing to learn")
+            raise ValueError("--data has no document with a target (two tokens or more, or a response to learn): "
+                             "nothing to learn")
         perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
         n_eval = min(eval_rows, len(rows) // 10)
         self.eval = [rows[i] for i in perm[:n_eval]]
@@ -119,9 +166,12 @@ class TextData:
         self.seed = seed
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its permutation): rows are read in order
         self.vocab_size = vocab_size
+        self.max_token_id = max(int(r["input_ids"].max()) for r in rows)
         self._describe = describe
+        if n_eval < eval_rows:
+            self._describe += (f"; {n_eval} held-out row{'s' if n_eval != 1 else ''} (--eval-rows {eval_rows} is "
+                               f"capped at a tenth of the {len(rows)} rows)")
         self.chance: float | None = None
-
 
     def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
         if split == EVAL:
@@ -153,6 +203,10 @@ class TaskData:
         return self.task.vocab_size
 
     @property
+    def max_token_id(self) -> int:
+        return self.task.vocab_size - 1
+
+    @property
     def chance(self) -> float:
         return self.task.chance
 
@@ -167,6 +221,32 @@ class TaskData:
         return self.task.describe()
 
 
+def describe_rows(kinds: dict[str, int], stats: RowStats, *, tokenizer: str, seq_len: int, packing: bool,
+                  overflow: str, train_on: str) -> str:
+    """The data in words: what was read, tokens and targets, rows, and the overflow policy applied."""
+    names = {TEXT: "documents", "chat": "chats", "prompt/completion": "prompt/completion pairs"}
+    if len(kinds) == 1:
+        what = f"{stats.documents} {names[next(iter(kinds))]}"
+    else:
+        what = f"{stats.documents} documents ({', '.join(f'{n} {names[k]}' for k, n in kinds.items())})"
+    loss = ""
+    if set(kinds) - {TEXT}:
+        loss = (f", loss on {'every token' if train_on == 'all' else 'responses only'} "
+                f"({stats.targets} targets)")
+    out = (f"{what}, {stats.tokens} tokens ({tokenizer}) in {stats.rows} rows{' (packed)' if packing else ''}{loss}")
+    if stats.longer == 0:
+        out += f"; none longer than --seq-len {seq_len} (--overflow {overflow})"
+    elif overflow == "truncate":
+        out += (f"; --overflow truncate: {stats.longer} longer than --seq-len {seq_len} cut to it "
+                f"({stats.dropped_tokens} tokens dropped; --overflow split keeps them)")
+    else:
+        out += (f"; --overflow split: {stats.longer} longer than --seq-len {seq_len} split into {stats.pieces} pieces "
+                "(--overflow truncate drops the rest instead)")
+    if stats.no_target:
+        out += f"; {stats.no_target} without a target left out"
+    return out
+
+
 def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Rows of ``[S]`` tensors -> a batch of ``[B, S]`` tensors."""
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
@@ -175,3 +255,17 @@ def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
 def row_index(step: int, micro: int, dp_rank: int, b: int, *, grad_accum: int, dp: int, micro_batch: int) -> int:
     """Which row of the run (counted from 0) rank ``dp_rank`` reads at ``(step, micro, b)``."""
     return ((step * grad_accum + micro) * dp + dp_rank) * micro_batch + b
+
+
+def load_text_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer, *, text_field: str, train_on: str,
+                   seq_len: int, packing: bool, overflow: str, seed: int, eval_rows: int) -> TextData:
+    """Read, tokenize and row ``paths``: the :class:`TextData` of a run. ValueError for bad files,
+    a tokenizer the data cannot use, or data with nothing to learn."""
+    records = read_records(paths, text_field)
+    kinds = count_kinds(records)
+    policy = resolve_overflow(overflow, list(kinds))
+    docs = encode_records(records, tok, train_on)
+    rows, stats = build_rows(docs, seq_len, packing=packing, pad_id=tok.pad_id, overflow=policy)
+    what = describe_rows(kinds, stats, tokenizer=getattr(tok, "name", "tokenizer"), seq_len=seq_len, packing=packing,
+                         overflow=policy, train_on=train_on)
+    return TextData(rows, seed=seed, eval_rows=eval_rows, vocab_size=tok.vocab_size, describe=what)

@@ -7,7 +7,7 @@ Per optimizer step, on every rank::
     for each micro-batch:
       local = seqpar.shard_batch(batch, mesh, num_items_in_batch=N)   this SP rank's slice
       model(**local).loss.backward()          loss = exact share of the global token mean
-    seqpar.sync_gradients (or FSDP2's reduce-scatter)                  every grad now exact
+    seqpar.sync_gradients (or FSDP2's reduce-scatter): the dp x sp average, every grad now exact
     clip to the global norm, AdamW, warmup + cosine
 
 so the loss and gradients are those of one big batch on one device, whatever dp, sp, grad_accum.
@@ -30,13 +30,14 @@ import seqpar
 from seqpar.batch.loss import token_losses
 from seqpar.comm.mesh import axis_group, default_device_type
 from seqpar.integrations.materialize import load_full_state_dict, materialize, meta_model
-from seqpar.integrations.models import BUILTIN_MODELS, build_model, load_tokenizer
+from seqpar.integrations.models import BUILTIN_MODELS, build_model
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
-from .data import TaskData, TextData, make_rows, read_documents, row_index, stack
-from .job import Job
-from .tasks import EVAL, IGNORE, CopyTask, answer_accuracy
-from .tokenizer import make_tokenizer
+from .data import row_index, stack
+from .job import Job, make_data
+from .lora import add_lora, count_params, init_lora, with_lora_names
+from .tasks import EVAL, IGNORE, answer_accuracy
+from .tokenizer import load_hf_tokenizer
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,9 @@ class Trainer:
     any number of ranks; a checkpoint (``--model PATH``) is read by rank 0 alone and broadcast tensor
     by tensor. So no rank > 0 ever holds the whole model. Without FSDP every rank keeps a full
     replica (plain gradient sync needs one): the built-in is initialized the same way, in place on
-    the device; a checkpoint is read by every rank.
+    the device; a checkpoint is read by every rank. With ``--lora-r`` peft's adapters go into the
+    model before it is parallelized and sharded, the base frozen; their initial values are drawn
+    the same on every rank (:mod:`.lora`), and only they are given to the optimizer.
     """
 
     def __init__(self, job: Job) -> None:
@@ -114,8 +117,13 @@ class Trainer:
         param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.use_fsdp = use_fsdp(cfg, self.device.type, self.dtype)
         model, full_state = self._build_model(param_dtype)  # on the meta device (a replica: already loaded)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        seqpar.parallelize(model, self.mesh, strategy=job.strategy)
+        self.peft = None  # --lora-r: the PeftModel around `model` (its adapters are inside `model`)
+        if cfg.lora_r:
+            self.peft = add_lora(model, cfg)
+            if full_state is not None:  # rank 0's checkpoint, under the adapted layers' names
+                full_state = with_lora_names(model, full_state, cfg.seed)
+        self.n_params, self.n_trainable = count_params(model)
+        seqpar.parallelize(self.peft or model, self.mesh, strategy=job.strategy)
         memory = memory_options(cfg, self.device.type)
         if memory is not None:  # a ValueError here (a head or MLP it cannot tile) is the same on every rank
             seqpar.reduce_memory(model, self.mesh, **memory)
@@ -126,18 +134,20 @@ class Trainer:
             kw: dict[str, Any] = {}
             if dtype == torch.bfloat16:  # bf16 compute, fp32 master weights and gradient reduction
                 kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            seqpar.apply_fsdp(model, self.mesh, **kw)  # summed reduction as a plain SUM (gloo has no PREMUL_SUM)
+            seqpar.apply_fsdp(model, self.mesh, **kw)  # FSDP2 over every dp x sp rank, averaging
         if cfg.model in BUILTIN_MODELS:
             torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the sharding
             materialize(model, self.device)
         elif self.use_fsdp:
             materialize(model, self.device, params=False)  # buffers (RoPE); the weights come from rank 0
-            load_full_state_dict(model, full_state)
-            full_state = None
+            load_full_state_dict(model, full_state)  # with the adapters' initial values (LoRA)
+        if self.peft is not None and not (self.use_fsdp and cfg.model not in BUILTIN_MODELS):
+            init_lora(model, cfg.seed)  # the same adapters on every rank, whatever the sharding
+        full_state = None
         self.attention = seqpar.attention_kernel(model)  # the kernel "auto" chose, in words
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0
 
@@ -146,40 +156,28 @@ class Trainer:
         under FSDP, come on the meta device (rank 0 also returns the checkpoint's weights, on the
         CPU); a checkpoint without FSDP is loaded whole on this rank's device."""
         cfg = self.cfg
+        # the run's tokenizer (None: bytes, or the copy task), kept for the export
+        self.tokenizer = load_hf_tokenizer(cfg.model, cfg.tokenizer, cfg.chat_template)
+        self.data = self.job.data if self.job.data is not None else make_data(cfg, self.tokenizer)
         if cfg.model in BUILTIN_MODELS:
-            self.data = self._make_data(None)
             with torch.device("meta"):
                 model, _ = build_model(cfg.model, dtype=param_dtype, **builtin_fields(cfg, self.data.vocab_size))
             return model, None
         state = None
         if not self.use_fsdp:
-            model, tok = build_model(cfg.model, dtype=param_dtype)
+            model, _ = build_model(cfg.model, dtype=param_dtype)
             model.to(self.device)
         else:
-            tok = load_tokenizer(cfg.model)
             if self.rank == 0:  # the only rank that reads the weights
                 full, _ = build_model(cfg.model, dtype=param_dtype)
                 state = full.state_dict()
                 del full
             model = meta_model(cfg.model, dtype=param_dtype)
-        self.data = self._make_data(tok)
         vocab = int(model.get_input_embeddings().num_embeddings)
-        if self.data.vocab_size > vocab:
-            raise ValueError(f"the data needs {self.data.vocab_size} token ids but --model {cfg.model!r} has "
-                             f"{vocab}: give the checkpoint its tokenizer or use a built-in model")
+        if self.data.max_token_id >= vocab:  # prepare_job checked it; a job prepared elsewhere may not have
+            raise ValueError(f"the data uses token ids up to {self.data.max_token_id} but --model {cfg.model!r} "
+                             f"embeds {vocab}: give the checkpoint its tokenizer or use a built-in model")
         return model, state
-
-    def _make_data(self, hf_tokenizer: Any) -> TaskData | TextData:
-        cfg = self.cfg
-        if not cfg.data:
-            return TaskData(CopyTask(cfg.seq_len, cfg.seed), cfg.eval_rows)
-        tok = make_tokenizer(hf_tokenizer)
-        docs = [tok.encode(d) for d in read_documents(cfg.data, cfg.text_field)]
-        rows = make_rows(docs, cfg.seq_len, packing=cfg.packing, pad_id=tok.pad_id)
-        n_tok = sum(len(d) for d in docs)
-        what = (f"{len(docs)} documents, {n_tok} tokens ({getattr(tok, 'name', 'tokenizer')}) in {len(rows)} rows"
-                f"{' (packed)' if cfg.packing else ''}")
-        return TextData(rows, seed=cfg.seed, eval_rows=cfg.eval_rows, vocab_size=tok.vocab_size, describe=what)
 
     # ----------------------------------------------------------------------------------------
     # one step
@@ -196,7 +194,7 @@ class Trainer:
 
     def forward_backward(self, step: int) -> tuple[float, int]:
         """Gradients of the global token-mean loss of ``step`` on every rank (complete and exact
-        after this: summed over dp x sp). Returns ``(this dp rank's share of the loss, targets)``."""
+        after this: averaged over dp x sp). Returns ``(this dp rank's share of the loss, targets)``."""
         batches = self.micro_batches(step)
         n_items = seqpar.count_target_tokens(batches, self.mesh)
         share = 0.0

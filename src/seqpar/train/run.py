@@ -1,9 +1,8 @@
 """One ``seqpar train`` run on every rank: save dir, resume, the step loop with its progress bar and
-metrics (one JSON line per step), checkpoints, the final evaluation and the summary."""
+metrics (:mod:`.report`), checkpoints, evaluations, the summary and the transformers export."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -20,8 +19,8 @@ from . import checkpoint as ckpt
 from .config import TrainConfig, describe_memory
 from .job import Job, prepare_job
 from .loop import EvalResult, Trainer, peak_memory_mib, reset_peak_memory
-
-METRICS_FILE = "metrics.jsonl"
+from .lora import describe_lora
+from .report import HF_DIR, METRICS_FILE, OUTPUTS, PLOT_FILE, SUMMARY_FILE, MetricsLog, plot_losses, write_summary
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,7 @@ class RunSummary:
     data: str  # what the data is, in words
     metrics: str  # path of metrics.jsonl
     checkpoint: str | None  # path of the last complete checkpoint
+    evals: list[tuple[int, EvalResult]]  # (step, result) of the evaluations of this run (--eval-every, final)
     world: int
     sp: int
     dp: int
@@ -49,7 +49,15 @@ class RunSummary:
     device: str
     tokens_per_step: int
     resumed_from: str | None
+    resumed_step: int  # the step resumed from (0 for a fresh run)
     replaced_previous: bool  # a fresh run cleared an earlier run's save dir
+    replaced_steps: list[int]  # --overwrite: the steps of the earlier run's checkpoints it deleted
+    trainable: int  # parameters the optimizer trains (all of them, or LoRA's adapters)
+    lora: str  # the LoRA adapters, in words ("" without)
+    summary_file: str | None  # summary.json (rank 0 writes it after the summary is built)
+    plot: str | None  # loss.png
+    export: str | None  # --export-hf: the save_pretrained directory
+    export_lora: str  # what it holds of a LoRA run: "merged" or "adapter" ("" without LoRA)
     reason: str  # why --strategy auto chose what it chose
     attention: str  # the local attention kernel, in words (seqpar.attention_kernel)
     dtype: str  # the compute dtype (--dtype auto resolved)
@@ -77,30 +85,24 @@ def _gather_stats(trainer: Trainer, loss_share: float) -> tuple[float, list[floa
     return sum(r[0] for r in table), [r[1] for r in table], [r[2] for r in table]
 
 
-def _prepare_save_dir(trainer: Trainer) -> tuple[str | None, bool]:
-    """Rank 0: for a fresh run, clear an earlier run's metrics and checkpoints; for --resume,
-    find the latest complete checkpoint. Returns ``(checkpoint or None, replaced an old run)``."""
+def _prepare_save_dir(trainer: Trainer) -> bool:
+    """Rank 0, for a fresh run: clear an earlier run's outputs (prepare_job refused to delete
+    checkpoints without --overwrite). Returns whether there was an earlier run."""
     cfg = trainer.cfg
-    metrics = os.path.join(cfg.save_dir, METRICS_FILE)
     replaced = False
     if trainer.rank == 0:
         os.makedirs(cfg.save_dir, exist_ok=True)
         if not cfg.resume:
-            replaced = os.path.exists(metrics) or os.path.isdir(ckpt.checkpoint_root(cfg.save_dir))
-            shutil.rmtree(ckpt.checkpoint_root(cfg.save_dir), ignore_errors=True)
-            open(metrics, "w").close()
+            gone = [ckpt.checkpoint_root(cfg.save_dir), os.path.join(cfg.save_dir, HF_DIR),
+                    *(os.path.join(cfg.save_dir, f) for f in OUTPUTS)]
+            replaced = any(os.path.exists(p) for p in gone)
+            for path in gone:
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif os.path.exists(path):
+                    os.remove(path)
     dist.barrier()
-    return trainer.job.resume_from, replaced
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-    """Keep the metric lines up to ``step`` (those after it are about to be recomputed)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-    with open(path, "w") as f:
-        f.writelines(keep)
+    return replaced
 
 
 def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
@@ -110,20 +112,24 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
     cfg = job.cfg
     t_setup = time.perf_counter()
     trainer = Trainer(job)
-    resume_from, replaced = _prepare_save_dir(trainer)
-    metrics_path = os.path.join(cfg.save_dir, METRICS_FILE)
+    replaced = _prepare_save_dir(trainer)
+    resume_from = job.resume_from  # found and checked by prepare_job
     first_eval = None
-    if resume_from is not None:  # found and checked by prepare_job
+    if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from, trainer.model, trainer.optimizer, trainer.scheduler)
         trainer.step = int(state["step"])
         first_eval = state.get("first_eval")
-        if trainer.rank == 0:
-            _truncate_metrics(metrics_path, trainer.step)
+    log = None
+    if trainer.rank == 0:
+        log = MetricsLog(cfg.save_dir, cfg.report_to, resumed_step=trainer.step if resume_from else None,
+                         config=cfg.to_dict())
     setup_s = time.perf_counter() - t_setup
     reset_peak_memory(trainer.device)  # the steps' peaks, not the loading's
     t_eval = time.perf_counter()
     if resume_from is None:
         first_eval = trainer.evaluate()
+        if log is not None:
+            log.eval(0, first_eval)
     eval_s = time.perf_counter() - t_eval
 
     trainer_state = {"config": cfg.to_dict(), "dp": job.dp, "sp": job.sp, "world": job.world,
@@ -142,11 +148,11 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
                    dynamic_ncols=True, mininterval=0.5)
     tokens_per_step = job.dp * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
     losses: list[tuple[int, float]] = []
+    evals: list[tuple[int, EvalResult]] = []
     mem: list[float] = []
     reserved: list[float] = []
     saved = None
     t_start = time.perf_counter()
-    metrics = open(metrics_path, "a") if trainer.rank == 0 else None  # noqa: SIM115 -- closed below
     try:
         while trainer.step < last:
             t0 = time.perf_counter()
@@ -158,51 +164,84 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             losses.append((trainer.step, loss))
             if not math.isfinite(loss):
                 raise ValueError(f"the loss became {loss} at step {trainer.step}: lower --lr or use --dtype float32")
-            if metrics is not None:
-                metrics.write(json.dumps({"step": trainer.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                          "targets": n_targets, "tokens": tokens_per_step,
-                                          "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                                          "peak_mem_mib": [round(m, 1) for m in mem],
-                                          "peak_reserved_mib": [round(m, 1) for m in reserved]}) + "\n")
-                metrics.flush()
+            if log is not None:
+                log.train({"step": trainer.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_targets,
+                           "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                           "peak_mem_mib": [round(m, 1) for m in mem],
+                           "peak_reserved_mib": [round(m, 1) for m in reserved]})
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {loss:.4f} | {tokens_per_step / dt:,.0f} tok/s | peak mem/rank "
                                     f"{'/'.join(f'{m:.0f}' for m in mem)} MiB", refresh=False)
+            if cfg.eval_every and trainer.step % cfg.eval_every == 0 and trainer.step < cfg.steps:
+                t_eval = time.perf_counter()
+                result = trainer.evaluate()  # before the checkpoint: a resumed run keeps this line
+                eval_s += time.perf_counter() - t_eval
+                if result is not None:
+                    evals.append((trainer.step, result))
+                if log is not None:
+                    log.eval(trainer.step, result)
             due = cfg.save_every and trainer.step % cfg.save_every == 0
             if due or trainer.step == last:
                 saved = ckpt.save_checkpoint(cfg.save_dir, trainer.step, trainer.model, trainer.optimizer,
-                                             trainer.scheduler, trainer_state, keep=cfg.keep_checkpoints)
+                                             trainer.scheduler, trainer_state, keep=cfg.keep_checkpoints,
+                                             model_config=trainer.model.config, tokenizer=trainer.tokenizer)
+        train_time = time.perf_counter() - t_start
+        t_eval = time.perf_counter()
+        final_eval = trainer.evaluate() if trainer.step >= cfg.steps else None
+        eval_s += time.perf_counter() - t_eval
+        if final_eval is not None:
+            evals.append((trainer.step, final_eval))
+            if log is not None:
+                log.eval(trainer.step, final_eval)
     finally:
         if bar is not None:
             bar.close()
-        if metrics is not None:
-            metrics.close()
-    train_time = time.perf_counter() - t_start
-    t_eval = time.perf_counter()
-    final_eval = trainer.evaluate() if trainer.step >= cfg.steps else None
-    eval_s += time.perf_counter() - t_eval
+        if log is not None:
+            log.close()
+    export = None
+    if cfg.export_hf and trainer.step >= cfg.steps:
+        from seqpar.integrations.export import save_pretrained
+
+        export = os.path.abspath(os.path.join(cfg.save_dir, HF_DIR))
+        save_pretrained(trainer.peft or trainer.model, export, trainer.mesh, tokenizer=trainer.tokenizer,
+                        lora=cfg.lora_export)
     if saved is None:
         saved = ckpt.latest_checkpoint(cfg.save_dir)
-    return RunSummary(
+    plot = os.path.abspath(os.path.join(cfg.save_dir, PLOT_FILE)) if cfg.plot else None
+    summary = RunSummary(
         steps=trainer.step, losses=losses, peak_mem_mib=mem, peak_reserved_mib=reserved, train_time_s=train_time,
-        first_eval=first_eval,
-        final_eval=final_eval, chance=trainer.data.chance, data=trainer.data.describe(),
-        metrics=os.path.abspath(metrics_path), checkpoint=os.path.abspath(saved) if saved else None,
-        world=job.world, sp=job.sp, dp=job.dp, strategy=job.strategy, layout=job.layout, params=trainer.n_params,
-        fsdp=trainer.use_fsdp, device=str(trainer.device), tokens_per_step=tokens_per_step,
-        resumed_from=os.path.abspath(resume_from) if resume_from else None, replaced_previous=replaced,
-        reason=job.reason, attention=trainer.attention, dtype=trainer.dtype,
-        memory=describe_memory(cfg), setup_s=setup_s, eval_s=eval_s)
+        first_eval=first_eval, final_eval=final_eval, evals=evals, chance=trainer.data.chance,
+        data=trainer.data.describe(), metrics=os.path.abspath(os.path.join(cfg.save_dir, METRICS_FILE)),
+        checkpoint=os.path.abspath(saved) if saved else None, world=job.world, sp=job.sp, dp=job.dp,
+        strategy=job.strategy, layout=job.layout, params=trainer.n_params, trainable=trainer.n_trainable,
+        lora=describe_lora(cfg), fsdp=trainer.use_fsdp, device=str(trainer.device), tokens_per_step=tokens_per_step,
+        resumed_from=os.path.abspath(resume_from) if resume_from else None, resumed_step=job.resume_step,
+        replaced_previous=replaced, replaced_steps=list(job.replaces), reason=job.reason, attention=trainer.attention,
+        dtype=trainer.dtype, memory=describe_memory(cfg), setup_s=setup_s, eval_s=eval_s,
+        summary_file=os.path.abspath(os.path.join(cfg.save_dir, SUMMARY_FILE)), plot=plot, export=export,
+        export_lora=cfg.lora_export if cfg.lora_r and export else "")
+    if trainer.rank == 0:
+        if plot is not None:
+            plot_losses(cfg.save_dir)
+        write_summary(cfg.save_dir, summary)
+    dist.barrier()  # every rank returns once the files are there
+    return summary
 
 
 def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> RunSummary:
     """Entry point of a local (gloo) worker started by :func:`seqpar.comm.launch.run_distributed`. A
     ValueError propagates: the launcher turns it into one message."""
     _die_with_parent()
+    import threading
+
+    from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
+    # any tqdm a library makes here (peft's merge, even disabled) would create tqdm's default
+    # multiprocessing lock, which the worker's os._exit leaks: a thread lock instead
+    tqdm.set_lock(threading.RLock())
     return run_training(prepare_job(cfg, world, read_data=False), stop_after=stop_after)
 
 

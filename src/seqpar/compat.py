@@ -1,0 +1,220 @@
+"""Layer 0: every private torch / transformers / accelerate name seqpar touches, in one room.
+
+Each shim below is the *only* place its outside internal is read or written, says what it relies on,
+and has a test of exactly that on the installed versions (``tests/test_compat.py``). When a version
+moves, this file and that test are what to check. Layer 0 (imports nothing of seqpar) so that every
+layer can use it: comm and attention touch torch internals too. transformers and accelerate are
+imported inside the shims that need them, never at import time.
+
+Checked on torch 2.13.0 (CPU build; the CUDA attention ops on a CUDA build where a GPU ran them),
+transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
+
+    shim                             outside internal                                  used by
+    -------------------------------  ------------------------------------------------  -----------------------
+    flatten_mesh                     DeviceMesh._flatten                               comm/mesh.py
+    queue_backward_callback          Variable._execution_engine.queue_callback         comm/guard.py
+    cpu_flash_attention(_backward)   aten._scaled_dot_product_flash_attention_for_cpu  attention/flash_cpu.py
+                                     (and its _backward)
+    cuda_flash_attention(_backward)  aten._scaled_dot_product_flash_attention(_bw)     attention/cuda.py
+    cuda_efficient_attention(...)    aten._scaled_dot_product_efficient_attention(_bw) attention/cuda.py
+    cudnn_attention(_backward)       aten._scaled_dot_product_cudnn_attention(_bw)     attention/cuda.py
+    fail_on_recompile_limit          torch._dynamo.config (fail_on_recompile_limit_hit) attention/flex.py
+    TorchDispatchMode,               torch.utils._python_dispatch                      testing/memory.py
+      is_traceable_wrapper_subclass
+    active_ddp_module                DistributedDataParallel._get_active_ddp_module    integrations/fsdp.py
+    fsdp_meshes                      FSDPModule._get_fsdp_state()._fsdp_param_groups   integrations/fsdp.py
+    attn_implementation              PretrainedConfig._attn_implementation             integrations/hf.py, zoo
+    decoder_block_classes            PreTrainedModel._no_split_modules                 integrations/fsdp, memory
+    mark_uninitialized               module._is_hf_initialized                         integrations/materialize.py
+    init_weights_override            PreTrainedModel._init_weights (shadowed)          integrations/materialize.py
+    split_prepared_loader            accelerate's BatchSamplerShard and                integrations/trainer.py
+                                     IterableDatasetShard: num_processes, process_index
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+CHECKED_ON = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0"}
+"""The versions every shim here was tested on (``tests/test_compat.py``)."""
+
+__all__ = [
+    "CHECKED_ON", "TorchDispatchMode", "active_ddp_module", "attn_implementation", "cpu_flash_attention",
+    "cpu_flash_attention_backward", "cuda_efficient_attention", "cuda_efficient_attention_backward",
+    "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward",
+    "decoder_block_classes", "fail_on_recompile_limit", "flatten_mesh", "fsdp_meshes", "init_weights_override",
+    "is_traceable_wrapper_subclass", "mark_uninitialized", "queue_backward_callback",
+    "split_prepared_loader",
+]
+
+# ---------------------------------------------------------------------------------------------
+# torch: meshes, autograd, kernels, dynamo
+# ---------------------------------------------------------------------------------------------
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh._flatten(name)``: a 1-D view named ``name`` over the dims of the (sliced) DeviceMesh
+    ``mesh``, registered on its root so that ``root[name]`` and ``root.get_group(name)`` find it.
+    torch has no public way to name a flattened set of dims (2.13)."""
+    return mesh._flatten(name)
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once when the running backward pass ends (``Variable._execution_engine.
+    queue_callback``, what FSDP2 uses for its own end of backward). Call it from a backward."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def cpu_flash_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, is_causal: bool, *,
+                        attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """``aten._scaled_dot_product_flash_attention_for_cpu``: ``(out [B, H, S, D], lse [B, H, S])``,
+    the fused CPU kernel SDPA dispatches to, with the log-sum-exp SDPA does not return."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                      attn_mask=attn_mask, scale=scale)
+
+
+def cpu_flash_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                 dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
+                                 scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward``: ``(dq, dk, dv)``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def cuda_flash_attention(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """``aten._scaled_dot_product_flash_attention`` (FlashAttention-2, CUDA): ``(out, lse, ...)``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(*args, **kwargs)
+
+
+def cuda_flash_attention_backward(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``aten._scaled_dot_product_flash_attention_backward`` (CUDA): ``(dq, dk, dv)``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, **kwargs)
+
+
+def cuda_efficient_attention(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """``aten._scaled_dot_product_efficient_attention`` (memory-efficient, CUDA): ``(out, lse, ...)``."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention(*args, **kwargs)
+
+
+def cuda_efficient_attention_backward(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+    """``aten._scaled_dot_product_efficient_attention_backward`` (CUDA): ``(dq, dk, dv, dbias)``."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(*args, **kwargs)
+
+
+def cudnn_attention(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """``aten._scaled_dot_product_cudnn_attention`` (cuDNN, CUDA): ``(out, lse [B, H, S, 1], ...)``."""
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(*args, **kwargs)
+
+
+def cudnn_attention_backward(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``aten._scaled_dot_product_cudnn_attention_backward`` (CUDA): ``(dq, dk, dv)``."""
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(*args, **kwargs)
+
+
+def fail_on_recompile_limit() -> contextlib.AbstractContextManager[Any]:
+    """A context in which a compiled function that hits dynamo's recompile limit raises, instead
+    of silently running uncompiled (``torch._dynamo.config.fail_on_recompile_limit_hit``)."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed: which ranks a data-parallel wrapper reduces over
+# ---------------------------------------------------------------------------------------------
+
+
+def active_ddp_module() -> nn.parallel.DistributedDataParallel | None:
+    """The DistributedDataParallel whose forward is running now (around the wrapped module's
+    call, hooks included), or None (``DistributedDataParallel._get_active_ddp_module()``; not set
+    under ``TORCH_DISTRIBUTED_USE_PYTHON_REDUCER`` or DDP's delayed all-reduce of all parameters)."""
+    return nn.parallel.DistributedDataParallel._get_active_ddp_module()
+
+
+def fsdp_meshes(module: nn.Module) -> list[Any]:
+    """The DeviceMeshes over which ``fully_shard`` (FSDP2) reduces the gradients of ``module``'s
+    own parameters (one per parameter group; none for a module that is not an FSDPModule or
+    holds no parameter of its own) -- whether the parameters are sharded or unsharded right now."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return []
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # before per-parameter meshes: at most one group
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
+    return [g.mesh_info.mesh for g in groups]
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers
+# ---------------------------------------------------------------------------------------------
+
+
+def attn_implementation(config: Any) -> str | None:
+    """The attention implementation a (sub-)config runs now (``config._attn_implementation``;
+    ``set_attn_implementation`` is the public setter, there is no public getter)."""
+    return config._attn_implementation
+
+
+def decoder_block_classes(model: nn.Module) -> set[str]:
+    """Class names of the repeated blocks (decoder layers) transformers declares for ``model``
+    (``_no_split_modules``, the list ``device_map`` and accelerate's FSDP wrapping read)."""
+    names = getattr(model, "_no_split_modules", None) or []
+    return {n for n in names if isinstance(n, str)}
+
+
+def mark_uninitialized(model: nn.Module) -> None:
+    """Clear transformers' per-module "already initialized" flag (``_is_hf_initialized``), so that
+    ``initialize_weights()`` initializes every module again."""
+    for m in model.modules():
+        m._is_hf_initialized = False
+
+
+@contextlib.contextmanager
+def init_weights_override(models: Iterable[nn.Module],
+                          wrap: Callable[[Callable[[nn.Module], None]], Callable[[nn.Module], None]]
+                          ) -> Iterator[None]:
+    """Within the block, ``initialize_weights()`` calls ``wrap(original)(module)`` wherever a
+    PreTrainedModel of ``models`` would call its own ``_init_weights(module)`` (an instance
+    attribute shadows the method; removed on exit, also on error)."""
+    models = list(models)
+    originals = [m._init_weights for m in models]
+    try:
+        for m, original in zip(models, originals, strict=True):
+            m._init_weights = wrap(original)
+        yield
+    finally:
+        for m in models:
+            m.__dict__.pop("_init_weights", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# accelerate
+# ---------------------------------------------------------------------------------------------
+
+
+def split_prepared_loader(loader: Any, num: int, index: int) -> bool:
+    """Make an accelerate-prepared DataLoader hand out share ``index`` of ``num`` instead of this
+    process's share of all processes, by setting its ``BatchSamplerShard`` (map-style data) or
+    ``IterableDatasetShard`` (iterable data) ``num_processes`` / ``process_index`` -- the knob
+    transformers' Trainer itself turns for its BatchRebalanceSampler. ``num == 1``: one reader of
+    the whole set, no batches repeated to even out the processes. Returns False (and changes
+    nothing) for a loader without either."""
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+
+    sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(sampler, BatchSamplerShard):
+        sampler.num_processes, sampler.process_index = num, index
+        sampler.even_batches = sampler.even_batches and num > 1
+        return True
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, IterableDatasetShard):
+        dataset.num_processes, dataset.process_index = num, index
+        return True
+    return False

@@ -1,0 +1,113 @@
+"""Every transformers image-text-to-text family, declared by the mechanisms it uses with images.
+
+seqpar runs a family's images only when every one of its mechanisms is in :data:`SUPPORTED`;
+otherwise the first mechanism it cannot run exactly yet is named in the refusal (not the
+family). The table is the outcome of reading each modeling file (docs/vlm_mechanisms.md); a
+family missing from it (a newer transformers) is refused until someone classifies it.
+Text-only rows of every family run as before (they are causal LMs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+# how image features enter the text
+PLACEHOLDER = "placeholder merge"  # features masked_scatter'ed at image / video placeholder tokens
+# positions
+POSITIONS_1D = "1-D positions"
+MROPE = "M-RoPE"  # 3-D positions from the model's public get_rope_index
+# the supported set
+SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE})
+
+# mechanisms seqpar cannot run exactly yet (each one a candidate for the next step)
+BIDIRECTIONAL = ("bidirectional attention inside each image or prefix (a mask the model builds from token_type_ids "
+                 "/ mm_token_type_ids: Gemma 3, Gemma 4, PaliGemma, Molmo 2)")
+DEEPSTACK = "deepstack (visual features added again to the image tokens' hidden states at early decoder layers)"
+CROSS_ATTENTION = "cross-attention from the text to image states (no placeholder tokens)"
+ENCODER_DECODER = "an encoder-decoder (the text is decoded against an encoder's states)"
+NO_PLACEHOLDERS = "image embeddings prepended or placed without placeholder tokens (GIT, BLIP-2 queries, Kosmos-2)"
+PER_ROW_PIXELS = "images batched per row (pixel_values [B, images, ...] with a pixel_attention_mask)"
+OWN_INPUTS = "visual inputs of the family's own (crop sizes, merge sizes, raw patches) that seqpar does not route"
+MODALITY_EXPERTS = "experts routed by modality (moe_mm_token_type_ids)"
+EXTRA_OUTPUTS = "encoder outputs beside the image features that the model reads (Ovis2's visual indicators)"
+ONE_BASED_POSITIONS = ("positions counted from 1 (the model adds 1 to the position ids it computes; under RoPE only "
+                       "the float32 rounding of its tables differs)")
+NO_VISION = "no vision entry (a text-only class in the image-text-to-text mapping)"
+UNVERIFIED = ("a family whose tiny model the VLM zoo cannot build or run (transformers' own error), so seqpar has not "
+              "checked it with images")
+UNCLASSIFIED = "a family seqpar has not classified (transformers is newer than seqpar's table)"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family's mechanisms with images. ``frames_apart``: its vision tower attends inside each
+    video frame only (``get_vision_cu_seqlens``' default), so a video may be encoded frame by frame;
+    ``video_token``: which placeholder a video's features fill (GLM-4V: the image token)."""
+
+    mechanisms: tuple[str, ...]
+    frames_apart: bool = False
+    video_token: str = "video"
+
+
+_1D = Family((PLACEHOLDER, POSITIONS_1D))
+_MROPE = Family((PLACEHOLDER, MROPE), frames_apart=True)
+_GLM = Family((PLACEHOLDER, MROPE), frames_apart=True, video_token="image")
+_UNVERIFIED = Family((PLACEHOLDER, UNVERIFIED))
+
+FAMILIES: dict[str, Family] = {
+    # features scattered at placeholder tokens, 1-D positions
+    **dict.fromkeys(["aria", "aya_vision", "cohere2_vision", "deepseek_vl", "exaone4_5", "got_ocr2", "pp_chart2table",
+                     "hyperclovax_vision_v2", "internvl", "janus", "kimi_k25", "lighton_ocr", "llava", "llava_next",
+                     "llava_next_video", "llava_onevision", "minimax_m3_vl", "mistral3", "mistral_large4",
+                     "qianfan_ocr", "step3p7", "video_llava", "vipllava", "lfm3_vl"], _1D),
+    # ... with 3-D M-RoPE positions from get_rope_index
+    **dict.fromkeys(["qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "cosmos3_edge", "hunyuan_vl", "paddleocr_vl",
+                     "qwen2_5_omni_thinker", "hy_v4_vl"], _MROPE),
+    **dict.fromkeys(["glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr"], _GLM),
+    "ernie4_5_vl_moe": Family((PLACEHOLDER, MROPE, MODALITY_EXPERTS)),
+    "ovis2": Family((PLACEHOLDER, EXTRA_OUTPUTS)),
+    # masks, extra paths and layouts seqpar does not run yet
+    **dict.fromkeys(["gemma3", "shieldgemma2", "gemma4", "gemma4_unified", "molmo2", "diffusion_gemma"],
+                    Family((PLACEHOLDER, BIDIRECTIONAL))),
+    "paligemma": Family((PLACEHOLDER, BIDIRECTIONAL, ONE_BASED_POSITIONS)),
+    **dict.fromkeys(["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker", "cohere_compass", "cosmos3_omni",
+                     "granite4_vision", "granite_docling"], Family((PLACEHOLDER, DEEPSTACK))),
+    **dict.fromkeys(["idefics2", "idefics3", "smolvlm", "lfm2_vl"], Family((PLACEHOLDER, PER_ROW_PIXELS))),
+    **dict.fromkeys(["deepseek_vl_hybrid", "fuyu", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "nemotron_h_omni",
+                     "video_llama_3"], Family((PLACEHOLDER, OWN_INPUTS))),
+    **dict.fromkeys(["blip", "idefics", "mllama", "evolla"], Family((CROSS_ATTENTION,))),
+    **dict.fromkeys(["florence2", "pix2struct", "pp_formulanet", "t5gemma2", "udop", "vision-encoder-decoder"],
+                    Family((ENCODER_DECODER,))),
+    **dict.fromkeys(["git", "blip-2", "instructblip", "instructblipvideo", "kosmos-2", "kosmos-2.5", "pi0"],
+                    Family((NO_PLACEHOLDERS,))),
+    "mistral4": Family((NO_VISION,)),
+    # placeholder merges by their modeling files, not run: their tiny configs do not build or run here
+    **dict.fromkeys(["apertus1p5", "chameleon", "deepseek_ocr2", "dots3_note", "emu3", "fast_vlm", "gemma3n",
+                     "glm5_next", "inkling2", "inkling2_loop", "inkling_mm_model", "llama4",
+                     "muse_glimmer", "muse_spark", "perception_lm", "qwen4_exp", "unlimited_ocr"], _UNVERIFIED),
+}
+"""model_type -> :class:`Family`, for every key of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES."""
+
+
+def family_of(model: nn.Module) -> Family:
+    return FAMILIES.get(getattr(model.config, "model_type", ""), Family((UNCLASSIFIED,)))
+
+
+def family_problem(model: nn.Module) -> str | None:
+    """The first mechanism of the model's family seqpar cannot run with images, or None."""
+    for mechanism in family_of(model).mechanisms:
+        if mechanism not in SUPPORTED:
+            return (f"seqpar cannot run {mechanism} under sequence parallelism yet; it runs "
+                    f"{sorted(SUPPORTED)} (text-only rows of this model do run)")
+    return None
+
+
+def frames_apart(model: nn.Module) -> bool:
+    return family_of(model).frames_apart
+
+
+def placeholder_token(model: nn.Module, modality: str) -> str:
+    """Which placeholder token (``"image"`` or ``"video"``) takes ``modality``'s features."""
+    return family_of(model).video_token if modality == "video" else "image"

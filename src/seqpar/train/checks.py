@@ -1,0 +1,110 @@
+"""Checks of ``seqpar train``'s options that need no model and no data: pure, run by the parent (or
+every torchrun rank) before any process group exists, so a bad option is one clear error."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from seqpar.integrations.memory import CHECKPOINT_MODES
+
+from .config import DTYPES, LORA_EXPORTS, REPORT_TO, STRATEGIES, TrainConfig, model_overrides
+from .data import OVERFLOW
+from .tokenizer import TRAIN_ON
+
+EXTRAS = {"peft": "lora", "tensorboard": "logging", "wandb": "logging"}
+"""Optional packages and the seqpar extra that installs them (pyproject.toml)."""
+
+
+def require(package: str, option: str) -> None:
+    """ValueError naming ``option`` and the extra to install when ``package`` is missing."""
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"{option} needs the {package} package: pip install 'seqpar[{EXTRAS[package]}]' (or pip "
+                         f"install {package})")
+
+
+def world_layout(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
+    """``(world, sp, dp)`` the job runs with; ValueError naming the option to change."""
+    if cfg.sp < 1:
+        raise ValueError(f"--sp must be >= 1, got {cfg.sp}")
+    if cfg.dp is not None and cfg.dp < 1:
+        raise ValueError(f"--dp must be >= 1, got {cfg.dp}")
+    if world is None:
+        world = cfg.nproc if cfg.nproc is not None else cfg.sp * (cfg.dp or 1)
+    if world < 1:
+        raise ValueError(f"--nproc must be >= 1, got {world}")
+    if world % cfg.sp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}: choose --sp in {divisors} "
+                         f"or --nproc a multiple of {cfg.sp}")
+    dp = cfg.dp if cfg.dp is not None else world // cfg.sp
+    if dp * cfg.sp != world:
+        raise ValueError(f"--dp {dp} x --sp {cfg.sp} = {dp * cfg.sp} ranks, but the world has {world}: "
+                         f"use --dp {world // cfg.sp} or omit it")
+    return world, cfg.sp, dp
+
+
+def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
+    """Validate what needs no model or data; returns ``(world, sp, dp)``. Raises ValueError."""
+    world, sp, dp = world_layout(cfg, world)
+    positive = {"steps": cfg.steps, "micro_batch": cfg.micro_batch, "grad_accum": cfg.grad_accum,
+                "seq_len": cfg.seq_len, "keep_checkpoints": cfg.keep_checkpoints, "loss_tile": cfg.loss_tile,
+                "mlp_tile": cfg.mlp_tile}
+    for name, v in positive.items():
+        if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if cfg.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    for name in ("warmup", "save_every", "eval_rows"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if cfg.grad_clip < 0 or cfg.weight_decay < 0:
+        raise ValueError("--grad-clip and --weight-decay must be >= 0")
+    if cfg.timeout is not None and cfg.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout}")
+    if cfg.checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"unknown --checkpoint {cfg.checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {list(STRATEGIES)}")
+    if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {cfg.dtype!r}: choose one of {['auto', *DTYPES]}")
+    if cfg.strategy == "hybrid" and sp < 4:
+        raise ValueError(f"--strategy hybrid needs --sp >= 4 (ring x ulysses, each >= 2), got --sp {sp}: "
+                         "use ulysses or ring")
+    _check_fine_tuning(cfg)
+    model_overrides(cfg)
+    return world, sp, dp
+
+
+def _check_fine_tuning(cfg: TrainConfig) -> None:
+    """Files, LoRA, evaluation and logging options."""
+    for name, value, choices in (("train-on", cfg.train_on, TRAIN_ON), ("overflow", cfg.overflow, OVERFLOW),
+                                 ("report-to", cfg.report_to, REPORT_TO), ("lora-export", cfg.lora_export,
+                                                                          LORA_EXPORTS)):
+        if value not in choices:
+            raise ValueError(f"unknown --{name} {value!r}: choose one of {list(choices)}")
+    if cfg.eval_every < 0:
+        raise ValueError(f"--eval-every must be >= 0, got {cfg.eval_every}")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--resume continues the run in --save-dir and --overwrite deletes it: choose one")
+    for name, path, kind in (("tokenizer", cfg.tokenizer, os.path.isdir), ("chat-template", cfg.chat_template,
+                                                                          os.path.isfile)):
+        if path and not kind(path):
+            raise ValueError(f"--{name} {path!r}: no such {'directory' if kind is os.path.isdir else 'file'}")
+    if cfg.lora_r < 0:
+        raise ValueError(f"--lora-r must be >= 0 (0: no LoRA), got {cfg.lora_r}")
+    if not cfg.lora_r:
+        given = [n for n, v in (("--lora-alpha", cfg.lora_alpha), ("--lora-targets", cfg.lora_targets),
+                                ("--lora-export adapter", cfg.lora_export == "adapter" or None)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} without --lora-r: set --lora-r R to train LoRA adapters")
+    else:
+        require("peft", "--lora-r")
+        if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha must be > 0, got {cfg.lora_alpha}")
+        if cfg.lora_targets is not None and not cfg.lora_targets:
+            raise ValueError("--lora-targets needs at least one module name (or leave it out: all-linear)")
+    if cfg.report_to != "none":
+        require(cfg.report_to, f"--report-to {cfg.report_to}")
