@@ -9,8 +9,8 @@ import torch
 
 from seqpar.attention.layout import document_cuts, layout_permutation, layout_seq_lens
 from seqpar.attention.shard import SeqShard
+from seqpar.compat import calls_kernels
 from seqpar.integrations.mixers import HANDLED_MIXERS, STATE, family_of
-from seqpar.integrations.mixers.compat import KernelCall, calls_kernels, kernels_replaced
 from seqpar.integrations.mixers.pieces import piece_plan
 from seqpar.testing import scans64
 
@@ -224,30 +224,6 @@ def test_each_family_calls_the_kernels_it_declares(cls):
     kernels = HANDLED_MIXERS[cls].state
     assert calls_kernels(getattr(module, cls), (kernels.conv, kernels.scan, *kernels.fused))
     assert not calls_kernels(getattr(module, cls), ("a_kernel_it_does_not_call",))
-
-
-def test_kernels_replaced_restores_on_error():
-    module = _modeling("bamba")
-    original = module.mamba2_chunk_scan
-    with pytest.raises(RuntimeError, match="inside"):
-        with kernels_replaced(module, {"mamba2_chunk_scan": lambda *a, **k: None}) as saved:
-            assert saved["mamba2_chunk_scan"] is original and module.mamba2_chunk_scan is not original
-            raise RuntimeError("inside")
-    assert module.mamba2_chunk_scan is original
-
-
-def test_kernel_call_keeps_the_callers_convention():
-    seen = []
-
-    def kernel(query, key, value, g=None, beta=None, initial_state=None, **kwargs):
-        seen.append((query, key, value, g, initial_state, kwargs))
-        return "out"
-
-    call = KernelCall(kernel, ("q", "k", "v"), {"g": "g", "cu_seqlens": None})
-    assert call["initial_state"] is None and call["value"] == "v" and call["beta"] is None
-    assert call.replace(value="v2", initial_state="s")() == "out"
-    assert seen == [("q", "k", "v2", "g", "s", {"cu_seqlens": None})]
-    assert call.values["value"] == "v"  # replace() leaves the call as it was
 
 
 def test_family_of_recurrent_mixers():

@@ -6,7 +6,7 @@ and ``chunk_kimi_delta_attention`` cast to float32, ``mamba2_chunk_scan`` and
 and a wrong initial state would hide under a float32 tolerance. These are the same recurrences in
 their plain sequential form (what the chunked kernels compute, reassociated), in float64, with the
 same signatures. :func:`float64_scans` puts them in place of a model's scans (through
-:func:`seqpar.integrations.mixers.compat.kernels_replaced`) for the reference and the sequence-
+:func:`seqpar.compat.kernels_replaced`) for the reference and the sequence-
 parallel run alike, so the two must agree to float64 rounding::
 
     gated_delta_rule  S <- exp(g) S;  S <- S + k (b (v - S^T k))^T;  o = S^T q     (q, k l2-normed, q / sqrt(K))
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..compat import kernels_replaced, modeling_module
 from ..integrations.mixers import family_of, token_mixers
-from ..integrations.mixers.compat import kernels_replaced, modeling_module
 
 F64 = torch.float64
 

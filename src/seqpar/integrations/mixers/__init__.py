@@ -7,7 +7,6 @@ under sequence parallelism, and the ones seqpar refuses. The package::
     state_passing.py   the run mode state: each rank its own tokens, the scan's state across ranks
     pieces.py          a batch's shards as runs of the original order per document (state passing's unit)
     state_scans.py     how state passing runs each scan: delta rules, Mamba2's SSD, Mamba's S6
-    compat.py          the kernel functions a mixer's forward calls by name, swapped for one call
     choice.py          state or heads: both measured once per mixer class, P and dtype, the faster kept
     views.py           module copies whose weights are views of the real ones (public APIs only)
     gated_deltanet.py  Qwen3-Next / Qwen3.5 / OLMo hybrid: state passing; Qwen3-Next / 3.5 split by key heads too

@@ -37,7 +37,7 @@ GATHER, HALO, HEADS, STATE = "gather", "halo", "heads", "state"
 @dataclass(frozen=True)
 class StateKernels:
     """What the ``"state"`` run mode needs of a family: the module-level names of the kernel
-    functions its classes' ``forward`` calls (:mod:`.compat`) -- the causal convolution, the chunked
+    functions its classes' ``forward`` calls (:mod:`seqpar.compat`) -- the causal convolution, the chunked
     scan, and fused shortcuts that would bypass both (answered "none here") -- and how to run its
     scan from a state (:mod:`.state_scans`)."""
 

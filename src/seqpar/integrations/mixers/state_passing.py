@@ -3,7 +3,7 @@
 A recurrent mixer -- a short causal convolution, then a scan linear in its initial state (Gated
 DeltaNet, Kimi delta attention, Mamba2, Mamba: :mod:`.state_scans`), then per-token gates and
 projections -- runs as the model's own ``forward`` on this rank's shard ``[B, S/P, D]``, with two
-of the kernel functions it calls swapped for the call (:mod:`.compat`):
+of the kernel functions it calls swapped for the call (:mod:`seqpar.compat`):
 
 * the convolution gets a halo: each piece of the shard (:mod:`.pieces`: a run of tokens
   consecutive in the original order, inside one document) is prefixed with the ``k - 1``
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ...batch.sharding import LocalBatch
 from ...comm.gather import gather_seq
-from .compat import KernelCall, calls_kernels, kernels_replaced, modeling_module
+from ...compat import KernelCall, calls_kernels, kernels_replaced, modeling_module
 from .modes import mixer_output, own_forward
 from .pieces import Piece, PiecePlan, piece_plan
 from .registry import STATE, MixerFamily, StateKernels, register_mode
@@ -100,7 +100,7 @@ autograd (:func:`seqpar.comm.gather.gather_seq` over the SP group, dim 0)."""
 class StateCall:
     """One mixer call's replacement kernels (:meth:`conv`, :meth:`scan`): this rank's pieces, the
     all-gather over the SP group (``gather``; the unit tests pass an in-process one), and the
-    kernels they replace (``originals``, by name: set once :func:`.compat.kernels_replaced` has
+    kernels they replace (``originals``, by name: set once :func:`seqpar.compat.kernels_replaced` has
     them)."""
 
     def __init__(self, kernels: StateKernels, plan: PiecePlan, rank: int, gather: Gather) -> None:

@@ -1,5 +1,5 @@
 """The scans of the state-passing run mode (:mod:`.state_passing`), one per kernel kind. Each runs
-the model's own scan function (a :class:`~.compat.KernelCall`) on a batch of pieces -- one piece
+the model's own scan function (a :class:`~seqpar.compat.KernelCall`) on a batch of pieces -- one piece
 per row, ``[n, len, ...]`` -- and splits its result into what crosses ranks. Every scan here is
 *linear in its initial state* ``S``::
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .compat import KernelCall
+from ...compat import KernelCall
 
 
 @dataclass
