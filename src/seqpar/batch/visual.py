@@ -24,16 +24,18 @@ import torch
 from torch import Tensor
 
 ROUTED_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
-               "mm_token_type_ids", "second_per_grid_ts")
-"""Processor outputs :func:`seqpar.shard_batch` takes: pixels (patch rows with a grid, or one entry
-per image), the grids and sizes that say which rows are which image, the modality of every token
-(``mm_token_type_ids [B, S]``: 0 text, 1 image, 2 video), and Qwen2.5-VL's video timing."""
+               "spatial_shapes", "pixel_attention_mask", "mm_token_type_ids", "second_per_grid_ts")
+"""Processor outputs :func:`seqpar.shard_batch` takes: pixels (patch rows with a grid, one entry
+per image, or images batched per row ``[B, images, C, H, W]``), the grids, sizes and pixel masks
+that say which rows are which image (``spatial_shapes`` / ``pixel_attention_mask [images,
+patches]`` of SigLIP-2 towers, ``pixel_attention_mask [B, images, H, W]`` beside per-row pixels),
+the modality of every token (``mm_token_type_ids [B, S]``: 0 text, 1 image, 2 video), and
+Qwen2.5-VL's video timing."""
 
 _BIDIRECTIONAL = ("bidirectional attention inside each image (Gemma 3's token_type_ids, PaliGemma's prefix): "
                   "seqpar cannot express that mask under sequence parallelism yet")
 REFUSED_KEYS: dict[str, str] = {
     "token_type_ids": _BIDIRECTIONAL,
-    "pixel_attention_mask": "images batched per row with a pixel mask (Idefics, SmolVLM)",
     "pixel_mask": "a pixel mask per image (Aria)",
     "image_patches": "Fuyu's raw image patches",
     "image_patches_indices": "Fuyu's raw image patches",
@@ -117,6 +119,16 @@ def visual_problem(batch: Mapping[str, Any], b: int, s: int) -> str | None:
         if pv.dim() < 2 or pv.shape[0] != rows:
             return (f"{pixels} must be [patches, ...] with one row per patch of {grid_key} ({rows} rows), "
                     f"got {list(pv.shape)}")
+    mask, pv = present.get("pixel_attention_mask"), present.get("pixel_values")
+    if mask is not None:
+        per_row = pv is not None and pv.dim() == 5 and mask.dim() == 4
+        if pv is None or (tuple(mask.shape) != (*pv.shape[:2], *pv.shape[-2:]) if per_row
+                          else mask.shape[0] != pv.shape[0]):
+            return ("pixel_attention_mask must match pixel_values: [B, images, H, W] beside per-row pixels "
+                    "[B, images, C, H, W], or one entry per image beside pixel_values [images, ...]")
+    shapes = present.get("spatial_shapes")
+    if shapes is not None and (pv is None or shapes.dim() != 2 or shapes.shape != (pv.shape[0], 2)):
+        return "spatial_shapes must be [images, 2] (patch rows and columns), beside pixel_values [images, ...]"
     sizes = present.get("image_sizes")
     if sizes is not None:
         pv = present.get("pixel_values")

@@ -18,17 +18,19 @@ PLACEHOLDER = "placeholder merge"  # features masked_scatter'ed at image / video
 # positions
 POSITIONS_1D = "1-D positions"
 MROPE = "M-RoPE"  # 3-D positions from the model's public get_rope_index
+DEEPSTACK = ("deepstack (visual features added again to the image tokens' hidden states at early decoder layers: "
+             "routed beside the main features, added at this shard's placeholders)")
+PER_ROW_PIXELS = ("images batched per row (pixel_values [B, images, ...] with a pixel_attention_mask; all-zero "
+                  "images pad the rows: each real image is a unit of vision work)")
 # the supported set
-SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE})
+SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE, DEEPSTACK, PER_ROW_PIXELS})
 
 # mechanisms seqpar cannot run exactly yet (each one a candidate for the next step)
 BIDIRECTIONAL = ("bidirectional attention inside each image or prefix (a mask the model builds from token_type_ids "
                  "/ mm_token_type_ids: Gemma 3, Gemma 4, PaliGemma, Molmo 2)")
-DEEPSTACK = "deepstack (visual features added again to the image tokens' hidden states at early decoder layers)"
 CROSS_ATTENTION = "cross-attention from the text to image states (no placeholder tokens)"
 ENCODER_DECODER = "an encoder-decoder (the text is decoded against an encoder's states)"
 NO_PLACEHOLDERS = "image embeddings prepended or placed without placeholder tokens (GIT, BLIP-2 queries, Kosmos-2)"
-PER_ROW_PIXELS = "images batched per row (pixel_values [B, images, ...] with a pixel_attention_mask)"
 OWN_INPUTS = "visual inputs of the family's own (crop sizes, merge sizes, raw patches) that seqpar does not route"
 MODALITY_EXPERTS = "experts routed by modality (moe_mm_token_type_ids)"
 EXTRA_OUTPUTS = "encoder outputs beside the image features that the model reads (Ovis2's visual indicators)"
@@ -44,11 +46,13 @@ UNCLASSIFIED = "a family seqpar has not classified (transformers is newer than s
 class Family:
     """A family's mechanisms with images. ``frames_apart``: its vision tower attends inside each
     video frame only (``get_vision_cu_seqlens``' default), so a video may be encoded frame by frame;
-    ``video_token``: which placeholder a video's features fill (GLM-4V: the image token)."""
+    ``video_token``: which placeholder a video's features fill (GLM-4V: the image token);
+    ``per_row``: its pixels come per row (``[B, images, C, H, W]``, Idefics)."""
 
     mechanisms: tuple[str, ...]
     frames_apart: bool = False
     video_token: str = "video"
+    per_row: bool = False
 
 
 _1D = Family((PLACEHOLDER, POSITIONS_1D))
@@ -72,9 +76,13 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["gemma3", "shieldgemma2", "gemma4", "gemma4_unified", "molmo2", "diffusion_gemma"],
                     Family((PLACEHOLDER, BIDIRECTIONAL))),
     "paligemma": Family((PLACEHOLDER, BIDIRECTIONAL, ONE_BASED_POSITIONS)),
-    **dict.fromkeys(["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker", "cohere_compass", "cosmos3_omni",
-                     "granite4_vision", "granite_docling"], Family((PLACEHOLDER, DEEPSTACK))),
-    **dict.fromkeys(["idefics2", "idefics3", "smolvlm", "lfm2_vl"], Family((PLACEHOLDER, PER_ROW_PIXELS))),
+    **dict.fromkeys(["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker", "cosmos3_omni"],
+                    Family((PLACEHOLDER, MROPE, DEEPSTACK), frames_apart=True)),
+    **dict.fromkeys(["cohere_compass", "granite4_vision"], Family((PLACEHOLDER, DEEPSTACK))),
+    **dict.fromkeys(["idefics2", "idefics3", "smolvlm"], Family((PLACEHOLDER, POSITIONS_1D, PER_ROW_PIXELS),
+                                                               per_row=True)),
+    "granite_docling": Family((PLACEHOLDER, POSITIONS_1D, PER_ROW_PIXELS, DEEPSTACK), per_row=True),
+    "lfm2_vl": _1D,
     **dict.fromkeys(["deepseek_vl_hybrid", "fuyu", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "nemotron_h_omni",
                      "video_llama_3"], Family((PLACEHOLDER, OWN_INPUTS))),
     **dict.fromkeys(["blip", "idefics", "mllama", "evolla"], Family((CROSS_ATTENTION,))),
@@ -106,6 +114,10 @@ def family_problem(model: nn.Module) -> str | None:
 
 def frames_apart(model: nn.Module) -> bool:
     return family_of(model).frames_apart
+
+
+def per_row(model: nn.Module) -> bool:
+    return family_of(model).per_row
 
 
 def placeholder_token(model: nn.Module, modality: str) -> str:

@@ -26,8 +26,8 @@ from ..comm.collectives import split_sizes
 from ..comm.mesh import axis_group, init_mesh
 from ..errors import Refused
 from ..integrations.vision import merge_inputs, units
-from ..integrations.vlm import encoder_rows
-from ..integrations.vlm_families import frames_apart
+from ..integrations.vlm_features import encoder_rows
+from ..integrations.vlm_families import frames_apart, per_row
 from .model_parity import FLOAT64_NOISE, Floor, compare_models, precision_floor
 from .vlm_inputs import vlm_batch
 from .vlm_zoo import build_tiny_vlm, run_unsharded, vlm_reference
@@ -83,7 +83,7 @@ def vision_floor(model: nn.Module, batch: dict[str, Tensor]) -> frozenset[str]:
     every feature row, from the images encoded all at once and one unit at a time (as the SP
     ranks encode them), differs by more than float64 rounding (a float32 interpolation of position
     embeddings, a float32 norm inside the tower)."""
-    work = units({k: batch[k] for k in ROUTED_KEYS if k in batch}, frames_apart(model))
+    work = units({k: batch[k] for k in ROUTED_KEYS if k in batch}, frames_apart(model), per_row(model))
     grads = []
     for groups in ([work], [[u] for u in work]):
         model.zero_grad(set_to_none=True)

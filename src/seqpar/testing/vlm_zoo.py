@@ -37,7 +37,7 @@ from .zoo import TINY, shrink_config
 VISION_TINY: dict[str, Any] = dict(
     depth=2, embed_dim=32, out_hidden_size=32, image_size=8, patch_size=4, window_size=16,
     fullatt_block_indexes=[1], hidden_size=32, intermediate_size=64, num_attention_heads=4, num_heads=4,
-    projection_dim=32, text_hidden_size=32,
+    projection_dim=32, text_hidden_size=32, deepstack_visual_indexes=[0, 1],
 )
 """Vision sub-config fields set where a family's vision config has them."""
 
