@@ -67,17 +67,19 @@ class VisualBatch:
     attention_mask  ``[B, S]`` the processor's padding mask or None (the model's rope index reads it)
     positions_given whether the batch brought its own position_ids (then the model computes none)
     pieces          ``pieces[r]``: the indices of the row's tokens rank r holds, in its local order
+    segments        ``[B, S]`` document ids of packed rows (position ids restarting), or None (one
+                    document per row): an M-RoPE model's positions are then computed per document
 
     A plain class, like :class:`~seqpar.batch.sharding.LocalBatch`, so that DDP / FSDP input movers
     leave it alone: the model moves what it encodes to its own device.
     """
 
-    __slots__ = ("tensors", "input_ids", "attention_mask", "positions_given", "pieces")
+    __slots__ = ("tensors", "input_ids", "attention_mask", "positions_given", "pieces", "segments")
 
     def __init__(self, tensors: dict[str, Tensor], input_ids: Tensor, attention_mask: Tensor | None,
-                 positions_given: bool, pieces: Sequence[Tensor]) -> None:
+                 positions_given: bool, pieces: Sequence[Tensor], segments: Tensor | None = None) -> None:
         self.tensors, self.input_ids, self.attention_mask = tensors, input_ids, attention_mask
-        self.positions_given, self.pieces = positions_given, tuple(pieces)
+        self.positions_given, self.pieces, self.segments = positions_given, tuple(pieces), segments
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
@@ -152,9 +154,11 @@ def fingerprint(tensors: Mapping[str, Tensor]) -> float:
     return total
 
 
-def visual_batch(batch: Mapping[str, Any], pieces: Sequence[Tensor], positions_given: bool) -> VisualBatch | None:
-    """The :class:`VisualBatch` of a checked batch (None: it has no visual inputs)."""
+def visual_batch(batch: Mapping[str, Any], pieces: Sequence[Tensor], positions_given: bool,
+                 segments: Tensor | None = None) -> VisualBatch | None:
+    """The :class:`VisualBatch` of a checked batch (None: it has no visual inputs); ``segments``:
+    its packed rows' document ids (:func:`seqpar.batch.targets.segments_from_positions`) or None."""
     tensors = {k: batch[k] for k in ROUTED_KEYS if batch.get(k) is not None}
     if not tensors:
         return None
-    return VisualBatch(tensors, batch["input_ids"], batch.get("attention_mask"), positions_given, pieces)
+    return VisualBatch(tensors, batch["input_ids"], batch.get("attention_mask"), positions_given, pieces, segments)

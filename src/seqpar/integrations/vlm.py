@@ -27,7 +27,6 @@ it raised before the hook's first collective, from facts every rank shares (the 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -44,10 +43,7 @@ from ..errors import Refused
 from .vision import MODALITIES, PIXELS, RoutePlan, assign, merge_inputs, route_plan, units
 from .vlm_families import family_problem, frames_apart, per_row, placeholder_token
 from .vlm_features import FeatureLayout, encoder_output, encoder_rows
-
-ROPE_KEYS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-"""The visual keys a model's get_rope_index may read (beside input_ids and attention_mask)."""
-
+from .vlm_positions import mrope_positions
 
 def is_vision_language(model: nn.Module) -> bool:
     """Whether ``model`` has a vision entry point (transformers' public ``get_image_features``)."""
@@ -148,25 +144,6 @@ def _check_rows(masks: dict[str, Tensor], rows: list[dict[str, int]]) -> None:
                              f"pixels must come from the same call)")
 
 
-def _positions(model: nn.Module, visual: VisualBatch, me: int, device: torch.device) -> Tensor | None:
-    """This rank's slice of the 3-D M-RoPE positions the model computes for the whole rows, or
-    None when the model would compute none (no rope index, positions given, no grid)."""
-    rope_index = getattr(model.base_model, "get_rope_index", None)
-    t = visual.tensors
-    if rope_index is None or visual.positions_given or not ({"image_grid_thw", "video_grid_thw"} & set(t)):
-        return None
-    params = inspect.signature(rope_index).parameters
-    if "mm_token_type_ids" in params and "mm_token_type_ids" not in t:
-        raise ValueError("seqpar: image_grid_thw / video_grid_thw were given without mm_token_type_ids, which this "
-                         "model's M-RoPE positions need: pass the processor's mm_token_type_ids to shard_batch")
-    kw = {k: t[k] for k in ROPE_KEYS if k in t and k in params}
-    if "attention_mask" in params and visual.attention_mask is not None:
-        kw["attention_mask"] = visual.attention_mask
-    with torch.no_grad():
-        pos, _ = rope_index(visual.input_ids, **kw)  # [3, B, S], the whole rows
-    return pos.index_select(-1, visual.pieces[me].to(pos.device)).to(device)
-
-
 def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor],
            layouts: dict[str, FeatureLayout]) -> dict[str, Any]:
     """The model's ``mm_encoder_outputs`` for this rank: each modality's rows in placeholder order,
@@ -195,7 +172,7 @@ def route_visual(model: nn.Module, batch: LocalBatch, group: dist.ProcessGroup) 
         raise Refused(f"seqpar: {type(model).__name__} with images: {problem}")
     embed = model.get_input_embeddings().weight
     masks = _placeholders(model, visual)
-    pos = _positions(model, visual, me, embed.device)
+    pos = mrope_positions(model, visual, me, embed.device)
     if pos is not None:
         kwargs["position_ids"] = pos
     feats, layouts, error = {}, {}, None

@@ -22,8 +22,10 @@ DEEPSTACK = ("deepstack (visual features added again to the image tokens' hidden
              "routed beside the main features, added at this shard's placeholders)")
 PER_ROW_PIXELS = ("images batched per row (pixel_values [B, images, ...] with a pixel_attention_mask; all-zero "
                   "images pad the rows: each real image is a unit of vision work)")
+VQ_TOKENS = ("image codes from a VQ tokenizer embedded as text tokens (each image tokenized alone; no gradient "
+             "reaches the tokenizer)")
 # the supported set
-SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE, DEEPSTACK, PER_ROW_PIXELS})
+SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE, DEEPSTACK, PER_ROW_PIXELS, VQ_TOKENS})
 
 # mechanisms seqpar cannot run exactly yet (each one a candidate for the next step)
 BIDIRECTIONAL = ("bidirectional attention inside each image or prefix (a mask the model builds from token_type_ids "
@@ -36,6 +38,8 @@ MODALITY_EXPERTS = "experts routed by modality (moe_mm_token_type_ids)"
 EXTRA_OUTPUTS = "encoder outputs beside the image features that the model reads (Ovis2's visual indicators)"
 ONE_BASED_POSITIONS = ("positions counted from 1 (the model adds 1 to the position ids it computes; under RoPE only "
                        "the float32 rounding of its tables differs)")
+VIDEO_SPANS = ("video placeholders that are image tokens told apart by their enclosing video start / end tokens "
+               "(a count over the whole row, which a shard cannot see)")
 NO_VISION = "no vision entry (a text-only class in the image-text-to-text mapping)"
 UNVERIFIED = ("a family whose tiny model the VLM zoo cannot build or run (transformers' own error), so seqpar has not "
               "checked it with images")
@@ -68,7 +72,9 @@ FAMILIES: dict[str, Family] = {
                      "qianfan_ocr", "step3p7", "video_llava", "vipllava", "lfm3_vl"], _1D),
     # ... with 3-D M-RoPE positions from get_rope_index
     **dict.fromkeys(["qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "cosmos3_edge", "hunyuan_vl", "paddleocr_vl",
-                     "qwen2_5_omni_thinker", "hy_v4_vl"], _MROPE),
+                     "qwen2_5_omni_thinker", "hy_v4_vl", "qwen4_exp"], _MROPE),
+    "dots3_note": Family((PLACEHOLDER, POSITIONS_1D), frames_apart=True),
+    "glm5_next": Family((PLACEHOLDER, POSITIONS_1D, VIDEO_SPANS), frames_apart=True),
     **dict.fromkeys(["glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr"], _GLM),
     "ernie4_5_vl_moe": Family((PLACEHOLDER, MROPE, MODALITY_EXPERTS)),
     "ovis2": Family((PLACEHOLDER, EXTRA_OUTPUTS)),
@@ -78,7 +84,8 @@ FAMILIES: dict[str, Family] = {
     "paligemma": Family((PLACEHOLDER, BIDIRECTIONAL, ONE_BASED_POSITIONS)),
     **dict.fromkeys(["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker", "cosmos3_omni"],
                     Family((PLACEHOLDER, MROPE, DEEPSTACK), frames_apart=True)),
-    **dict.fromkeys(["cohere_compass", "granite4_vision"], Family((PLACEHOLDER, DEEPSTACK))),
+    "cohere_compass": Family((PLACEHOLDER, MROPE, DEEPSTACK), frames_apart=True),
+    "granite4_vision": Family((PLACEHOLDER, POSITIONS_1D, DEEPSTACK)),  # (decoder layer, rows) pairs only
     **dict.fromkeys(["idefics2", "idefics3", "smolvlm"], Family((PLACEHOLDER, POSITIONS_1D, PER_ROW_PIXELS),
                                                                per_row=True)),
     "granite_docling": Family((PLACEHOLDER, POSITIONS_1D, PER_ROW_PIXELS, DEEPSTACK), per_row=True),
@@ -92,9 +99,10 @@ FAMILIES: dict[str, Family] = {
                     Family((NO_PLACEHOLDERS,))),
     "mistral4": Family((NO_VISION,)),
     # placeholder merges by their modeling files, not run: their tiny configs do not build or run here
-    **dict.fromkeys(["apertus1p5", "chameleon", "deepseek_ocr2", "dots3_note", "emu3", "fast_vlm", "gemma3n",
-                     "glm5_next", "inkling2", "inkling2_loop", "inkling_mm_model", "llama4",
-                     "muse_glimmer", "muse_spark", "perception_lm", "qwen4_exp", "unlimited_ocr"], _UNVERIFIED),
+    "apertus1p5": Family((PLACEHOLDER, POSITIONS_1D, VQ_TOKENS)),
+    **dict.fromkeys(["chameleon", "deepseek_ocr2", "emu3", "fast_vlm", "gemma3n", "inkling2", "inkling2_loop",
+                     "inkling_mm_model", "llama4", "muse_glimmer", "muse_spark", "perception_lm", "unlimited_ocr"],
+                    _UNVERIFIED),
 }
 """model_type -> :class:`Family`, for every key of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES."""
 
