@@ -45,6 +45,7 @@ from .vlm_families import family_problem, frames_apart, per_row, placeholder_tok
 from .vlm_features import FeatureLayout, encoder_output, encoder_rows
 from .vlm_positions import mrope_positions
 
+
 def is_vision_language(model: nn.Module) -> bool:
     """Whether ``model`` has a vision entry point (transformers' public ``get_image_features``)."""
     return any(callable(getattr(m, f"get_{k}_features", None)) for m in (model, getattr(model, "base_model", model))

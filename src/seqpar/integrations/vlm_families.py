@@ -40,6 +40,8 @@ ONE_BASED_POSITIONS = ("positions counted from 1 (the model adds 1 to the positi
                        "the float32 rounding of its tables differs)")
 VIDEO_SPANS = ("video placeholders that are image tokens told apart by their enclosing video start / end tokens "
                "(a count over the whole row, which a shard cannot see)")
+TILE_MASK = ("per-row tiles marked by a tile mask (pixel_attention_mask [B, tiles], Granite-Docling), which seqpar "
+             "does not cut into units of vision work yet")
 NO_VISION = "no vision entry (a text-only class in the image-text-to-text mapping)"
 UNVERIFIED = ("a family whose tiny model the VLM zoo cannot build or run (transformers' own error), so seqpar has not "
               "checked it with images")
@@ -88,7 +90,7 @@ FAMILIES: dict[str, Family] = {
     "granite4_vision": Family((PLACEHOLDER, POSITIONS_1D, DEEPSTACK)),  # (decoder layer, rows) pairs only
     **dict.fromkeys(["idefics2", "idefics3", "smolvlm"], Family((PLACEHOLDER, POSITIONS_1D, PER_ROW_PIXELS),
                                                                per_row=True)),
-    "granite_docling": Family((PLACEHOLDER, POSITIONS_1D, PER_ROW_PIXELS, DEEPSTACK), per_row=True),
+    "granite_docling": Family((PLACEHOLDER, POSITIONS_1D, TILE_MASK, DEEPSTACK)),
     "lfm2_vl": _1D,
     **dict.fromkeys(["deepseek_vl_hybrid", "fuyu", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "nemotron_h_omni",
                      "video_llama_3"], Family((PLACEHOLDER, OWN_INPUTS))),

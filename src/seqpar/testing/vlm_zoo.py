@@ -71,7 +71,8 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "qwen4_exp": {"text_config": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8,
                                   "indexer_budget": 8, "indexer_compress_ratio": 2}},
     "dots3_note": {"text_config": {"head_dim": 12},  # its sliding layers: qk_nope + qk_rope
-                   "vision_config": {"adapter_in_dim": 32, "adapter_out_dim": 32, "mlp_layer_types": ["dense", "dense"]},
+                   "vision_config": {"adapter_in_dim": 32, "adapter_out_dim": 32,
+                                     "mlp_layer_types": ["dense", "dense"]},
                    "audio_config": {"adapter_input_size": 32, "adapter_out_dim": 32}},
     "glm5_next": {"text_config": {"index_kpool": 2, "qk_rope_head_dim": 0}},  # its DSA layers take no RoPE
     # per-layer-type RoPE, unset by default; M-RoPE sections for the tiny head (4 frequencies)
@@ -191,6 +192,32 @@ def build_tiny_vlm(model_type: str, seed: int = 0) -> nn.Module:
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * (1.5 / p[0].numel() ** 0.5))
     return model
+
+
+def load_vlm(path: str) -> nn.Module:
+    """A local image-text-to-text checkpoint in float64 and train mode (MoE experts on
+    transformers' eager loop, which has float64)."""
+    from transformers import AutoModelForImageTextToText
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    return model.train()
+
+
+def is_vlm_checkpoint(path: str) -> bool:
+    """Whether the checkpoint directory ``path`` holds an image-text-to-text model (its config's
+    model_type is in transformers' mapping)."""
+    import json
+    import os
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def vlm_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
