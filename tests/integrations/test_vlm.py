@@ -178,7 +178,7 @@ def _packed(rank, world):
         model = build_tiny_vlm(family)
         batch = vlm_batch(model)
         packed = packed_batch(batch)
-        ref = vlm_reference(model, batch)
+        ref = vlm_reference(model, batch, loss_scale=world)  # seqpar's loss scale, as vlm_family_parity
         r = compare_models(copy.deepcopy(model), packed, mesh, strategy="ulysses", reference=ref,
                            floor=vlm_floor(model, batch))
         out[family] = (r["loss_diff"], r["grad_max"], r["f32_rel"], r["ok"], r["worst_param"])
