@@ -20,7 +20,7 @@ image; summing parameter gradients over the SP ranks (sync_gradients, FSDP2) com
 
 Never silently wrong, never a hang: which families run is declared by mechanism in
 :mod:`.vlm_families`; a family with a mechanism seqpar cannot run exactly (bidirectional image
-masks, deepstack, cross-attention...) is refused by that mechanism's name; pixels or other
+masks, cross-attention, encoder-decoders...) is refused by that mechanism's name; pixels or other
 multimodal inputs passed to the model directly (not through shard_batch) are a ValueError. All of
 it raised before the hook's first collective, from facts every rank shares (the checked batch).
 """
