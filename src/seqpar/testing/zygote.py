@@ -117,9 +117,11 @@ class Zygotes:
             if c.recv() != "ready":
                 raise RuntimeError("a zygote did not start")
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0,
+            strict: bool = True) -> list[Any]:
         """``fn(rank, nproc, *args)`` on a fresh gloo job (forked ranks); every rank's result. Raises
-        :class:`~seqpar.comm.launch.WorkerError` as :func:`~seqpar.comm.launch.run_distributed` does."""
+        :class:`~seqpar.comm.launch.WorkerError` as :func:`~seqpar.comm.launch.run_distributed` does;
+        with ``strict=False`` a failed rank's entry is its :class:`~seqpar.comm.launch.Failure` instead."""
         with tempfile.TemporaryDirectory(prefix="seqpar-job-") as job_dir:
             for c in self.conns:
                 c.send((job_dir, fn, args, timeout, pg_timeout))
@@ -133,15 +135,13 @@ class Zygotes:
                     kind = "hung" if code == "hung" else "died"
                     errors[r] = Failure(kind, f"{kind} (exit code {code})\n{stack}",
                                         exit_code=None if code == "hung" else code)
-                    results.append(None)
+                    results.append(errors[r])
                     continue
                 status, payload = torch.load(path, weights_only=False)
-                if status == "ok":
-                    results.append(payload)
-                else:
+                results.append(payload)
+                if status != "ok":
                     errors[r] = payload
-                    results.append(None)
-        if errors:
+        if errors and strict:
             raise WorkerError(errors, "failed")
         return results
 
