@@ -12,6 +12,7 @@ caused by another rank's fault into that fault's RankFailed. The steady-state co
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import Any
 
@@ -36,8 +37,18 @@ def publish_forward_errors(model: nn.Module, record: ModelState) -> None:
     ``record.parallel`` must be set: it keeps an instance forward that was there before."""
     assert record.parallel is not None
     record.parallel.inner_forward = model.__dict__.get("forward")
+    # the signature of the forward it wraps: code that inspects ``model.forward`` (transformers'
+    # ``logits_to_keep`` check, Trainer's column pruning) sees the model's own parameters
+    shown = inspect.signature(model.forward)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+
+    @functools.wraps(_publishing_forward)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _publishing_forward(self, *args, **kwargs)
+
+    forward.__signature__ = shown.replace(parameters=[self_param, *shown.parameters.values()])  # type: ignore[attr-defined]
     # a bound method: a deep copy of the model (an EMA, a DPO reference) gets one bound to itself
-    model.forward = types.MethodType(_publishing_forward, model)
+    model.forward = types.MethodType(forward, model)
     record.push("parallel", "the forward that tells every rank of an exception",
                 functools.partial(_restore_forward, model, record.parallel.inner_forward))
 
