@@ -157,14 +157,13 @@ def _commit(save_dir: str, tmp: str, final: str, keep: int) -> None:
     """Rank 0: make ``tmp`` the checkpoint ``final``. A complete checkpoint already there (a re-save
     of its step) is moved aside first and deleted only after the commit, so some complete one of
     that step exists at every moment; then the checkpoints beyond the ``keep`` latest go."""
-    old = None
+    aside = os.path.join(os.path.dirname(final), f".replaced-{os.path.basename(final)}")
     if os.path.exists(final):
-        old = os.path.join(os.path.dirname(final), f".replaced-{os.path.basename(final)}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
     os.rename(tmp, final)  # the commit point
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    # the one moved aside just now, or by a save of this step that died before its commit
+    shutil.rmtree(aside, ignore_errors=True)
     for _, path in complete_checkpoints(save_dir)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
