@@ -55,15 +55,16 @@ def _check_cases(z, cases, tmp_path):
 
 
 def test_one_rank_failing_anywhere_in_a_step_stops_every_rank(jobs, tmp_path):
-    # the last rank fails at each place; the first rank at the places inside seqpar's collectives
-    cases = [Case(p, rank=1) for p in USER_PLACES] + [Case(p, rank=0) for p in ("attention", "backward")]
-    _check_cases(jobs, cases, tmp_path)
+    _check_cases(jobs, [Case(p, rank=1) for p in USER_PLACES], tmp_path)
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("world", [3, 4])
-def test_one_rank_failing_anywhere_at_three_and_four_ranks(world, tmp_path):
-    cases = [Case(p, rank=r) for p in USER_PLACES for r in (0, world - 1)]
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_one_rank_failing_anywhere_at_two_three_and_four_ranks(world, jobs, tmp_path):
+    cases = [Case(p, rank=r, step=s) for p in USER_PLACES for r in (0, world - 1) for s in (0, 2)]
+    if world == 2:
+        _check_cases(jobs, cases, tmp_path)
+        return
     with Zygotes(world, preload=PRELOAD) as z:
         _check_cases(z, cases, tmp_path)
 
@@ -208,3 +209,88 @@ def test_a_checkpoint_saved_by_every_rank_has_every_rank_manifest(jobs, tmp_path
     for step in (1, 2):
         path = tmp_path / "checkpoints" / f"step_{step:08d}"
         assert {MANIFEST.format(rank=r) for r in range(2)} <= set(os.listdir(path))
+
+
+# --------------------------------------------------------------------------------------------
+# seqpar train: the same faults inside its loop (the places its own code offers), NaN at step k
+# --------------------------------------------------------------------------------------------
+
+TRAIN_PLACES = ("forward", "attention", "loss", "backward", "sync", "optimizer", "save")
+
+
+def _train_case(rank, world, case, cfg):
+    """seqpar train's worker (run_training) with ``case`` injected; what this rank raised, or the
+    steps --on-nonfinite skip dropped."""
+    from seqpar.testing.fault_inject import run_case
+    from seqpar.train import checkpoint as ckpt
+    from seqpar.train import loop
+    from seqpar.train.job import prepare_job
+    from seqpar.train.run import run_training
+
+    def body(inj):
+        fb, step, save = loop.Trainer.forward_backward, loop.Trainer.optimizer_step, ckpt._save
+
+        def forward_backward(self, *args, **kwargs):
+            inj.install(self.model)
+            inj.step = self.step
+            return fb(self, *args, **kwargs)
+
+        def optimizer_step(self, *args, **kwargs):
+            inj.boom("optimizer")
+            return step(self, *args, **kwargs)
+
+        def save_inside(*args, **kwargs):
+            inj.boom("save")
+            return save(*args, **kwargs)
+
+        loop.Trainer.forward_backward, loop.Trainer.optimizer_step, ckpt._save = forward_backward, optimizer_step, \
+            save_inside
+        try:
+            return run_training(prepare_job(cfg, world, read_data=False)).skipped
+        finally:
+            loop.Trainer.forward_backward, loop.Trainer.optimizer_step, ckpt._save = fb, step, save
+
+    return run_case(case, body)
+
+
+def _train_cfg(save_dir, **kw):
+    from seqpar.train.config import TrainConfig
+
+    return TrainConfig(seq_len=32, micro_batch=1, steps=3, save_every=1, keep_checkpoints=3, progress=False, plot=False,
+                       eval_rows=0, tiled_loss=False, tiled_mlp=False, checkpoint="none", save_dir=str(save_dir), **kw)
+
+
+def _check_train_cases(z, places, tmp_path):
+    problems, latency = [], {}
+    for place in places:
+        case = Case(place, rank=z.nproc - 1)
+        outs = z.run(_train_case, case, _train_cfg(tmp_path / place), timeout=90, pg_timeout=60, strict=False)
+        if any(isinstance(o, Failure) for o in outs):
+            problems.append(f"{case.label()}: {[str(o)[:500] for o in outs]}")
+            continue
+        problems += [f"seqpar train {case.label()}: {p}" for p in outcome_problems(case, outs)]
+        if outs[case.rank].t_fault is not None:
+            latency[place] = max(o.t for o in outs) - outs[case.rank].t_fault
+    assert not problems, "\n".join(problems)
+    return latency
+
+
+def test_seqpar_train_stops_every_rank_on_one_ranks_fault(jobs, tmp_path):
+    _check_train_cases(jobs, ("forward", "save"), tmp_path)
+
+
+@pytest.mark.heavy
+def test_seqpar_train_stops_every_rank_at_every_place(jobs, tmp_path):
+    _check_train_cases(jobs, TRAIN_PLACES, tmp_path)
+
+
+def test_a_nan_at_step_k_stops_or_is_skipped_on_every_rank(jobs, tmp_path):
+    case = Case("nan", rank=1, step=1)  # rank 1's activations become NaN in the run's second step
+    outs = jobs.run(_train_case, case, _train_cfg(tmp_path / "stop"), timeout=90)
+    last_good = os.path.join(str(tmp_path / "stop"), "checkpoints", "step_00000001")
+    assert {o.raised for o in outs} == {"ValueError"} and len({o.message for o in outs}) == 1, outs
+    msg = outs[0].message
+    assert "the loss became nan at step 2" in msg and f"the last good checkpoint is {last_good}" in msg, msg
+    assert "--on-nonfinite skip" in msg
+    outs = jobs.run(_train_case, case, _train_cfg(tmp_path / "skip", on_nonfinite="skip"), timeout=90)
+    assert [(o.raised, o.extra) for o in outs] == [(None, [2])] * 2, outs  # the run went on without step 2's update
