@@ -294,3 +294,59 @@ def test_a_nan_at_step_k_stops_or_is_skipped_on_every_rank(jobs, tmp_path):
     assert "--on-nonfinite skip" in msg
     outs = jobs.run(_train_case, case, _train_cfg(tmp_path / "skip", on_nonfinite="skip"), timeout=90)
     assert [(o.raised, o.extra) for o in outs] == [(None, [2])] * 2, outs  # the run went on without step 2's update
+
+
+# --------------------------------------------------------------------------------------------
+# the Trainer integration: the same faults inside transformers' Trainer with seqpar's mixin
+# --------------------------------------------------------------------------------------------
+
+TRAINER_PLACES = ("forward", "attention", "loss", "backward", "optimizer")
+
+
+def _trainer_case(rank, world, case, out):
+    """A stock transformers Trainer made sequence-parallel by parallelize_trainer, ``case`` injected
+    (the optimizer place: a callback at the step's end, the user's code between backward and update)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import seqpar
+    from seqpar.integrations.models import build_model
+    from seqpar.integrations.trainer import parallelize_trainer
+    from seqpar.testing.fault_inject import run_case
+
+    def body(inj):
+        torch.manual_seed(0)
+        model, _ = build_model("tiny-llama", dtype=torch.float32)
+        g = torch.Generator().manual_seed(1)
+        rows = [{"input_ids": (ids := torch.randint(3, 128, (24,), generator=g).tolist()), "labels": ids}
+                for _ in range(16)]
+
+        class Steps(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                inj.step = state.global_step
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                inj.boom("optimizer")
+
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                                 report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[Steps()])
+        parallelize_trainer(trainer, seqpar.init_mesh(sp=world, device_type="cpu"))
+        inj.install(model)
+        trainer.train()
+        return trainer.state.global_step
+
+    return run_case(case, body)
+
+
+@pytest.mark.heavy
+def test_the_trainer_integration_stops_every_rank_on_one_ranks_fault(tmp_path):
+    with Zygotes(2, preload=(*PRELOAD, "transformers.trainer")) as z:
+        problems = []
+        for place in TRAINER_PLACES:
+            case = Case(place, rank=1)
+            outs = z.run(_trainer_case, case, str(tmp_path / place), timeout=120, pg_timeout=60, strict=False)
+            if any(isinstance(o, Failure) for o in outs):
+                problems.append(f"{case.label()}: {[str(o)[:500] for o in outs]}")
+                continue
+            problems += [f"Trainer {case.label()}: {p}" for p in outcome_problems(case, outs)]
+        assert not problems, "\n".join(problems)
