@@ -350,3 +350,44 @@ def test_the_trainer_integration_stops_every_rank_on_one_ranks_fault(tmp_path):
                 continue
             problems += [f"Trainer {case.label()}: {p}" for p in outcome_problems(case, outs)]
         assert not problems, "\n".join(problems)
+
+
+def _killed_in_save(rank, world, root):
+    """Save step 1, then rank 1 is SIGKILLed in the middle of saving step 2 (its shards written, its RNG
+    state not): what rank 0 raised, and what the folder holds after."""
+    import signal
+
+    from seqpar.train import checkpoint as ckpt
+
+    model, opt, sched = _tiny_state(0)
+    ckpt.save_checkpoint(root, 1, model, opt, sched, {"world": world}, keep=3)
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if rank == 1 and os.path.basename(str(f)).startswith("rng_rank"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(obj, f, *args, **kwargs)
+
+    torch.save = save
+    try:
+        ckpt.save_checkpoint(root, 2, model, opt, sched, {"world": world}, keep=3)
+        raised = None
+    except Exception as e:
+        raised = type(e).__name__
+    finally:
+        torch.save = real
+    return raised, ckpt.complete_checkpoints(root), ckpt.damaged(ckpt.step_dir(root, 1))
+
+
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(jobs, tmp_path):
+    first, second = jobs.run(_killed_in_save, str(tmp_path), timeout=90, strict=False)
+    assert isinstance(second, Failure) and second.kind == "died" and second.exit_code == -9, second
+    raised, found, damage = first
+    assert raised is not None  # the peer's death reached rank 0 (no hang)
+    assert found == [(1, _ckpt_path(tmp_path, 1))] and damage == []
+
+
+def _ckpt_path(root, step):
+    from seqpar.train.checkpoint import step_dir
+
+    return step_dir(str(root), step)
