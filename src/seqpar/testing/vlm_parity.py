@@ -132,7 +132,7 @@ def vlm_family_parity(family: str, mesh: DeviceMesh, strategies: tuple[str, ...]
     try:
         model = build_tiny_vlm(family)
         batch = _straddling_batch(model, p)
-        ref = vlm_reference(model, batch)
+        ref = vlm_reference(model, batch, loss_scale=p)  # seqpar's loss scale (exact for a power of 2)
         floor = vlm_floor(model, batch)
     except Exception:  # not runnable without seqpar: its own status, measured alone
         status = run_unsharded(family)

@@ -179,13 +179,19 @@ def vlm_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, 
     return ce, int((targets != IGNORE_INDEX).sum())
 
 
-def vlm_reference(model: nn.Module, batch: dict[str, Tensor]) -> tuple[float, dict[str, Tensor | None]]:
-    """The unsharded token-mean loss and every parameter's gradient (``model``'s grads reset)."""
+def vlm_reference(model: nn.Module, batch: dict[str, Tensor], *, loss_scale: float = 1.0
+                  ) -> tuple[float, dict[str, Tensor | None]]:
+    """The unsharded token-mean loss and every parameter's gradient (``model``'s grads reset).
+
+    ``loss_scale``: back-propagate ``loss_scale * loss`` and divide the gradients by it, as
+    :func:`~seqpar.testing.model_parity.reference_grads` does: seqpar's loss runs at the SP size's
+    scale, and a model that casts to float32 inside rounds its gradients at that scale."""
     model.zero_grad(set_to_none=True)
     total, n = vlm_token_loss(model, batch)
     loss = total / n
-    loss.backward()
-    grads = {name: q.grad for name, q in model.named_parameters()}
+    (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+    grads = {name: (q.grad / loss_scale if loss_scale != 1.0 and q.grad is not None else q.grad)
+             for name, q in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return float(loss.detach()), grads
 
