@@ -46,6 +46,9 @@ def test_which_fault_stops_the_job():
     assert first_unresolved(every, 3) == every[0]  # rank 2 did not raise: it waits
     mixed = [_fault(0, 7), _fault(1, 8)]
     assert first_unresolved(mixed, 2) == mixed[0]  # different batches: not the same error
+    sub = [Fault(r, "the forward", "ValueError", "bad", "", 3, ranks=(0, 1)) for r in (0, 1)]
+    assert first_unresolved(sub, 4) is None  # every rank of its mesh (a sub-mesh of the job) raised
+    assert first_unresolved(sub[:1], 4) == sub[0]
     gone = _fault(0, 7, kind=ABANDONED)
     assert first_unresolved([*every, gone], 2) == every[0]  # a pending collective: nothing resolves
     assert first_unresolved([gone], 2) == gone
@@ -74,7 +77,9 @@ def test_without_a_process_group_nothing_is_published_or_waited():
     e = RuntimeError("alone")
     assert faults.publish(e, "the forward") is None and not faults.is_published(e)
     faults.check_peers("an all-gather")  # no channel: returns
-    assert faults.before_batch() == faults.generation()
+    n = faults.before_batch((0, 1))
+    assert faults.generation() == n and faults.before_batch((0, 1)) == n + 1  # counted per mesh, nothing raised
+    assert faults.before_batch((0, 1, 2)) == 1 and faults.generation() == 1
     with_note = RuntimeError("x")
     with_note.add_note(faults.NOTE + "rank 0 failed")
     assert faults.is_published(with_note)

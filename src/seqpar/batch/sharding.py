@@ -233,7 +233,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     rank's fault that has not resolved (:func:`seqpar.comm.faults.before_batch`).
     """
     group = axis_group(as_mesh(mesh, "shard_batch"), Axis.SP.value)
-    generation = faults.before_batch()
+    generation = faults.before_batch(tuple(mesh.mesh.flatten().tolist()))  # counted over the mesh's ranks
     if isinstance(num_items_in_batch, Tensor):
         num_items_in_batch = float(num_items_in_batch.item())
     p, me = dist.get_world_size(group), dist.get_rank(group)

@@ -53,6 +53,7 @@ class Fault:
     kind: str = RAISED
     bad_input: bool = False
     seq: int = 0
+    ranks: tuple[int, ...] = ()  # the ranks that run the batch (its mesh); empty: every rank of the job
 
     def describe(self) -> str:
         """``rank 1 failed in the forward (batch 7): RuntimeError: boom``, the same on every rank."""
@@ -67,6 +68,7 @@ class Fault:
     def from_json(text: str | bytes, seq: int) -> Fault:
         data = json.loads(text)
         data["seq"] = seq
+        data["ranks"] = tuple(data.get("ranks", ()))
         return Fault(**data)
 
 
@@ -114,17 +116,17 @@ class Channel:
 
 
 def first_unresolved(records: list[Fault], world: int) -> Fault | None:
-    """The first raised record that is not resolved (every rank of ``world`` raised in its batch and
-    nothing was abandoned); an abandoned record when that is all there is; None when every record
-    is resolved. Pure: the rule itself, tested without a store."""
+    """The first raised record that is not resolved (every rank that runs its batch -- ``ranks``, or
+    all ``world`` -- raised in that batch, and nothing was abandoned); an abandoned record when that
+    is all there is; None when every record is resolved. Pure: the rule itself, tested without a store."""
     if not records:
         return None
     abandoned = any(f.kind == ABANDONED for f in records)
-    raised_by: dict[int, set[int]] = {}
+    raised_by: dict[tuple[tuple[int, ...], int], set[int]] = {}
     for f in records:
         if f.kind == RAISED:
-            raised_by.setdefault(f.generation, set()).add(f.rank)
+            raised_by.setdefault((f.ranks, f.generation), set()).add(f.rank)
     for f in records:
-        if f.kind == RAISED and (abandoned or len(raised_by[f.generation]) < world):
+        if f.kind == RAISED and (abandoned or not set(f.ranks or range(world)) <= raised_by[f.ranks, f.generation]):
             return f
     return next((f for f in records if f.kind == ABANDONED), None)

@@ -25,7 +25,7 @@ sees it go by. So on gloo a failing process must exit: ``seqpar train`` and the 
 and a user loop should let the exception end the process (and not call ``destroy_process_group``
 in a ``finally``: it hangs while a peer waits in a collective).
 
-**Batches never pair across.** Each process counts the batches it shards (:func:`before_batch`,
+**Batches never pair across.** Each process counts the batches it shards over each SP group (:func:`before_batch`,
 called by ``shard_batch``, whose one all-gather carries the count: ranks at different batches raise
 a ValueError instead of pairing). A process that met a fault does not start another batch until
 the fault is resolved (every rank raised in that batch: nothing is pending, see :mod:`.channel`);
@@ -74,7 +74,8 @@ class _Process:
         self.group: Any = None  # the default process group the channel belongs to
         self.channel: Channel | None = None
         self.rank = 0
-        self.generation = 0  # batches sharded so far (shard_batch calls)
+        self.batches: dict[tuple[int, ...], int] = {}  # batches sharded so far over each mesh (its global ranks)
+        self.current: tuple[tuple[int, ...], int] = ((), 0)  # the batch running now: its mesh's ranks, its number
         self.backward_open = False  # seqpar's loss began a backward whose end has not come yet
         self.stopped: Fault | None = None  # this process left a collective pending: the group is unusable
         self.involved = False  # this process published or met a fault: resolve it before the next batch
@@ -108,8 +109,8 @@ def channel() -> Channel | None:
 
 
 def generation() -> int:
-    """The batches this process has sharded so far (the batch number a fault is recorded with)."""
-    return _STATE.generation
+    """The number of the batch running now, counted over its mesh (the number a fault is recorded with)."""
+    return _STATE.current[1]
 
 
 def met_fault() -> bool:
@@ -147,10 +148,10 @@ def publish(error: BaseException, where: str, *, batch: int | None = None) -> Fa
         ch = channel()
         if ch is None:
             return None
+        ranks, number = _STATE.current
         fault = Fault(_STATE.rank, where, type(error).__name__, clip(str(error)),
-                      clip("".join(traceback.format_exception(error))),
-                      _STATE.generation if batch is None else batch,
-                      bad_input=isinstance(error, ValueError))
+                      clip("".join(traceback.format_exception(error))), number if batch is None else batch,
+                      bad_input=isinstance(error, ValueError), ranks=ranks)
         with _STATE.lock:
             fault = ch.publish(fault)
             _STATE.involved = True
@@ -224,7 +225,8 @@ def _abandon(where: str, why: str) -> Fault | None:
             return None
         with st.lock:
             if st.stopped is None:
-                st.stopped = ch.publish(Fault(st.rank, where, "", why, "", st.generation, kind=ABANDONED))
+                st.stopped = ch.publish(Fault(st.rank, where, "", why, "", st.current[1], kind=ABANDONED,
+                                              ranks=st.current[0]))
                 st.involved = True
             ch.read()
             return ch.first_unresolved()
@@ -245,27 +247,33 @@ def raise_if_flagged() -> None:
         raise rank_failed(fault)
 
 
-def before_batch() -> int:
-    """Called by ``shard_batch`` before its all-gather; returns the batch's number. Raises, without
-    any collective, when this process cannot start a batch: it left a collective pending, its
-    previous backward failed, or a fault it met does not resolve within :data:`RESOLVE_WAIT_S`."""
+def before_batch(ranks: tuple[int, ...]) -> int:
+    """Called by ``shard_batch`` before its all-gather, with the global ranks of its mesh (the ranks
+    that run the batch: its SP group and the dp ranks its gradients meet); returns the batch's number
+    over that mesh -- which every rank of the mesh counts alike, while a process may also run batches
+    over other meshes (a sub-mesh). Raises, without any collective, when this process cannot start
+    a batch: it left a collective pending, its previous backward failed, or a fault it met does not
+    resolve within :data:`RESOLVE_WAIT_S`."""
     st = _STATE
     ch = channel()
-    st.generation += 1
+    number = st.batches[ranks] = st.batches.get(ranks, 0) + 1
+    previous, st.current = st.current, (ranks, number)
     if ch is None:
-        return st.generation
+        return number
     if st.backward_open:  # an exception left seqpar's loss backward and the caller went on
         st.backward_open = False
-        err = RuntimeError(f"seqpar: the backward of batch {st.generation - 1} failed on this rank and the "
-                           "program went on; its peers may be waiting in that backward's collectives, so batch "
-                           f"{st.generation} cannot start: let the exception end the process")
-        publish(err, "the backward", batch=st.generation - 1)  # recorded in the batch it happened in
+        st.current = previous  # recorded in the batch it happened in
+        err = RuntimeError(f"seqpar: the backward of batch {previous[1]} failed on this rank and the program went "
+                           f"on; its peers may be waiting in that backward's collectives, so batch {number} cannot "
+                           "start: let the exception end the process")
+        publish(err, "the backward")
+        st.current = (ranks, number)
         raise err
     if st.stopped is not None:
         raise rank_failed(first_cause(ch) or st.stopped)
     if st.involved:
         _wait_resolved(ch)
-    return st.generation
+    return number
 
 
 def first_cause(ch: Channel) -> Fault | None:
