@@ -174,6 +174,15 @@ def stop(error: BaseException, where: str) -> None:
     publish(error, where)
 
 
+def note(error: BaseException, where: str) -> None:
+    """:func:`stop` for a place that must not raise (a forward hook on the way out of a failed
+    forward): ``error`` is published, or this rank marked as having left a collective pending."""
+    try:
+        stop(error, where)
+    except RankFailed:
+        pass
+
+
 @contextlib.contextmanager
 def publishing(where: str) -> Iterator[None]:
     """Publish an exception that leaves the block (see :func:`stop`): ``with publishing("the forward"):``."""

@@ -2,59 +2,37 @@
 
 The model's own code (transformers raising on one rank's images, an out-of-memory error in one rank's
 MLP, the loss) would otherwise leave the other ranks waiting in their next collective. So
-:func:`seqpar.parallelize` replaces the model's ``forward`` (an instance attribute, as
-``reduce_memory`` does for layers; an undo step of the model's record puts the old one back) by one
-that publishes an exception on its way out -- once, where it is raised -- and turns a transport error
-caused by another rank's fault into that fault's RankFailed. The steady-state cost is one
-``try`` around the call.
+:func:`seqpar.parallelize` registers a forward hook with ``always_call=True`` on the model -- torch
+runs it on the way out of a forward that raised, inside its ``except``, so the hook reads the
+exception from ``sys.exc_info()`` -- that publishes the exception, once, where it is raised (an undo
+step of the model's record removes the hook). A forward that returns calls it with its output:
+nothing to do. The steady-state cost is one hook call per forward of the whole model.
+
+torch silences an exception raised by such a hook (the forward's own error goes on), so the hook
+never raises: a transport error caused by another rank's fault is turned into that fault's
+RankFailed where seqpar waits (:mod:`seqpar.comm.waits`), not here.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import types
+import sys
 from typing import Any
 
 from torch import nn
 
 from ..comm import faults
-from .state import ModelState, state_of
+from .state import ModelState
 
 
-def _publishing_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    record = state_of(self)
-    inner = record.parallel.inner_forward if record is not None and record.parallel is not None else None
-    try:
-        return inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
-    except Exception as e:
-        faults.stop(e, "the forward")  # raises RankFailed when e is another rank's fault coming through
-        raise
+def _publish_failure(_module: nn.Module, _args: Any, output: Any) -> None:
+    if output is not None:  # the forward returned
+        return
+    error = sys.exc_info()[1]
+    if isinstance(error, Exception):
+        faults.note(error, "the forward")
 
 
 def publish_forward_errors(model: nn.Module, record: ModelState) -> None:
-    """Make ``model``'s forward publish its exceptions (see the module doc); pushes its undo step.
-    ``record.parallel`` must be set: it keeps an instance forward that was there before."""
-    assert record.parallel is not None
-    record.parallel.inner_forward = model.__dict__.get("forward")
-    # the signature of the forward it wraps: code that inspects ``model.forward`` (transformers'
-    # ``logits_to_keep`` check, Trainer's column pruning) sees the model's own parameters
-    shown = inspect.signature(model.forward)
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-
-    @functools.wraps(_publishing_forward)
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _publishing_forward(self, *args, **kwargs)
-
-    forward.__signature__ = shown.replace(parameters=[self_param, *shown.parameters.values()])  # type: ignore[attr-defined]
-    # a bound method: a deep copy of the model (an EMA, a DPO reference) gets one bound to itself
-    model.forward = types.MethodType(forward, model)
-    record.push("parallel", "the forward that tells every rank of an exception",
-                functools.partial(_restore_forward, model, record.parallel.inner_forward))
-
-
-def _restore_forward(model: nn.Module, previous: Any) -> None:
-    if previous is None:
-        model.__dict__.pop("forward", None)
-    else:
-        model.forward = previous
+    """Make ``model``'s forward publish its exceptions (see the module doc); pushes its undo step."""
+    handle = model.register_forward_hook(_publish_failure, always_call=True)
+    record.push("parallel", "the forward hook that tells every rank of an exception", handle.remove)

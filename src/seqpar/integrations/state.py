@@ -50,7 +50,6 @@ class ParallelState:
     kernel: KernelArg | None
     num_heads: int
     num_kv_heads: int
-    inner_forward: Any = None  # an instance ``forward`` the model had before parallelize wrapped it
 
 
 @dataclass
