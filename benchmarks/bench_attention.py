@@ -21,9 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from seqpar.attention.blocks import RingStats
 from seqpar.attention.hybrid import hybrid_attention, hybrid_groups
 from seqpar.attention.layout import layout_indices, layout_permutation, layout_seq_lens
-from seqpar.attention.ring import RingStats, ring_attention
+from seqpar.attention.ring import ring_attention
 from seqpar.attention.shard import SeqShard
 from seqpar.attention.ulysses import ulysses_attention
 from seqpar.comm.launch import run_distributed

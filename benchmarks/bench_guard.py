@@ -35,18 +35,18 @@ def _step(fn, q, k, v, shard, layers: int) -> None:
 
 
 def _work(rank: int, world: int, seqs: list[int], heads: int, dim: int, layers: int, repeats: int) -> dict:
-    import seqpar.attention.ring as ring_module
-    import seqpar.attention.ulysses as ulysses_module
+    import seqpar.attention.call as call_module
     import seqpar.comm.guard as guard
+    from seqpar.attention.ring import ring_attention
     from seqpar.attention.shard import SeqShard
+    from seqpar.attention.ulysses import ulysses_attention
 
     torch.set_num_threads(1)
-    real_fence, real_check = guard.fence, ulysses_module.deferred_check
+    real_fence, real_check = guard.fence, call_module.deferred_check
 
     def use(variant: str) -> None:
         per_call = variant != "per batch"
-        for mod in (ring_module, ulysses_module):
-            mod.deferred_check = (lambda *a: None) if per_call else real_check
+        call_module.deferred_check = (lambda *a: None) if per_call else real_check  # every strategy prepares there
         guard.fence = (lambda *a, **k: None) if variant == "no-op fence" else real_fence
 
     out = {}
@@ -54,7 +54,7 @@ def _work(rank: int, world: int, seqs: list[int], heads: int, dim: int, layers: 
         g = torch.Generator().manual_seed(rank)
         q, k, v = (torch.randn(1, s // world, heads, dim, generator=g, requires_grad=True) for _ in range(3))
         shard = SeqShard((s // world,) * world)
-        for strategy, fn in (("ulysses", ulysses_module.ulysses_attention), ("ring", ring_module.ring_attention)):
+        for strategy, fn in (("ulysses", ulysses_attention), ("ring", ring_attention)):
             times: dict[str, list[float]] = {n: [] for n in VARIANTS}
             for _ in range(repeats):
                 for name in VARIANTS:

@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from seqpar.attention.heads import head_ranges
 from seqpar.attention.shard import SeqShard
-from seqpar.attention.ulysses import head_ranges, ulysses_attention
+from seqpar.attention.ulysses import ulysses_attention
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 

@@ -123,7 +123,7 @@ def _mesh(strategy: str):
 def _run_counts(rank: int, world: int, cases: list, deep: int) -> dict:
     """Host syncs and ring plans of one forward + backward per case: one layer, then ``deep``
     layers twice (the second batch: nothing left over from the first)."""
-    import seqpar.attention.ring as ring_module
+    import seqpar.attention.ring_loop as ring_module
     from seqpar.batch.sharding import shard_batch
 
     plans = Counter()

@@ -102,7 +102,7 @@ def _counts(rank, world):
 def _planning(rank, world, q, k, v):
     """How often the ring plans its blocks and the kernel its rectangles over three "layers" of
     one batch (the same SeqShard), forward and backward: once for the batch, not per layer."""
-    from seqpar.attention import ring as ring_mod
+    from seqpar.attention import ring_loop as ring_mod
     from seqpar.attention import varlen
 
     seg = torch.repeat_interleave(torch.arange(world + 1), 5)[: 5 * world].expand(2, -1)

@@ -115,24 +115,30 @@ def test_no_tensor_grows_with_the_square_of_the_length(kernel):
 
 
 def test_a_batch_is_planned_once(monkeypatch):
-    """Every layer's forward and backward on the same batch masks reuse the first plan; a new
-    batch (new tensors) is planned anew, and a plan goes when its tensors do."""
+    """Every layer's forward and backward on the same batch's masks reuse the first plan; a new
+    batch (a new SeqShard) is planned anew, and a plan goes when its batch does."""
+    import weakref
+
     from seqpar.attention import varlen
     from seqpar.attention.kernels import KERNELS, attend
+    from seqpar.attention.shard import SeqShard
 
     calls = []
     real = varlen._document_rects
     monkeypatch.setattr(varlen, "_document_rects", lambda *a: calls.append(1) or real(*a))
     seg = torch.repeat_interleave(torch.arange(3), 5)[None]  # [1, 15]
-    mask = MaskInfo(q_seg=seg, k_seg=seg)
+    shard = SeqShard((15,), segments=seg)
     for _ in range(3):  # three layers
         q = torch.randn(1, 2, 15, 4, requires_grad=True)
-        attend(q, q, q, AttnSpec(causal=True), MaskInfo(q_seg=mask.q_seg, k_seg=mask.k_seg),
-               KERNELS["flash_cpu"]).sum().backward()
+        attend(q, q, q, AttnSpec(causal=True), shard.mask(), KERNELS["flash_cpu"]).sum().backward()
     assert len(calls) == 1
-    seg2 = seg.clone()
-    document_rects(AttnSpec(causal=True), MaskInfo(q_seg=seg2, k_seg=seg2), 15, 15, 1)
+    other = SeqShard((15,), segments=seg.clone())
+    document_rects(AttnSpec(causal=True), other.mask(), 15, 15, 1)
     assert len(calls) == 2
-    n = len(varlen._PLANS)
-    del seg2
-    assert len(varlen._PLANS) == n - 1
+    state = weakref.ref(other.state)
+    del other
+    assert state() is None  # freed with its batch at once: nothing holds it in a cycle
+    # a mask built outside a batch's SeqShard is planned per call, and nothing is kept for it
+    document_rects(AttnSpec(causal=True), MaskInfo(q_seg=seg, k_seg=seg), 15, 15, 1)
+    document_rects(AttnSpec(causal=True), MaskInfo(q_seg=seg, k_seg=seg), 15, 15, 1)
+    assert len(calls) == 4

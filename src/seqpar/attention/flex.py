@@ -39,7 +39,7 @@ from .varlen import per_batch
 BLOCK = 128
 """flex's tile edge (its default ``BLOCK_SIZE``)."""
 
-_warned: set[str] = set()
+_warned: set[str] = set()  # said once per process: {"uncompiled"} at most (see kernels._warned)
 
 _BIG = 1 << 62
 

@@ -92,6 +92,9 @@ class AutoKernel(LocalKernel):
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
         return attend(q, k, v, spec, mask, self)
 
+    def lse_twin(self, spec: AttnSpec) -> str | None:
+        return None if spec.dropout else "auto"  # sdpa or the varlen kernel: the same math; dropout only sdpa samples
+
 
 class FunctionKernel(LocalKernel):
     """A plain function ``fn(q, k, v, *, spec, mask) -> out`` as a kernel; it reads the spec itself."""
@@ -217,7 +220,10 @@ KERNELS: dict[str, Kernel] = {
 }
 
 _CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_warned: set[str] = set()  # what was said once already
+_warned: set[str] = set()
+"""What this process was told once already: a fixed vocabulary ("tiled", "sdpa_dense"), so it stays
+this small. Not Python's once-per-location warning registry: every ``warnings.catch_warnings()``
+(flex's per call, torch's own) resets that, and the warning would come back per layer."""
 
 
 CUDA_FLASH_VERIFIED = True

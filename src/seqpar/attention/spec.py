@@ -82,6 +82,10 @@ class MaskInfo:
     key_keep [B, Sk]        bool: False marks a padding key.
     q_seg [B, Sq], k_seg [B, Sk]  long: document id of each token in a packed row; a query sees
                                   only keys of its own document.
+    plans                         where kernels keep what they plan from these tensors (document
+                                  rectangles, flags, block masks): the part of the batch's
+                                  :class:`~seqpar.attention.shard.BatchState` this block is, so the
+                                  batch's layers plan once. None: planned per call.
     """
 
     q_pos: Tensor | None = None
@@ -89,6 +93,20 @@ class MaskInfo:
     key_keep: Tensor | None = None
     q_seg: Tensor | None = None
     k_seg: Tensor | None = None
+    plans: dict | None = field(default=None, compare=False, repr=False)
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        return self.q_pos, self.k_pos, self.key_keep, self.q_seg, self.k_seg
+
+    def in_token_order(self, inverse: Tensor, plans: dict | None = None) -> MaskInfo:
+        """This mask of a permuted self-attention block (``q_pos is k_pos``, a layout permutation)
+        with its tokens taken back to token order by ``inverse`` ``[S]`` (the permutation's
+        inverse): positions become the identity."""
+        def order(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.index_select(1, inverse.to(t.device))
+
+        seg = order(self.q_seg)
+        return MaskInfo(key_keep=order(self.key_keep), q_seg=seg, k_seg=seg, plans=plans)
 
     def is_trivial(self) -> bool:
         return self.key_keep is None and self.q_seg is None and self.k_seg is None
@@ -159,6 +177,12 @@ class LocalKernel(ABC):
 
     @abstractmethod
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor: ...
+
+    def lse_twin(self, spec: AttnSpec) -> str | None:
+        """A registered lse kernel that computes exactly what this kernel computes for ``spec``
+        (``"auto"``: the device's varlen one), which ``torch.compile``-d calls run in its place,
+        inside an op; None (the default): none does, such a call runs eagerly there."""
+        return None
 
 
 Kernel = LseKernel | LocalKernel

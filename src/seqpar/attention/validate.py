@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.agree import MISSING, check, dtype_name, shape_facts, share
-from .shard import SeqShard
 from .spec import AttnSpec
 
 _ATTN_NAMES = {
@@ -82,13 +81,30 @@ def _problem(f: dict[str, float]) -> str | None:
     return None
 
 
-def shard_lengths(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec,
-                  key_padding_mask: Tensor | None, segment_ids: Tensor | None, shard: SeqShard | None,
-                  validate: bool) -> tuple[int, ...]:
-    """Every rank's local length: validated across ranks (:func:`check_attention_inputs`, one
-    all-gather) when ``validate``, else taken from ``shard`` (or assumed equal to this rank's)."""
-    if validate:
-        me = dist.get_rank(group)
-        return check_attention_inputs(q, k, v, group=group, spec=spec, key_padding_mask=key_padding_mask,
-                                      segment_ids=segment_ids, shard_len=None if shard is None else shard.seq_lens[me])
-    return tuple(shard.seq_lens) if shard is not None else (q.shape[1],) * dist.get_world_size(group)
+def check_grid_inputs(q: Tensor, k: Tensor, v: Tensor, ulysses_group: dist.ProcessGroup,
+                      ring_group: dist.ProcessGroup, *, spec: AttnSpec, key_padding_mask: Tensor | None,
+                      segment_ids: Tensor | None, shard_len: int | None) -> tuple[int, ...]:
+    """Validate over a whole ``ring x ulysses`` grid so every rank raises the same ValueError.
+
+    1. Each ulysses group checks its ranks' inputs (one all-gather); an error is kept, not raised.
+    2. The ring group shares every ulysses group's verdict, lengths and message (one all-gather):
+       every rank sees the same table and raises the same error if any group failed.
+    3. All inputs are well-formed now; the ring group checks that the groups agree (same heads,
+       dtype, options), which every ring group sees alike. Returns all sp ranks' local lengths.
+    """
+    kw = dict(spec=spec, key_padding_mask=key_padding_mask, segment_ids=segment_ids, shard_len=shard_len)
+    n_u = dist.get_world_size(ulysses_group)
+    try:
+        lens, err = check_attention_inputs(q, k, v, group=ulysses_group, **kw), None
+    except ValueError as e:
+        lens, err = (0,) * n_u, str(e)
+    table = share({f"len{i}": float(n) for i, n in enumerate(lens)}, ring_group, problem=err, device=q.device)
+    if any(table.problems):
+        raise ValueError("\n".join(f"in the ulysses group of ring rank {i}: {m}"
+                                   for i, m in enumerate(table.problems) if m))
+    try:
+        check_attention_inputs(q, k, v, group=ring_group, **kw)
+    except ValueError as e:
+        raise ValueError(f"{e}\n  (ranks counted along the ring axis: ring rank i holds sp ranks"
+                         f" {n_u}*i .. {n_u}*i+{n_u - 1})") from None
+    return tuple(int(n) for row in table.rows for n in row.values())

@@ -21,7 +21,6 @@ tile's worth of scores, whatever the block's length. Pure: no communication, pla
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -99,38 +98,29 @@ def _tiles(spec: AttnSpec, row: int | None, q_pos: Tensor, k_pos: Tensor, q0: in
     return out
 
 
-_PLANS: dict[int, dict[tuple, tuple[list, Any]]] = {}
-"""Per-batch results by ``id`` of the mask's first tensor; an entry goes when that tensor dies."""
 _PLAIN: dict[tuple, Any] = {}
-"""Results for masks without tensors, by key alone."""
+"""Results for masks without tensors, by key alone (pure ints and flags): a bounded memo."""
 
 
 def per_batch(mask: MaskInfo, key: tuple, compute: Callable[[], T]) -> T:
-    """``compute()``, once per batch: kept while the tensors of ``mask`` live (the layers of a
-    model and the backward share one SeqShard's tensors) and read back when the same tensors come
-    again with the same ``key`` -- without touching them, so no host synchronization after a
-    batch's first layer. A mask without tensors (positions 0..n-1, nothing masked) is a pure
-    function of ``key``: computed once per process (a bounded memo), not per layer."""
-    tensors = [mask.q_pos, mask.k_pos, mask.key_keep, mask.q_seg, mask.k_seg]
-    anchor = next((t for t in tensors if t is not None), None)
-    if anchor is None:
+    """``compute()``, once per batch: kept in ``mask.plans`` (the part of the batch's
+    :class:`~seqpar.attention.shard.BatchState` the mask describes, which lives as long as the
+    batch's SeqShard) and read back by the batch's later layers and the backward -- without
+    touching the tensors, so no host synchronization after a batch's first layer. A mask without
+    tensors (positions 0..n-1, nothing masked) is a pure function of ``key``: computed once per
+    process (a bounded memo), not per layer. A mask with tensors but no ``plans`` (built outside
+    a batch's SeqShard) is planned per call."""
+    if all(t is None for t in mask.tensors()):
         if key not in _PLAIN:
             if len(_PLAIN) >= 1024:  # sizes vary from batch to batch: keep the memo bounded
                 _PLAIN.clear()
             _PLAIN[key] = compute()
         return _PLAIN[key]
-    key = (*key, tuple(t is None for t in tensors))
-    plans = _PLANS.get(id(anchor))
-    if plans is None:
-        plans = _PLANS[id(anchor)] = {}
-        weakref.finalize(anchor, _PLANS.pop, id(anchor), None)
-    hit = plans.get(key)
-    if hit is not None and all((r is None and t is None) or (r is not None and r() is t)
-                               for r, t in zip(hit[0], tensors, strict=True)):
-        return hit[1]
-    value = compute()
-    plans[key] = ([None if t is None else weakref.ref(t) for t in tensors], value)
-    return value
+    if mask.plans is None:
+        return compute()
+    if key not in mask.plans:
+        mask.plans[key] = compute()
+    return mask.plans[key]
 
 
 def document_rects(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int,

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.layout import LAYOUTS, document_cuts, layout_indices, min_seq_len
-from ..attention.shard import SeqShard
+from ..attention.shard import BatchState, SeqShard
 from ..comm import collectives, faults
 from ..comm.agree import MISSING, check, share
 from ..comm.collectives import comm_device
@@ -50,7 +50,8 @@ class LocalBatch:
     Travels to the attention function and the loss through ``model(**local)`` keyword arguments.
     A plain class (not a dataclass) so that DDP / FSDP input movers pass it through untouched.
 
-    shard         the :class:`SeqShard` (lengths, layout permutation, global key mask, segments)
+    shard         the :class:`SeqShard` (lengths, layout permutation, global key mask, segments; the
+                  batch's plans and failure record live in its state)
     sp_rank       this rank's index in the SP group; sp_size its size; dp_size the data-parallel size
     denominator   N of the loss: ``num_items_in_batch`` if given, else the (weighted) target count
                   of this dp rank's whole batch
@@ -63,7 +64,7 @@ class LocalBatch:
     """
 
     __slots__ = ("shard", "sp_rank", "sp_size", "dp_size", "denominator", "grad_scale", "num_items_in_batch",
-                 "loss_weights", "attention_calls", "mask_cache", "visual")
+                 "loss_weights", "attention_calls", "visual")
 
     def __init__(self, shard: SeqShard, *, sp_rank: int, sp_size: int, dp_size: int, denominator: float,
                  num_items_in_batch: float | None, loss_weights: Tensor | None) -> None:
@@ -79,7 +80,6 @@ class LocalBatch:
         self.grad_scale = ranks / n
         self.loss_weights = loss_weights
         self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)
-        self.mask_cache: dict[Any, Any] = {}  # dense masks shared by the layers of this batch
         self.visual: VisualBatch | None = None  # set by shard_batch for a batch with images
 
     @property
@@ -268,7 +268,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
 
     shard = SeqShard(seq_lens, on_comm(perm),
                      on_comm(prep.key_keep if perm is None else in_layout(prep.key_keep)),
-                     on_comm(prep.segments if perm is None else in_layout(prep.segments)))
+                     on_comm(prep.segments if perm is None else in_layout(prep.segments)), BatchState(mesh))
 
     def local(t: Tensor) -> Tensor:  # [B, S_local, ...] on `device`
         mine = t.index_select(1, idx)
@@ -289,7 +289,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         out["shift_labels"] = out["labels"]
     out["use_cache"] = False
     positions_given = batch.get("position_ids") is not None or batch.get("cu_seq_lens_q") is not None
-    info.visual = visual_batch(batch, pieces, positions_given)  # the model encodes and routes it
+    info.visual = visual_batch(batch, pieces, positions_given, prep.segments)  # the model encodes and routes it
     out[BATCH_KWARG] = info
     return out
 

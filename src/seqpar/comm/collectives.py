@@ -4,17 +4,21 @@ Uneven sizes are normal: a dim of size n split over P ranks follows ``torch.tens
 first ``n % P`` ranks hold one more), see :func:`split_sizes`. Everything is built on
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``batch_isend_irecv`` (the all-to-all too:
 it moves every piece straight between its places, see :func:`_exchange`), which behave the same on
-gloo and NCCL: the code the CPU tests run is the code that runs on GPUs.
+gloo and NCCL: the code the CPU tests run is the code that runs on GPUs. Inside ``torch.compile``
+the all-to-all is torch's functional one (:func:`_traced_all_to_all`), which dynamo traces into the
+graph with its autograd: no graph break.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
 
 from . import waits
 from .mesh import uses_nccl
@@ -243,7 +247,34 @@ def all_to_all_multi(xs: Sequence[Tensor], *, scatter_dim: int, gather_dim: int,
         raise ValueError(f"scatter_dim and gather_dim must differ, both are {sd}")
     send_ranges = tuple(tuple((int(a), int(b)) for a, b in rngs) for rngs in send_ranges)
     recv_sizes = tuple(tuple(int(s) for s in sizes) for sizes in recv_sizes)
+    if torch.compiler.is_compiling():
+        if flag is not None:
+            raise ValueError("a failure flag cannot ride a traced all-to-all: compiled calls check failures in ops")
+        return _traced_all_to_all(xs, sd, gd, group, send_ranges, recv_sizes)
     return _AllToAll.apply(group, sd, gd, send_ranges, recv_sizes, flag, *xs)
+
+
+def _traced_all_to_all(xs: Sequence[Tensor], sd: int, gd: int, group: Group,
+                       send_ranges: Sequence[Sequence[tuple[int, int]]],
+                       recv_sizes: Sequence[Sequence[int]]) -> tuple[Tensor, ...]:
+    """:func:`all_to_all_multi` as torch's functional ``all_to_all_single`` (differentiable: its
+    backward is the reverse exchange), for ``torch.compile`` to trace: every piece for rank r is
+    flattened into one send buffer in rank order, and what arrives is cut back into pieces and
+    concatenated along ``gather_dim``. The narrows' backward adds the gradients of replicated
+    ranges, as :class:`_AllToAll`'s does. Costs a pack and an unpack copy more than the eager one."""
+    p, me = dist.get_world_size(group), dist.get_rank(group)
+    send, in_splits = [], []
+    for r in range(p):
+        pieces = [x.narrow(sd, *rngs[r]).reshape(-1) for x, rngs in zip(xs, send_ranges, strict=True)]
+        send += pieces
+        in_splits.append(sum(t.numel() for t in pieces))
+    shapes = [[_resized(x.shape, {sd: rngs[me][1], gd: sizes[s]})
+               for x, rngs, sizes in zip(xs, send_ranges, recv_sizes, strict=True)] for s in range(p)]
+    out_splits = [sum(math.prod(shape) for shape in shapes[s]) for s in range(p)]
+    got = funcol.all_to_all_single_autograd(torch.cat(send), out_splits, in_splits, group)
+    per_rank = [chunk.split([math.prod(shape) for shape in shapes[s]])
+                for s, chunk in enumerate(got.split(out_splits))]
+    return tuple(torch.cat([per_rank[s][i].view(shapes[s][i]) for s in range(p)], dim=gd) for i in range(len(xs)))
 
 
 def all_to_all(x: Tensor, *, scatter_dim: int, gather_dim: int, group: Group,

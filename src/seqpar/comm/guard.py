@@ -38,6 +38,12 @@ reaches before a result is used::
   nothing checked (a forward with autograd on whose output never reached seqpar's loss nor a
   backward).
 
+The calls of one batch note into the batch's own :class:`FailureRecord` (its SeqShard keeps it, and
+it goes with the batch); the process keeps one pointer, to the record with calls nothing checked
+yet, because the check points above are points of the program, not of one batch. Inside
+``torch.compile`` the guarded compute runs in opaque ops (:mod:`seqpar.attention.ops`) that note into
+the same record, and the check points run eagerly (never traced), so both modes raise alike.
+
 So a failure stops every rank, with the original message, before anything uses the batch's result;
 it stops them at the end of the forward or backward rather than in the failing layer. Limits: an
 exception outside the guarded compute (an MLP running out of memory after attention already did)
@@ -64,46 +70,52 @@ DEFERRED_WHAT = "sequence-parallel attention of this batch"
 rank knows which call failed; its message says what failed)."""
 
 
-class _Pending:
-    """This rank's deferred calls since the last check: which groups they used (the check's fence
-    stages, in first-use order, the same on every rank), its first failure, and the batch they
-    belong to. One per process, because the checks are points the whole program passes through
-    (the loss, the end of a backward) rather than points of one call."""
+class FailureRecord:
+    """One batch's calls checked once per batch: which groups they used (the check's fence stages,
+    in first-use order, the same on every rank) and this rank's first failure among them. Owned
+    by the batch (:class:`seqpar.attention.shard.SeqShard` keeps one for all its layers and
+    derived shards); cleared by each check, filled again by the calls after it (the backward)."""
 
     def __init__(self) -> None:
         self.stages: list[tuple[dist.ProcessGroup, ...]] = []
         self.error: Exception | None = None
-        self.batch: object | None = None
 
-    def note(self, groups: tuple[dist.ProcessGroup, ...], batch: object) -> None:
+    def note(self, groups: tuple[dist.ProcessGroup, ...]) -> None:
+        """A call of this batch used ``groups``; from now on this record is the one to check."""
+        global _unchecked
         if groups not in self.stages:
             self.stages.append(groups)
-        self.batch = batch
+        _unchecked = self
 
     def clear(self) -> tuple[list[tuple[dist.ProcessGroup, ...]], Exception | None]:
         stages, error = self.stages, self.error
-        self.stages, self.error, self.batch = [], None, None
+        self.stages, self.error = [], None
         return stages, error
 
 
-_PENDING = _Pending()
+_unchecked: FailureRecord | None = None
+"""The one batch record with calls since the last check, if any. The check points are points the
+whole program passes through (the loss, the end of a backward, the next batch's first call), not
+points of one batch, so the process keeps this one pointer to the record they check; the record
+itself lives with its batch."""
 
 
 class Guard:
     """This rank's first failure in the local compute of one collective call, raised on every rank
     by a fence. ``groups``: the fence stages (:func:`seqpar.comm.agree.fence`); ``what`` names the
-    call. ``batch``: an object standing for the batch (one per batch, see
-    :func:`seqpar.attention.shard.batch_token`) to check the call once per batch instead of per
+    call. ``batch``: the batch's :class:`FailureRecord` (see
+    :func:`seqpar.attention.shard.deferred_check`) to check the call once per batch instead of per
     call (see the module doc); None checks per call."""
 
-    def __init__(self, groups: Sequence[dist.ProcessGroup], what: str, *, batch: object | None = None) -> None:
+    def __init__(self, groups: Sequence[dist.ProcessGroup], what: str, *, batch: FailureRecord | None = None
+                 ) -> None:
         self.groups, self.what, self.batch = tuple(groups), what, batch
         self.error: Exception | None = None
         self._heard: dict[str, bool] = {}  # direction -> did any rank's flag say it failed
-        if _PENDING.stages and _PENDING.batch is not batch:  # an earlier batch nothing checked
-            check_failures()
+        if _unchecked is not None and _unchecked is not batch and _unchecked.stages:  # an earlier batch
+            check_failures()  # nothing checked
         if batch is not None:
-            _PENDING.note(self.groups, batch)
+            batch.note(self.groups)
 
     @property
     def deferred(self) -> bool:
@@ -112,7 +124,7 @@ class Guard:
 
     @property
     def failed(self) -> bool:
-        return self.error is not None or (self.deferred and _PENDING.error is not None)
+        return self.error is not None or (self.batch is not None and self.batch.error is not None)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         """``fn(*args, **kwargs)``; None when it raised (the error is kept) or this rank already
@@ -123,8 +135,8 @@ class Guard:
             return fn(*args, **kwargs)
         except Exception as e:  # kept, and raised on every rank by the fence
             self.error = e
-            if self.deferred:
-                _PENDING.error = e
+            if self.batch is not None:
+                self.batch.error = e
             return None
 
     def flag(self, direction: str) -> _FailureFlag | None:
@@ -140,8 +152,8 @@ class Guard:
         """Every rank of the call raises if any rank failed (see :func:`seqpar.comm.agree.fence`).
         Free when a flag of ``direction`` told every rank that none did: they all heard the same.
         Checked once per batch: nothing now; the backward's end is made a check point."""
-        if self.deferred:
-            _PENDING.note(self.groups, self.batch)
+        if self.batch is not None:
+            self.batch.note(self.groups)
             if direction == "backward":
                 # every deferred backward queues one; the first to run checks, the rest find nothing
                 compat.queue_backward_callback(check_failures)
@@ -164,23 +176,30 @@ class Guard:
         return tuple(None if x is None else next(out) for x in xs)
 
 
+# The check points read and clear the record at run time: under torch.compile they must not be traced
+# (a traced read would bake one batch's answer into the graph), so they run eagerly -- a graph break at
+# the loss or wherever a check point sits, never inside an attention call.
+@torch.compiler.disable
 def pending_failure() -> float | None:
     """1.0 if a call checked once per batch failed on this rank since the last check, 0.0 if not,
     None when no such call ran (nothing to check: the same answer on every rank). A number to
     all-reduce with other numbers, then :func:`check_failures` with the sum."""
-    if not _PENDING.stages:
+    if _unchecked is None or not _unchecked.stages:
         return None
-    return 1.0 if _PENDING.error is not None else 0.0
+    return 1.0 if _unchecked.error is not None else 0.0
 
 
+@torch.compiler.disable
 def check_failures(group: dist.ProcessGroup | None = None, *, any_failed: bool | None = None) -> None:
     """Raise on every rank if a call checked once per batch failed on any rank since the last check;
     clear the record either way. Collective over ``group`` (default: the calls' own groups), so
     every rank of it calls this at the same point; free when no such call ran. ``any_failed``:
     already agreed over the ranks (a sum of :func:`pending_failure`): no collective when False."""
-    if not _PENDING.stages:
+    global _unchecked
+    record, _unchecked = _unchecked, None
+    if record is None or not record.stages:
         return
-    stages, error = _PENDING.clear()
+    stages, error = record.clear()
     if any_failed is False:
         return
     own = group is None or dist.get_world_size(group) == 1  # nothing to agree over: the calls' own groups

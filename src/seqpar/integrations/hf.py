@@ -14,7 +14,7 @@ masks would have said per layer -- a window, a chunk -- and the layer's sinks ar
       decoder layer
         q, k, v    # [B, H, S/P, D]          the model's projections, norms, RoPE: untouched
         seqpar attention fn                  spec from the call: scaling, sliding_window, softcap,
-          sp_attention(strategy)               dropout, module.is_causal; mask from the SeqShard
+          STRATEGIES[strategy]                 dropout, module.is_causal; mask from the SeqShard
             local kernel                     the model's own sdpa / eager function (Ulysses)
         out        # [B, S/P, H, D]
       logits       # [B, S/P, V]
@@ -26,7 +26,9 @@ together with transformers' ``sdpa_mask`` or ``eager_mask`` (that says which mas
 Anything else (flash_attention_*, flex_attention) runs on seqpar's ``auto`` kernel. Ring and
 hybrid need a kernel that returns the log-sum-exp, so they use seqpar's (:func:`attention_kernel`
 says in words which one a parallelized model runs). ``unparallelize`` restores the implementation
-and the loss function.
+and the loss function. Under ``torch.compile`` the model's plain ``sdpa`` gives way to seqpar's varlen
+lse kernel (the same math) inside an opaque op, so no layer breaks the graph
+(:mod:`seqpar.attention.ops`); an eager function runs as it runs without compilation.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import compat
-from ..attention.dispatch import check_strategy, resolve_strategy, sp_attention
+from ..attention.dispatch import STRATEGIES, check_strategy, mesh_groups, resolve_strategy
 from ..attention.kernels import KernelArg
 from ..attention.shard import chunked_documents
 from ..batch.loss import make_loss_function
@@ -78,6 +80,7 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
 
     group = axis_group(mesh, Axis.SP.value)
     p, me = dist.get_world_size(group), dist.get_rank(group)
+    groups = mesh_groups(mesh, strategy)  # looked up once: inside torch.compile a lookup would break the graph
 
     def seqpar_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                          attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
@@ -116,15 +119,15 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
         kern = kernel
         if kern is None and strategy == "ulysses":
             fn, kind = original_function(original, module)
-            kern = ModelKernel(fn, module, kind, batch) if fn is not None else "auto"
+            kern = ModelKernel(fn, module, kind) if fn is not None else "auto"
         if not query.dtype == key.dtype == value.dtype:
             # under torch.autocast RoPE leaves q, k in float32 while v is bfloat16; the fused
             # all-to-all needs one dtype, and autocast would run attention in v's anyway
             query, key = query.to(value.dtype), key.to(value.dtype)
-        out = sp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
-                           strategy=strategy, causal=causal, scale=scaling, window=opts.window, chunk=chunk,
-                           softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=shard,
-                           validate=False)
+        out = STRATEGIES[strategy](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
+                                   groups=groups, causal=causal, scale=scaling, window=opts.window, chunk=chunk,
+                                   softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=shard,
+                                   validate=False)
         batch.attention_calls += 1
         return out, None  # [B, S/P, H, D]
 
@@ -144,11 +147,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
 
     Hybrid models: the Mamba, Mamba2, Gated DeltaNet, Kimi and LFM2 short-convolution layers of
     :data:`.mixers.HANDLED_MIXERS` are exact too. LFM2's short convolutions take a halo of the
-    previous rank's last inputs (scalable); Gated DeltaNet, Kimi and most Mamba2 layers are split
-    by heads and Jamba's Mamba by inner channels (each rank runs its share on the whole sequence:
-    compute split P ways, input held whole); the rest (Zamba's Mamba, Falcon-H1) are *gathered*:
-    every rank runs such a layer on the whole sequence (its compute repeated P times), see
-    :mod:`.mixers` and
+    previous rank's last inputs; the recurrent layers run *state passing* (each rank its own
+    tokens, the scan's state across ranks: compute and memory O(S/P), communication independent
+    of S) or, where measured faster, split by heads (each rank its share of the heads on the
+    whole sequence), see :mod:`.mixers`, :func:`.mixers.set_mixer_mode` and
     :func:`.mixers.describe_token_mixers`.
 
     Raises ValueError if the model is not a transformers model whose attention goes through
@@ -191,7 +193,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
 
     def catch_batch(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
         last.batch = kwargs.get(BATCH_KWARG)
-        if torch.is_grad_enabled():  # a step that will have gradients: are they reduced over every rank?
+        # a step that will have gradients: are they reduced over every rank? (Eager calls only: the
+        # check reads process groups and wrapper state, which would break a compiled graph at its
+        # first line; so a forward traced by torch.compile skips it: a known limit, README)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             check_gradient_reduction(model, mesh)
 
     record = ensure_state(model)

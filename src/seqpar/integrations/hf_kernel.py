@@ -13,7 +13,6 @@ from ..attention.kernels import KERNELS, attend, lse_kernel_for
 from ..attention.layout import inverse_permutation
 from ..attention.spec import AttnSpec, LocalKernel, MaskInfo, dense_mask
 from ..attention.varlen import mask_flag, per_batch, plan_mask
-from ..batch.sharding import LocalBatch
 
 
 class _LocalHeads:
@@ -36,7 +35,8 @@ class ModelKernel(LocalKernel):
     ``fn(q, k, v, *, spec, mask) -> out``, layouts ``[B, H, S, D]``, differentiable by itself).
 
     The mask it gets is seqpar's (global positions, window, padding, documents), built once per
-    batch and layer kind and shared by all layers: a bool mask for ``sdpa``, an additive one (0 /
+    batch and layer kind and shared by all layers (kept in the batch's plans, see
+    :func:`seqpar.attention.varlen.per_batch`): a bool mask for ``sdpa``, an additive one (0 /
     dtype min, as transformers' eager mask) for ``eager``. Rows that see no key at all (padding
     queries) are computed against every key and zeroed, so no NaN can reach the backward.
 
@@ -48,22 +48,23 @@ class ModelKernel(LocalKernel):
 
     supports = None  # the model's function reads softcap, dropout and the window mask itself
 
-    def __init__(self, fn: Callable[..., tuple[Tensor, Any]], module: nn.Module, kind: str, batch: LocalBatch
-                 ) -> None:
+    def __init__(self, fn: Callable[..., tuple[Tensor, Any]], module: nn.Module, kind: str) -> None:
         assert kind in ("bool", "additive")
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        self.fn, self.module, self.kind, self.batch = fn, module, kind, batch
+        self.fn, self.module, self.kind = fn, module, kind
         self.name = f"the model's own ({getattr(fn, '__name__', 'attention')})"
         self.plain_sdpa = fn is sdpa_attention_forward
 
+    def lse_twin(self, spec: AttnSpec) -> str | None:
+        # transformers' sdpa function is plain SDPA: without dropout, seqpar's varlen kernel is the same math
+        return "auto" if self.plain_sdpa and not spec.dropout else None
+
     def _mask(self, spec: AttnSpec, mask: MaskInfo, q: Tensor) -> tuple[bool, Tensor | None, Tensor | None]:
         """(is_causal flag, mask in the function's format or None, rows that see a key or None)."""
-        docs = None if mask.q_seg is None else id(mask.q_seg)  # chunked layers' documents differ (see hf.py)
-        key = (self.kind, spec.causal, spec.window, spec.chunk, q.dtype, q.device, q.shape[2], docs)
-        cache = self.batch.mask_cache
-        if key not in cache:
-            s = q.shape[2]
+        s = q.shape[2]
+
+        def build() -> tuple[bool, Tensor | None, Tensor | None]:
             if self.kind == "bool":
                 causal, allowed = plan_mask(spec, mask, s, s, q.device)
             else:  # eager applies nothing by itself: always give it the whole mask
@@ -77,8 +78,10 @@ class ModelKernel(LocalKernel):
                 if self.kind == "additive":
                     allowed = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
                         ~allowed, torch.finfo(q.dtype).min)
-            cache[key] = (causal, allowed, seen)
-        return cache[key]
+            return causal, allowed, seen
+
+        return per_batch(mask, ("model mask", self.kind, spec.causal, spec.window, spec.chunk, q.dtype, q.device, s),
+                         build)
 
     def _in_order(self, mask: MaskInfo) -> tuple[MaskInfo, Tensor | None, Tensor | None]:
         """A permuted layout (zigzag) put back in token order: ``(mask, perm, inverse)``. The
@@ -87,18 +90,12 @@ class ModelKernel(LocalKernel):
         if mask.q_pos is None or mask.k_pos is None or not (mask.q_pos is mask.k_pos or per_batch(
                 mask, ("same positions",), lambda: torch.equal(mask.q_pos, mask.k_pos))):
             return mask, None, None
-        key = ("order", mask.q_pos.data_ptr(), None if mask.q_seg is None else id(mask.q_seg))
-        cache = self.batch.mask_cache
-        if key not in cache:
-            perm = mask.q_pos
-            inv = inverse_permutation(perm)
 
-            def order(t: Tensor | None) -> Tensor | None:
-                return None if t is None else t.index_select(1, inv.to(t.device))
+        def reorder() -> tuple[MaskInfo, Tensor, Tensor]:
+            inv = inverse_permutation(mask.q_pos)
+            return mask.in_token_order(inv, plans=None if mask.plans is None else {}), mask.q_pos, inv
 
-            seg = order(mask.q_seg)
-            cache[key] = (MaskInfo(key_keep=order(mask.key_keep), q_seg=seg, k_seg=seg), perm, inv)
-        return cache[key]
+        return per_batch(mask, ("in token order",), reorder)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo | None) -> Tensor:
         # q [B, H, S, D], k / v [B, H_kv, S, D], the whole sequence in layout order

@@ -13,7 +13,7 @@ width), ``U`` ulysses, ``R`` ring, ``b`` bytes per element, ``B`` sequences per 
 
 * Ulysses: the all-to-all in moves this rank's q (``h``), k and v (``g'`` each) except the 1/U share
   it keeps; the one back moves ``out`` (``h``). ``g' = d * sum_r kv_heads(r)`` counts each KV head
-  once per ulysses rank that receives it (:func:`seqpar.attention.ulysses.head_ranges`): with ``H_kv < U``, or uneven
+  once per ulysses rank that receives it (:func:`seqpar.attention.heads.head_ranges`): with ``H_kv < U``, or uneven
   query heads, a KV head goes to several ranks and ``g'`` exceeds ``g = H_kv * d``.
 * Ring: each rank keeps its queries and passes K and V blocks ``R-1`` hops. After the ulysses
   all-to-all a rank holds ``N/R`` tokens of its ``kv(r)`` KV heads, so a hop carries

@@ -7,7 +7,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from ..attention.ulysses import head_ranges, kv_index
+from ..attention.heads import head_ranges, kv_index
 from ..comm.collectives import split_sizes
 
 
