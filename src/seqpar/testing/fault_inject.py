@@ -103,10 +103,11 @@ class Injector:
         import seqpar
         import seqpar.batch.loss as loss_module
         import seqpar.comm.collectives as collectives
-        import seqpar.integrations.hf as hf
         import seqpar.integrations.tiled_head as tiled_head
+        from seqpar.attention.dispatch import STRATEGIES
 
-        saved = [(hf, "sp_attention", hf.sp_attention), (loss_module, "token_losses", loss_module.token_losses),
+        strategies = dict(STRATEGIES)  # what parallelize's attention function calls, by strategy
+        saved = [(loss_module, "token_losses", loss_module.token_losses),
                  (tiled_head, "tiled_loss_sum", tiled_head.tiled_loss_sum),
                  (collectives, "all_reduce", collectives.all_reduce), (seqpar, "sync_gradients", seqpar.sync_gradients)]
         in_sync = [False]
@@ -125,7 +126,8 @@ class Injector:
             finally:
                 in_sync[0] = False
 
-        hf.sp_attention = wrap("attention", hf.sp_attention)
+        for name, fn in strategies.items():
+            STRATEGIES[name] = wrap("attention", fn)
         loss_module.token_losses = wrap("loss", loss_module.token_losses)
         tiled_head.tiled_loss_sum = wrap("loss", tiled_head.tiled_loss_sum)
         collectives.all_reduce = wrap("sync", collectives.all_reduce)
@@ -135,6 +137,7 @@ class Injector:
         finally:
             for module, name, fn in saved:
                 setattr(module, name, fn)
+            STRATEGIES.update(strategies)
 
 
 def _first_mlp(model: nn.Module) -> nn.Module:
