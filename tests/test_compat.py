@@ -257,6 +257,13 @@ def _worker(rank: int, world: int) -> dict:
     root(torch.ones(1, 2)).sum().backward()  # mid-step too: the same meshes, sharded or not
     out["fsdp after"] = [m.mesh.tolist() for m in compat.fsdp_meshes(root[0])]
     out["dtensor"] = compat.is_traceable_wrapper_subclass(root[0].weight) and isinstance(root[0].weight, DTensor)
+
+    store = compat.default_store()  # the store init_process_group made: every rank reaches the same one
+    store.set(f"compat-from-{rank}", str(rank))
+    out["store"] = [store.get(f"compat-from-{r}").decode() for r in range(world)]
+    dist.barrier()  # the last collective: nothing pending when the groups go
+    compat.abort_all_groups()
+    out["aborted"] = not dist.is_initialized()
     return out
 
 
@@ -282,6 +289,12 @@ def test_fsdp_meshes_are_the_meshes_fully_shard_got(dist_results):
     for r in dist_results:
         assert r["fsdp"] == [[[0, 1]], [[0, 1]], [[0, 1]], []]  # the root holds no parameter of its own
         assert r["not fsdp"] == [] and r["fsdp after"] == [[0, 1]] and r["dtensor"]
+
+
+@pytest.mark.distributed
+def test_default_store_is_the_one_every_rank_reaches_and_abort_all_groups_ends_them(dist_results):
+    for r in dist_results:
+        assert r["store"] == ["0", "1"] and r["aborted"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
     shim                             outside internal                                  used by
     -------------------------------  ------------------------------------------------  -----------------------
     flatten_mesh                     DeviceMesh._flatten                               comm/mesh.py
-    queue_backward_callback          Variable._execution_engine.queue_callback         comm/guard.py
+    queue_backward_callback          Variable._execution_engine.queue_callback         comm/guard.py, comm/faults.py
+    default_store                    distributed_c10d._get_default_store               comm/faults.py
+    abort_all_groups                 distributed_c10d._abort_process_group             comm/waits.py
     cpu_flash_attention(_backward)   aten._scaled_dot_product_flash_attention_for_cpu  attention/flash_cpu.py
                                      (and its _backward)
     cuda_flash_attention(_backward)  aten._scaled_dot_product_flash_attention(_bw)     attention/cuda.py
@@ -53,11 +55,11 @@ CHECKED_ON = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0
 """The versions every shim here was tested on (``tests/test_compat.py``)."""
 
 __all__ = [
-    "CHECKED_ON", "KernelCall", "TorchDispatchMode", "active_ddp_module", "attn_implementation", "cpu_flash_attention",
-    "cpu_flash_attention_backward", "cuda_efficient_attention", "cuda_efficient_attention_backward",
-    "calls_kernels", "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention",
-    "cudnn_attention_backward", "decoder_block_classes", "fail_on_recompile_limit", "flatten_mesh", "fsdp_meshes",
-    "init_weights_override", "is_traceable_wrapper_subclass", "kernels_replaced", "mark_uninitialized",
+    "CHECKED_ON", "KernelCall", "TorchDispatchMode", "abort_all_groups", "active_ddp_module", "attn_implementation",
+    "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention",
+    "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention",
+    "cudnn_attention_backward", "decoder_block_classes", "default_store", "fail_on_recompile_limit", "flatten_mesh",
+    "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass", "kernels_replaced", "mark_uninitialized",
     "modeling_module", "queue_backward_callback", "split_prepared_loader",
 ]
 
@@ -130,6 +132,30 @@ def fail_on_recompile_limit() -> contextlib.AbstractContextManager[Any]:
     of silently running uncompiled (``torch._dynamo.config.fail_on_recompile_limit_hit``)."""
     return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed: the default group's store, aborting every group
+# ---------------------------------------------------------------------------------------------
+
+
+def default_store() -> Any:
+    """The store ``init_process_group`` created for (or was given for) the default process group
+    (``distributed_c10d._get_default_store()``): the one every rank of the job reaches, whatever the
+    launcher (torchrun's agent store, a ``file://`` or ``env://`` rendezvous). torch has no public
+    getter (2.13); the alternative is asking every user to pass their store in."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def abort_all_groups() -> None:
+    """Abort every process group of this process, the default one included
+    (``distributed_c10d._abort_process_group()``): on NCCL this frees a collective that waits for a
+    peer that will never come; gloo ignores it (measured: a pending gloo collective stays blocked)."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._abort_process_group()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,3 +14,18 @@ class Refused(ValueError):
     """seqpar refuses this model, layer, mask or option because it cannot run it exactly under
     sequence parallelism; the message names the mechanism and what to change. A ``ValueError``, so
     code that catches user errors keeps catching it."""
+
+
+class RankFailed(RuntimeError):
+    """Another rank of the job failed (``fault``: who, where, its exception and traceback), so this
+    rank stops too: raised on every rank but the failing one, with the same message everywhere
+    (:mod:`seqpar.comm.faults`). :class:`RankFailedBadInput` when the failing rank's error was a
+    ``ValueError`` (bad input stays bad input on every rank)."""
+
+    def __init__(self, message: str, fault: object = None) -> None:
+        super().__init__(message)
+        self.fault = fault
+
+
+class RankFailedBadInput(RankFailed, ValueError):
+    """:class:`RankFailed` for a failing rank's ``ValueError``."""

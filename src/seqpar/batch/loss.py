@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.layout import inverse_permutation
 from ..attention.shard import SeqShard
+from ..comm import collectives, faults
 from ..comm.gather import gather_seq
 from ..comm.guard import check_failures, pending_failure
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
@@ -71,17 +72,20 @@ class _GlobalTokenMean(torch.autograd.Function):
         if group is None or dist.get_world_size(group) == 1:
             check_failures()  # no all-reduce to ride: over the attention calls' own groups
         elif failed is None:
-            dist.all_reduce(total, group=group)
+            collectives.all_reduce(total, group=group)
         else:
             total = torch.stack([total, total.new_tensor(failed)])  # [loss sum, ranks that failed]
-            dist.all_reduce(total, group=group)
-            check_failures(group, any_failed=bool(total[1].item()))  # the batch's one host read
+            collectives.all_reduce(total, group=group)
+            any_failed = bool(total[1].item())  # the batch's one host read
+            faults.raise_if_flagged()  # NCCL: a peer's fault made the watchdog abort this all-reduce
+            check_failures(group, any_failed=any_failed)
             total = total[0]
         ctx.grad_scale = grad_scale
         return total / denominator
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        faults.backward_started()  # its end closes the batch; still open at the next one: it failed
         return grad * ctx.grad_scale, None, None, None
 
 
@@ -116,12 +120,13 @@ def make_loss_function(mesh: DeviceMesh) -> Callable[..., Tensor]:
     def seqpar_causal_lm_loss(logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
                               num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
                               shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
-        batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
-                                                          tuple(logits.shape[:2]))
-        per_token = token_losses(logits, targets, ignore_index)
-        if batch.loss_weights is not None:
-            per_token = per_token * batch.loss_weights.to(per_token)
-        return sp_token_mean(per_token.sum(), batch, group, denominator)
+        with faults.publishing("the loss"):  # an exception here is told to every rank
+            batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
+                                                              tuple(logits.shape[:2]))
+            per_token = token_losses(logits, targets, ignore_index)
+            if batch.loss_weights is not None:
+                per_token = per_token * batch.loss_weights.to(per_token)
+            return sp_token_mean(per_token.sum(), batch, group, denominator)
 
     return seqpar_causal_lm_loss
 
@@ -219,7 +224,7 @@ def _average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None
         by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
     for ps in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in ps])
-        dist.all_reduce(flat, group=group)
+        collectives.all_reduce(flat, group=group)
         flat.div_(dist.get_world_size(group))
         offset = 0
         for p in ps:
@@ -232,7 +237,13 @@ def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     """Average every parameter's gradient over the sp and dp ranks of ``mesh`` (one all-reduce per
     axis and dtype), completing the gradient contract of the seqpar loss: what stock DDP over the
     dp x sp ranks does, for a model without a wrapper. Parameters without a gradient count as zeros
-    (every rank must send the same buffers). Raises ValueError for sharded (DTensor) gradients."""
+    (every rank must send the same buffers). Raises ValueError for sharded (DTensor) gradients; an
+    exception here is told to every rank (:mod:`seqpar.comm.faults`)."""
+    with faults.publishing("sync_gradients"):
+        _sync_gradients(model, mesh)
+
+
+def _sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     as_mesh(mesh, "sync_gradients")
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.layout import LAYOUTS, document_cuts, layout_indices, min_seq_len
 from ..attention.shard import BatchState, SeqShard
+from ..comm import collectives, faults
 from ..comm.agree import MISSING, check, share
 from ..comm.collectives import comm_device
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, dp_size, has_axis
@@ -142,6 +143,8 @@ _SAME = {
     "pos": "the position_ids content",
     "weights": "whether loss_weights are given", "layout": "layout", "items": "num_items_in_batch",
     "visual": f"the images / video (the batch's {list(ROUTED_KEYS)})",
+    "generation": "the batch number (how many batches the rank sharded before: a rank skipped or repeated one, "
+                  "e.g. an exception caught and ignored on some ranks; seqpar.comm.faults)",
 }
 
 
@@ -161,7 +164,7 @@ def device_problem(devices: set[torch.device], comm: torch.device) -> str | None
 
 
 def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, num_items: float | None,
-              device: torch.device) -> tuple[int, int]:
+              device: torch.device, generation: int) -> tuple[int, int]:
     problem, b, s = _local_problem(batch)
     if problem is None:  # found on one rank, raised on every rank by the agreement below
         problem = device_problem({t.device for t in batch.values() if isinstance(t, Tensor)}, device)
@@ -177,6 +180,7 @@ def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, n
         "items": MISSING if num_items is None else float(num_items),
         "visual": fingerprint({k: batch[k] for k in ROUTED_KEYS if batch.get(k) is not None}) if ok else MISSING,
         "refused": float(problem is not None and problem == refused_key_problem(batch)),
+        "generation": float(generation),  # no batch pairs with another batch's collectives
     }
     table = share(facts, group, problem=problem, device=device)
     if any(table.column("refused")):  # a mechanism seqpar will not run: a Refused, raised on every rank
@@ -224,16 +228,19 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     own loss would not shift them again). Costs one small all-gather.
 
     Raises ValueError on every SP rank if a rank's batch is malformed or already sharded, if the
-    ranks' batches differ, or if the mesh has no ``"sp"`` axis.
+    ranks' batches differ or are not the same batch number (a rank skipped one), or if the mesh has
+    no ``"sp"`` axis; :class:`~seqpar.errors.RankFailed` (without communicating) after another
+    rank's fault that has not resolved (:func:`seqpar.comm.faults.before_batch`).
     """
     group = axis_group(as_mesh(mesh, "shard_batch"), Axis.SP.value)
+    generation = faults.before_batch(tuple(mesh.mesh.flatten().tolist()))  # counted over the mesh's ranks
     if isinstance(num_items_in_batch, Tensor):
         num_items_in_batch = float(num_items_in_batch.item())
     p, me = dist.get_world_size(group), dist.get_rank(group)
     ref = batch.get("input_ids") if batch.get("input_ids") is not None else batch.get("inputs_embeds")
     batch_device = ref.device if isinstance(ref, Tensor) else torch.device("cpu")
     cdev = comm_device(group)  # NCCL with a CPU batch: collectives and the SeqShard on the GPU
-    _, s = _validate(batch, group, layout, num_items_in_batch, cdev)
+    _, s = _validate(batch, group, layout, num_items_in_batch, cdev, generation)
     # the arguments below are now known to agree across the SP ranks: raising is safe
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: choose one of {list(LAYOUTS)}")
@@ -308,6 +315,6 @@ def count_target_tokens(batches_or_labels: Mapping[str, Any] | Tensor | Sequence
     if mesh is not None and dp_size(as_mesh(mesh, "count_target_tokens")) > 1:
         dp_group = axis_group(mesh, Axis.DP.value)
         t = torch.tensor([total], dtype=torch.float64, device=comm_device(dp_group))
-        dist.all_reduce(t, group=dp_group)
+        collectives.all_reduce(t, group=dp_group)
         total = float(t.item())
     return total if weighted else int(round(total))

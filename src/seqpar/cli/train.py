@@ -21,7 +21,7 @@ import signal
 import sys
 from typing import Any
 
-from seqpar.train.config import FIELDS, OPTIONAL_KINDS, TrainConfig, describe_memory, load_config_file
+from seqpar.train.config import FIELDS, OPTIONAL_KINDS, RESUME_AUTO, TrainConfig, describe_memory, load_config_file
 from seqpar.train.job import Job
 from seqpar.train.run import RunSummary
 
@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": text}
         if name in ("progress", "tiled_loss", "tiled_mlp", "plot"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if name == "resume":  # --resume, or --resume auto
+            p.add_argument(flag, nargs="?", const=True, choices=[RESUME_AUTO], metavar=RESUME_AUTO, **kw)
             continue
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", **kw)
@@ -125,6 +128,9 @@ def describe_start(job: Job) -> str:
             f"{cfg.steps} steps -> {os.path.abspath(cfg.save_dir)}; memory: {describe_memory(cfg)}")
     if job.resume_from:
         line += f"\nseqpar train: resuming from step {job.resume_step} ({os.path.abspath(job.resume_from)})"
+        line += "".join(f"\nseqpar train: {note}" for note in job.resume_notes)
+    elif cfg.resume:
+        line += "\nseqpar train: --resume auto: no checkpoint yet, starting afresh"
     if job.replaces:
         line += (f"\nseqpar train: --overwrite: deleting the earlier run's checkpoints (steps "
                  f"{', '.join(map(str, job.replaces))}) in {os.path.abspath(cfg.save_dir)}")
@@ -152,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
                 import time
 
                 time.sleep(5)
+            from seqpar.comm import faults
+
+            if faults.stopped():  # a collective left pending: the interpreter's teardown would wait for it
+                sys.stdout.flush()
+                os._exit(2)
             return 2
         if summary is not None:
             print(format_summary(summary), flush=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import Refused
-from . import collectives
+from . import collectives, faults
 
 MISSING = -1.0
 """The value of a fact that does not apply (an absent tensor, an unset option)."""
@@ -82,6 +82,7 @@ def share(facts: Mapping[str, float], group: dist.ProcessGroup, *, problem: str 
     flag = (2.0 if refused else 1.0) if problem else 0.0  # 0: fine, 1: a problem, 2: a refusal
     values = [flag, float(len(text)), *(float(v) for v in facts.values())]
     table = _all_gather_row(torch.tensor(values, dtype=torch.float64, device=device), group).tolist()
+    faults.raise_if_flagged()  # NCCL: a peer's fault made the watchdog abort the all-gather (garbage read)
     rows = [dict(zip(facts.keys(), vals[2:], strict=True)) for vals in table]
     problems: list[str | None] = [None] * len(table)
     longest = int(max(vals[1] for vals in table))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 
+from . import waits
 from .mesh import uses_nccl
 
 Group = dist.ProcessGroup
@@ -31,13 +32,19 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def all_gather_flat(output: Tensor, input: Tensor, *, group: Group | None = None) -> None:
     """``output [P * n, ...]`` = every rank's ``input [n, ...]`` in rank order (equal sizes).
-    Callers reach it as ``collectives.all_gather_flat`` so :func:`count_collectives` sees it."""
-    _ALL_GATHER(output, input, group=group)
+    Callers reach it as ``collectives.all_gather_flat`` so :func:`count_collectives` sees it.
+    Every collective here waits through :mod:`.waits`: a fault on another rank ends the wait."""
+    waits.wait_work(_ALL_GATHER(output, input, group=group, async_op=True), output.device, "an all-gather")
 
 
 def reduce_scatter_flat(output: Tensor, input: Tensor, *, group: Group | None = None) -> None:
     """``output [n, ...]`` = the sum over ranks of slot ``rank`` of ``input [P * n, ...]``."""
-    _REDUCE_SCATTER(output, input, group=group)
+    waits.wait_work(_REDUCE_SCATTER(output, input, group=group, async_op=True), output.device, "a reduce-scatter")
+
+
+def all_reduce(x: Tensor, *, group: Group | None = None) -> None:
+    """``x`` = the sum over ranks of ``x``, in place."""
+    waits.wait_work(dist.all_reduce(x, group=group, async_op=True), x.device, "an all-reduce")
 
 
 def comm_device(group: Group) -> torch.device:
@@ -138,8 +145,8 @@ def _exchange(sends: list[list[Tensor]], recvs: list[list[Tensor]], group: Group
     reqs = dist.batch_isend_irecv(ops) if ops else []
     for t, view in zip(sends[me], recvs[me], strict=True):
         view.copy_(t)
-    for req in reqs:
-        req.wait()
+    ref = next((t for per_rank in recvs for t in per_rank), None)
+    waits.wait_requests(reqs, ref.device if ref is not None else torch.device("cpu"), "an all-to-all")
     for view, land in landings:
         view.copy_(land)
     if flag is not None:

@@ -146,13 +146,13 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.clone()
-        dist.all_reduce(out, group=group)
+        collectives.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, g):
         g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
+        collectives.all_reduce(g, group=ctx.group)
         return g, None
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import waits
 from .collectives import Group
 
 
@@ -24,8 +25,8 @@ def _shift(send: Tensor | None, to: int | None, recv: Tensor | None, frm: int | 
         ops.append(dist.P2POp(dist.isend, send.contiguous(), dist.get_global_rank(group, to), group=group))
     if recv is not None and frm is not None:
         ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, frm), group=group))
-    for req in dist.batch_isend_irecv(ops) if ops else []:
-        req.wait()
+    if ops:
+        waits.wait_requests(dist.batch_isend_irecv(ops), ops[0].tensor.device, "a halo exchange")
 
 
 class _Halo(torch.autograd.Function):

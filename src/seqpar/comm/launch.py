@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import faults
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -78,12 +80,16 @@ def _worker(rank: int, world: int, init_file: str, trace_dir: str, pg_timeout: f
         payload = _dumps(fn(rank, world, *args))
     except BaseException as e:  # report everything, KeyboardInterrupt included, then leave
         status = "err"
-        payload = _dumps(Failure("raised", traceback.format_exc(), type(e).__name__, str(e),
-                                 bad_input=isinstance(e, ValueError)))
+        try:
+            faults.stop(e, "a worker")  # told to every rank before this process leaves (peers wake up)
+        except Exception as converted:  # a transport error caused by another rank's fault: that fault
+            e = converted
+        text = "".join(traceback.format_exception(e))
+        payload = _dumps(Failure("raised", text, type(e).__name__, str(e), bad_input=isinstance(e, ValueError)))
     queue.put((rank, status, payload))
     queue.close()
     queue.join_thread()  # the result must be in the pipe before os._exit below
-    if status == "ok":
+    if status == "ok" and not faults.met_fault():  # after a fault a peer may wait forever: just leave
         try:
             dist.barrier()
             dist.destroy_process_group()
@@ -93,7 +99,8 @@ def _worker(rank: int, world: int, init_file: str, trace_dir: str, pg_timeout: f
     os._exit(0)  # skip interpreter teardown: gloo threads sometimes abort it
 
 
-def _context() -> Any:
+def launch_context() -> Any:
+    """The multiprocessing context workers come from: a forkserver with torch and seqpar preloaded."""
     ctx = mp.get_context("forkserver")
     try:
         ctx.set_forkserver_preload(["torch", "torch.distributed", "seqpar"])
@@ -111,7 +118,7 @@ def run_distributed(fn: Callable[..., Any], nproc: int, *args: Any, timeout: flo
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    ctx = _context()
+    ctx = launch_context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="seqpar-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import waits
 from .collectives import Group
 
 
@@ -40,7 +41,7 @@ class RingShift:
             self._bufs = [t for t in tensors]
 
     def wait(self) -> list[Tensor]:
-        for req in self._reqs:
-            req.wait()
+        if self._reqs:
+            waits.wait_requests(self._reqs, self._bufs[0].device, "a ring step")
         self._reqs = []
         return self._bufs

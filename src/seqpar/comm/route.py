@@ -22,14 +22,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import waits
 from .collectives import Group
 
 
 def _all_to_all_rows(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group) -> Tensor:
     """``x [sum(send_counts), E]`` cut into per-rank pieces -> ``[sum(recv_counts), E]`` in rank order."""
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_counts),
-                           input_split_sizes=list(send_counts), group=group)
+    work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_counts),
+                                  input_split_sizes=list(send_counts), group=group, async_op=True)
+    waits.wait_work(work, out.device, "an all-to-all of rows")
     return out
 
 

@@ -57,6 +57,7 @@ from .layer_spec import layer_options
 from .mixers import check_token_mixers, wrap_token_mixers
 from .models import decoder_config
 from .peft import unwrap_peft
+from .published import publish_forward_errors
 from .state import ParallelState, ensure_state, set_loss_function, state_of, undo
 from .vlm import install_vision
 
@@ -214,6 +215,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         record.push("parallel", "the vision pre-hook", install_vision(model, mesh).remove)
         # Mamba, Gated DeltaNet, short convolutions
         record.push("parallel", "the token mixers", wrap_token_mixers(model, mesh, lambda: last.batch))
+        publish_forward_errors(model, record)  # an exception in the forward is told to every rank
     except BaseException:
         undo(model, "parallel")  # nothing half-installed stays behind
         raise

@@ -19,6 +19,7 @@ from ..batch.loss import sharded_loss_inputs, sp_token_mean
 from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import Head, tiled_loss_sum
+from ..comm import faults
 from ..comm.agree import check, share
 from ..comm.mesh import Axis, axis_group
 from ..errors import Refused
@@ -91,6 +92,11 @@ class TiledLossFunction:
     def __call__(self, logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
                  num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
                  shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+        with faults.publishing("the loss"):  # an exception here is told to every rank
+            return self._loss(logits, labels, num_items_in_batch, ignore_index, shift_labels, kwargs)
+
+    def _loss(self, logits: Tensor, labels: Tensor | None, num_items_in_batch: Any, ignore_index: int,
+              shift_labels: Tensor | None, kwargs: dict[str, Any]) -> Tensor:
         model, state = self.model, self.state
         hidden, state.hidden = state.hidden, None
         if hidden is None:

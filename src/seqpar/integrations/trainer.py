@@ -12,7 +12,7 @@
 
 Both parallelize ``trainer.model`` over a ``dp x sp`` mesh; :func:`parallelize_trainer` makes a built
 trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public Trainer methods only
-(``get_*_dataloader``, ``get_batch_samples``, ``compute_loss``, ``prediction_step``,
+(``get_*_dataloader``, ``get_batch_samples``, ``training_step``, ``compute_loss``, ``prediction_step``,
 ``evaluation_loop``) and changes what a step does, nothing else::
 
     data        train loader split over dp only (accelerate's batch sampler: num_processes = dp,
@@ -33,6 +33,9 @@ trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public 
                 token mean, the loss the same run without seqpar logs
     eval        every rank runs every eval batch (its SP group shards it), the loss is the batch
                 token mean, logits are gathered back to [B, S, V]; no cross-rank gather after
+    faults      an exception in a step (the forward, the loss, the backward, DDP's all-reduce) or
+                in reading the step's batches is told to every rank (seqpar.comm.faults): the
+                other ranks raise RankFailed naming it instead of waiting for the collective timeout
 
 accelerate's own context / sequence parallelism (``ParallelismConfig(cp_size=...)``: torch
 context_parallel, which drops the attention mask, so packed documents would attend across their
@@ -53,6 +56,7 @@ from .. import compat
 from ..attention.layout import inverse_permutation
 from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, checksum, count_target_tokens, shard_batch
 from ..batch.targets import CU_SEQLENS_KEYS
+from ..comm import faults
 from ..comm.agree import Table, check, share
 from ..comm.gather import gather_seq
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size, init_mesh
@@ -117,17 +121,23 @@ class SeqParTrainerMixin:
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """The step's micro-batches and N, their exact target count over the dp ranks; checks
         that every SP group holds the same batches (one all-gather over all ranks)."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        state = self._seqpar
-        _check_sp_groups(batches, num_batches, state.mesh)
-        if not batches or "labels" not in batches[0]:
-            return batches, None
-        return batches, count_target_tokens([_model_batch(b) for b in batches], state.mesh)
+        with faults.publishing("the Trainer's batches"):
+            batches = []
+            for _ in range(num_batches):
+                try:
+                    batches.append(next(epoch_iterator))
+                except StopIteration:
+                    break
+            state = self._seqpar
+            _check_sp_groups(batches, num_batches, state.mesh)
+            if not batches or "labels" not in batches[0]:
+                return batches, None
+            return batches, count_target_tokens([_model_batch(b) for b in batches], state.mesh)
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        """The Trainer's step; an exception in it is told to every rank (:mod:`seqpar.comm.faults`)."""
+        with faults.publishing("the Trainer's training step"):
+            return super().training_step(*args, **kwargs)
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):

@@ -5,11 +5,18 @@ Layout under ``<save_dir>/checkpoints/``::
 
     step_00000200/          complete: model + optimizer (DCP, sharded when FSDP is on),
       .metadata, *.distcp     trainer.pt (scheduler, step, options), rng_rank<r>.pt (per rank),
-      config.json, tokenizer/ the model's transformers config and the run's tokenizer (seqpar export)
+      config.json, tokenizer/ the model's transformers config and the run's tokenizer (seqpar export),
+      manifest_rank<r>.json   each rank's files with their sizes and CRC-32s (:mod:`.manifest`)
     .tmp-step_00000300/     being written; renamed to step_00000300 only once every rank is done
+    .replaced-step_00000200 a complete checkpoint of the same step moved aside while its re-save
+                            commits (then deleted); counted as complete if the commit never came
 
 The rename is the commit point: a directory named ``step_*`` is always complete, so Ctrl-C or a
-dying worker at any moment leaves the previous checkpoint loadable.
+dying worker at any moment leaves the previous checkpoint loadable, and a complete checkpoint is
+never deleted before its replacement is committed. Each stage of a save ends with every rank
+sharing whether it worked (:func:`seqpar.comm.agree.fence`): a failed write (a full disk, a
+permission error) raises on every rank, names the rank and its error, and leaves the previous
+checkpoints as they were.
 """
 
 from __future__ import annotations
@@ -23,7 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from seqpar.comm import faults
+from seqpar.comm.agree import fence
+
+from .manifest import damage, files_of_rank, write_manifest
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_REPLACED = re.compile(r"^\.replaced-step_(\d{8})$")
 TRAINER_FILE = "trainer.pt"
 TOKENIZER_DIR = "tokenizer"
 
@@ -37,16 +50,17 @@ def step_dir(save_dir: str, step: int) -> str:
 
 
 def complete_checkpoints(save_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every complete checkpoint, oldest first."""
+    """``(step, path)`` of every complete checkpoint, oldest first (a ``.replaced-`` one only when
+    its step has no committed one: a save that died between its two renames)."""
     root = checkpoint_root(save_dir)
     if not os.path.isdir(root):
         return []
-    found = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, TRAINER_FILE)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found)
+    found: dict[int, str] = {}
+    for name in sorted(os.listdir(root), key=lambda n: n.startswith(".")):  # committed ones first
+        m = _STEP_DIR.match(name) or _REPLACED.match(name)
+        if m and int(m.group(1)) not in found and os.path.isfile(os.path.join(root, name, TRAINER_FILE)):
+            found[int(m.group(1))] = os.path.join(root, name)
+    return sorted(found.items())
 
 
 def latest_checkpoint(save_dir: str) -> str | None:
@@ -72,34 +86,96 @@ def save_checkpoint(save_dir: str, step: int, model: nn.Module, optimizer: torch
                     tokenizer: Any = None) -> str:
     """Save on every rank (a collective); returns the committed directory. Keeps the ``keep``
     latest complete checkpoints. ``model_config`` (a transformers config) and ``tokenizer`` are
-    written beside the weights, so the checkpoint alone can be exported (:mod:`.export`)."""
+    written beside the weights, so the checkpoint alone can be exported (:mod:`.export`).
+
+    Raises on every rank, the same message naming each failing rank and its error, when a rank
+    cannot write (the previous checkpoints stay as they were, the partial one is removed)."""
+    with faults.publishing("a checkpoint save"):
+        return _save(save_dir, step, model, optimizer, scheduler, trainer_state, keep, model_config, tokenizer)
+
+
+def _save(save_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+          trainer_state: dict[str, Any], keep: int, model_config: Any, tokenizer: Any) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank = dist.get_rank()
     final = step_dir(save_dir, step)
     tmp = os.path.join(checkpoint_root(save_dir), f".tmp-step_{step:08d}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        torch.save({**trainer_state, "step": step, "scheduler": scheduler.state_dict()},
-                   os.path.join(tmp, TRAINER_FILE))
-        if model_config is not None:
-            model_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(os.path.join(tmp, TOKENIZER_DIR))
-        shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (resumed run)
-        os.rename(tmp, final)  # the commit point
-        for _, old in complete_checkpoints(save_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    what = f"the checkpoint save of step {step}"
+    try:
+        _stage(what, (lambda: _fresh_dir(tmp)) if rank == 0 else None)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        except dcp.CheckpointException as e:  # every rank gets it: DCP gathers the ranks' write results
+            failed = "; ".join(f"rank {r}: {type(x[0]).__name__}: {x[0]}" for r, x in sorted(e.failures.items()))
+            raise RuntimeError(f"seqpar: {what} failed in torch.distributed.checkpoint: {failed}") from e
+        _stage(what, lambda: torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt")))
+        if rank == 0:
+            def meta() -> None:
+                torch.save({**trainer_state, "step": step, "scheduler": scheduler.state_dict()},
+                           os.path.join(tmp, TRAINER_FILE))
+                if model_config is not None:
+                    model_config.save_pretrained(tmp)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(os.path.join(tmp, TOKENIZER_DIR))
+        _stage(what, meta if rank == 0 else None)
+        extra = [n for n in os.listdir(tmp) if not _rank_file(n)] if rank == 0 else []
+        _stage(what, lambda: write_manifest(tmp, rank, files_of_rank(tmp, rank, extra)))
+        _stage(what, (lambda: _commit(save_dir, tmp, final, keep)) if rank == 0 else None)
+    except Exception:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save is never where a resume looks
+        raise
     return final
+
+
+def _stage(what: str, fn: Any) -> None:
+    """Run this rank's part of a save stage (None: nothing to do), then raise on every rank if any
+    rank's part failed -- one tiny all-gather (:func:`seqpar.comm.agree.fence`)."""
+    error = None
+    try:
+        if fn is not None:
+            fn()
+    except Exception as e:  # shared with every rank by the fence, which raises it
+        error = e
+    fence(dist.group.WORLD, error, what=what)
+
+
+def _fresh_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+
+
+def _rank_file(name: str) -> bool:
+    """A file one rank writes for itself (its DCP shards, RNG state, manifest)."""
+    return (name.startswith("__") and name.endswith(".distcp")) or name.startswith(("rng_rank", "manifest_rank"))
+
+
+def _commit(save_dir: str, tmp: str, final: str, keep: int) -> None:
+    """Rank 0: make ``tmp`` the checkpoint ``final``. A complete checkpoint already there (a re-save
+    of its step) is moved aside first and deleted only after the commit, so some complete one of
+    that step exists at every moment; then the checkpoints beyond the ``keep`` latest go."""
+    aside = os.path.join(os.path.dirname(final), f".replaced-{os.path.basename(final)}")
+    if os.path.exists(final):
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+    os.rename(tmp, final)  # the commit point
+    # the one moved aside just now, or by a save of this step that died before its commit
+    shutil.rmtree(aside, ignore_errors=True)
+    for _, path in complete_checkpoints(save_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def damaged(path: str) -> list[str]:
+    """What is wrong with the checkpoint at ``path``, one line per damaged file (empty: intact; see
+    :mod:`.manifest`). No process group needed."""
+    try:
+        world = read_trainer_state(path).get("world")
+    except Exception as e:  # trainer.pt itself is damaged
+        return [f"{TRAINER_FILE}: unreadable ({type(e).__name__}: {e})"]
+    return damage(path, world)
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:

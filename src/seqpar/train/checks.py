@@ -8,7 +8,7 @@ import os
 
 from seqpar.integrations.memory import CHECKPOINT_MODES
 
-from .config import DTYPES, LORA_EXPORTS, REPORT_TO, STRATEGIES, TrainConfig, model_overrides
+from .config import DTYPES, LORA_EXPORTS, NONFINITE, REPORT_TO, RESUME_AUTO, STRATEGIES, TrainConfig, model_overrides
 from .data import OVERFLOW
 from .tokenizer import TRAIN_ON
 
@@ -87,8 +87,14 @@ def _check_fine_tuning(cfg: TrainConfig) -> None:
             raise ValueError(f"unknown --{name} {value!r}: choose one of {list(choices)}")
     if cfg.eval_every < 0:
         raise ValueError(f"--eval-every must be >= 0, got {cfg.eval_every}")
+    if cfg.resume not in (False, True, RESUME_AUTO):
+        raise ValueError(f"--resume takes no value or {RESUME_AUTO!r}, got {cfg.resume!r}")
     if cfg.resume and cfg.overwrite:
         raise ValueError("--resume continues the run in --save-dir and --overwrite deletes it: choose one")
+    if cfg.resume_fallback and not cfg.resume:
+        raise ValueError("--resume-fallback chooses the checkpoint --resume continues from: give --resume too")
+    if cfg.on_nonfinite not in NONFINITE:
+        raise ValueError(f"unknown --on-nonfinite {cfg.on_nonfinite!r}: choose one of {list(NONFINITE)}")
     for name, path, kind in (("tokenizer", cfg.tokenizer, os.path.isdir), ("chat-template", cfg.chat_template,
                                                                           os.path.isfile)):
         if path and not kind(path):

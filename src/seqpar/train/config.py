@@ -25,6 +25,8 @@ from .tokenizer import TRAIN_ON
 
 STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
 REPORT_TO = ("none", "tensorboard", "wandb")
+NONFINITE = ("stop", "skip")
+RESUME_AUTO = "auto"
 LORA_EXPORTS = ("merged", "adapter")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 """--dtype names and the torch dtypes they stand for (the one table; bench uses it too)."""
@@ -95,7 +97,15 @@ class TrainConfig:
                          "--overwrite)")
     save_every: int = _opt(100, "checkpoint every N steps (and always at the end); 0: only at the end")
     keep_checkpoints: int = _opt(2, "how many of the latest checkpoints to keep")
-    resume: bool = _opt(False, "continue from the latest complete checkpoint in --save-dir (same loss curve)")
+    resume: bool | str = _opt(False, "continue from the latest complete checkpoint in --save-dir (same loss curve); "
+                              "--resume auto: continue if there is one, else start afresh (for torchrun "
+                              "--max-restarts); a damaged checkpoint is refused, naming the file",
+                              shown="off")
+    resume_fallback: bool = _opt(False, "with --resume: if the latest checkpoint is damaged (a truncated or corrupt "
+                                 "file), continue from the newest complete one before it instead of refusing")
+    on_nonfinite: str = _opt("stop", "a NaN / Inf loss or gradient norm: stop (every rank, at that step, naming the "
+                             "last good checkpoint) or skip (no update for that step; the run goes on)",
+                             choices=NONFINITE)
     overwrite: bool = _opt(False, "start afresh in a --save-dir that holds an earlier run's checkpoints, deleting them")
     seed: int = _opt(2, "seed of the model init and the data order")
     eval_rows: int = _opt(8, "held-out rows for evaluation (task accuracy / loss); --data: at most a tenth of the "
@@ -191,6 +201,8 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     default = FIELDS[name].default
     kind = OPTIONAL_KINDS.get(name, type(default))
     bad = ValueError(f"{where}: {name.replace('_', '-')} = {value!r} should be {kind.__name__}")
+    if name == "resume" and value == RESUME_AUTO:
+        return value
     if kind is list:
         if isinstance(value, str):
             return [value]

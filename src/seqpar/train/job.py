@@ -22,7 +22,7 @@ from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_conf
 from seqpar.planner import hybrid_split, plan
 
 from .checks import check_config
-from .config import FIELDS, TrainConfig, builtin_fields, model_overrides
+from .config import FIELDS, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
 from .data import TaskData, TextData, load_text_data
 from .report import HF_DIR
 from .tasks import CopyTask
@@ -32,11 +32,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 # what must match for --resume to continue the same loss curve (--steps may grow: the schedule
-# then follows the new total; --sp and the strategy may change: checkpoints reshard)
-RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packing", "seed", "micro_batch",
-               "grad_accum", "lr", "warmup", "min_lr_ratio", "weight_decay", "dtype", "tiled_loss", "tiled_mlp",
-               "loss_tile", "mlp_tile", "tokenizer", "train_on", "chat_template", "overflow", "lora_r", "lora_alpha",
-               "lora_targets")
+# then follows the new total; --sp and the strategy may change: checkpoints reshard; dp, --micro-batch
+# and --grad-accum may change as long as a step reads the same rows: see check_resumable)
+RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packing", "seed", "lr", "warmup",
+               "min_lr_ratio", "weight_decay", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "mlp_tile", "tokenizer",
+               "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Job:
     reason: str = ""  # why "auto" chose what it chose
     resume_from: str | None = None  # --resume: the checkpoint the run continues from (checked)
     resume_step: int = 0  # its step
+    resume_notes: tuple[str, ...] = ()  # what the resume changed or skipped, in words (printed at the start)
     replaces: tuple[int, ...] = ()  # --overwrite: the steps of the earlier run's checkpoints it deletes
     data: TaskData | TextData | None = field(default=None, compare=False, repr=False)  # read by the parent
 
@@ -196,13 +197,14 @@ def _check_save_dir(job: Job) -> Job:
 
     cfg = job.cfg
     found = ckpt.complete_checkpoints(cfg.save_dir)
-    if cfg.resume:
+    if cfg.resume and (found or cfg.resume != RESUME_AUTO):  # --resume auto without a checkpoint: afresh
         if not found:
             raise ValueError(f"--resume: no complete checkpoint in {ckpt.checkpoint_root(cfg.save_dir)!r}; "
-                             "run without --resume to start fresh")
-        step, path = found[-1]
-        check_resumable(job, ckpt.read_trainer_state(path), path)
-        return dataclasses.replace(job, resume_from=path, resume_step=step)
+                             "run without --resume to start fresh (or --resume auto: continue if there is one)")
+        (step, path), notes = intact_checkpoint(found, cfg.resume_fallback)
+        state = ckpt.read_trainer_state(path)
+        notes += check_resumable(job, state, path)
+        return dataclasses.replace(job, resume_from=path, resume_step=step, resume_notes=tuple(notes))
     if found and not cfg.overwrite:
         n, them = (f"{len(found)} checkpoints", "them") if len(found) > 1 else ("1 checkpoint", "it")
         raise ValueError(f"--save-dir {cfg.save_dir!r} holds {n} of an earlier run (the latest at step "
@@ -215,8 +217,37 @@ def _check_save_dir(job: Job) -> Job:
     return dataclasses.replace(job, replaces=tuple(step for step, _ in found))
 
 
-def check_resumable(job: Job, state: dict[str, Any], path: str) -> None:
-    """Raise ValueError unless the checkpoint at ``path`` was written by the same run's options."""
+def intact_checkpoint(found: list[tuple[int, str]], fallback: bool) -> tuple[tuple[int, str], list[str]]:
+    """The checkpoint to resume from: the latest of ``found`` (``(step, path)``, oldest first) if no
+    file of it is damaged (:func:`seqpar.train.checkpoint.damaged`); with ``fallback`` the newest
+    intact one (the notes say which were skipped and why). Raises ValueError naming the damaged files."""
+    from . import checkpoint as ckpt
+
+    notes: list[str] = []
+    for step, path in reversed(found):
+        bad = ckpt.damaged(path)
+        if not bad:
+            return (step, path), notes
+        what = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        if not fallback:
+            older = [s for s, _ in found if s < step]
+            hint = (f"--resume-fallback continues from the newest intact one before it (step {older[-1]} is the "
+                    "next to try)" if older else "no older checkpoint is left to fall back to")
+            raise ValueError(f"--resume: the checkpoint {path} is damaged ({what}): {hint}, or delete it")
+        notes.append(f"skipped the damaged checkpoint {path} ({what})")
+    raise ValueError(f"--resume: every checkpoint in {ckpt.checkpoint_root(os.path.dirname(os.path.dirname(path)))!r} "
+                     f"is damaged ({'; '.join(notes)}); start afresh with --overwrite")
+
+
+def check_resumable(job: Job, state: dict[str, Any], path: str) -> list[str]:
+    """Raise ValueError unless the checkpoint at ``path`` was written by the same run's options,
+    or by options that read the same rows per step (see below); returns what changed, in words.
+
+    The rows of step s are rows ``[s * G, (s + 1) * G)`` of the run, G = dp x grad_accum x micro_batch
+    (:func:`seqpar.train.data.row_index`), and its loss is the token mean over all of them: so dp,
+    --grad-accum and --micro-batch may change together as long as G stays (the same rows, the same
+    mean, summed in another order: equal to rounding), and sp and the strategy may change freely
+    (DCP reshards the model and the optimizer state)."""
     # an option the checkpoint's seqpar did not have yet ran at its default
     old = {k: FIELDS[k].default for k in RESUME_KEYS} | state.get("config", {})
     diff = [k for k in RESUME_KEYS if old.get(k) != getattr(job.cfg, k)]
@@ -224,8 +255,28 @@ def check_resumable(job: Job, state: dict[str, Any], path: str) -> None:
         what = ", ".join(f"--{k.replace('_', '-')} {old.get(k)!r} -> {getattr(job.cfg, k)!r}" for k in diff)
         raise ValueError(f"--resume: {path} was written with other options ({what}); use the same ones to "
                          "continue the same run")
-    if state.get("dp") != job.dp:
-        raise ValueError(f"--resume: {path} was written with dp={state.get('dp')} and this run has dp={job.dp}, "
-                         f"so the data order would differ: use --dp {state.get('dp')}")
+    config = state.get("config", {})
+    old_dp = int(state.get("dp", job.dp))
+    old_ga = int(config.get("grad_accum", FIELDS["grad_accum"].default))
+    old_mb = int(config.get("micro_batch", FIELDS["micro_batch"].default))
+    rows, new_rows = old_dp * old_ga * old_mb, job.dp * job.cfg.grad_accum * job.cfg.micro_batch
+    if rows != new_rows:
+        fit = rows // (job.dp * job.cfg.micro_batch) if rows % (job.dp * job.cfg.micro_batch) == 0 else None
+        fix = f"use --grad-accum {fit}" if fit else f"use --dp {old_dp} --grad-accum {old_ga} --micro-batch {old_mb}"
+        raise ValueError(f"--resume: {path} was written with dp={old_dp} x --grad-accum {old_ga} x --micro-batch "
+                         f"{old_mb} = {rows} rows per step; this run reads dp={job.dp} x {job.cfg.grad_accum} x "
+                         f"{job.cfg.micro_batch} = {new_rows}, so its steps would read other rows and average over "
+                         f"another count: {fix} (the rows per step must stay {rows})")
     if int(state["step"]) > job.cfg.steps:
         raise ValueError(f"--resume: {path} is at step {state['step']}, past --steps {job.cfg.steps}")
+    notes = []
+    changed = [f"{name} {a} -> {b}" for name, a, b in (
+        ("dp", old_dp, job.dp), ("--grad-accum", old_ga, job.cfg.grad_accum),
+        ("--micro-batch", old_mb, job.cfg.micro_batch), ("sp", state.get("sp", job.sp), job.sp),
+        ("strategy", state.get("strategy", job.strategy), job.strategy))
+        if a != b]
+    if changed:
+        notes.append(f"resuming with {', '.join(changed)}: DCP reshards the model and optimizer; step s still reads "
+                     f"rows {rows}*s .. {rows}*s+{rows - 1} of the data (dp rank d, micro-batch m, row b: row "
+                     f"{rows}*s + (m*dp + d)*{job.cfg.micro_batch} + b), the same loss up to summation order")
+    return notes

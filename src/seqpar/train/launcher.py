@@ -86,9 +86,9 @@ def run_torchrun(cfg: TrainConfig) -> RunSummary | None:
         torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     timeout = collective_timeout(cfg, "cuda" if backend == "nccl" else "cpu")  # NCCL's watchdog too
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kw)
-    try:
-        summary = run_training(job)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # no destroy_process_group on the way out of a failure: while a peer still waits in a collective
+    # it hangs (gloo, measured); the exception ends this process, which frees the peer
+    summary = run_training(job)
+    dist.barrier()
+    dist.destroy_process_group()
     return summary if int(os.environ["RANK"]) == 0 else None

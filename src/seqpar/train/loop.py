@@ -8,6 +8,7 @@ Per optimizer step, on every rank::
       local = seqpar.shard_batch(batch, mesh, num_items_in_batch=N)   this SP rank's slice
       model(**local).loss.backward()          loss = exact share of the global token mean
     seqpar.sync_gradients (or FSDP2's reduce-scatter): the dp x sp average, every grad now exact
+    the global gradient norm (and the step's loss): NaN / Inf stops or skips the step (--on-nonfinite)
     clip to the global norm, AdamW, warmup + cosine
 
 so the loss and gradients are those of one big batch on one device, whatever dp, sp, grad_accum.
@@ -28,6 +29,7 @@ from torch import Tensor
 
 import seqpar
 from seqpar.batch.loss import token_losses
+from seqpar.comm import faults
 from seqpar.comm.mesh import axis_group, default_device_type
 from seqpar.integrations.materialize import load_full_state_dict, materialize, meta_model
 from seqpar.integrations.models import BUILTIN_MODELS, build_model
@@ -203,25 +205,39 @@ class Trainer:
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
             local = seqpar.shard_batch(b, self.mesh, layout=self.job.layout, num_items_in_batch=n_items or None)
             loss = self.model(**local).loss
-            loss.backward()
+            with faults.publishing("the backward"):  # an exception here is told to every rank
+                loss.backward()
             share += float(loss.detach())
         if not self.use_fsdp:
             seqpar.sync_gradients(self.model, self.mesh)
         return share, int(n_items)
 
-    def optimizer_step(self) -> float:
-        """Clip to the global gradient norm, step AdamW and the schedule; returns the norm."""
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        # after sync_gradients every rank holds the complete gradients, so the local norm is the
-        # global one; under FSDP the norm of the sharded (DTensor) gradients is reduced by torch
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+    def grad_norm(self) -> tuple[Tensor, float]:
+        """The global gradient norm (the same on every rank), as a tensor and a number: after
+        sync_gradients every rank holds the complete gradients, so the local norm is the global one;
+        under FSDP the norm of the sharded (DTensor) gradients is reduced by torch (a DTensor then,
+        which :meth:`optimizer_step` clips with)."""
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        return norm, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def optimizer_step(self, norm: tuple[Tensor, float] | None = None) -> float:
+        """Clip to the global gradient norm (``norm``: :meth:`grad_norm`'s, computed if not given),
+        step AdamW and the schedule; returns the norm."""
+        tensor, value = self.grad_norm() if norm is None else norm
+        if self.cfg.grad_clip > 0:  # what clip_grad_norm_ does, with the norm already in hand
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                                 self.cfg.grad_clip, tensor)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return float(norm)
+        return value
+
+    def skip_step(self) -> None:
+        """--on-nonfinite skip: drop the step's gradients without an update; the schedule moves on."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
 
     # ----------------------------------------------------------------------------------------
     # evaluation

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from seqpar.comm import collectives
+from seqpar.comm import collectives, faults
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, describe_memory
@@ -38,6 +38,7 @@ class RunSummary:
     data: str  # what the data is, in words
     metrics: str  # path of metrics.jsonl
     checkpoint: str | None  # path of the last complete checkpoint
+    skipped: list[int]  # --on-nonfinite skip: the steps whose update was dropped (NaN / Inf)
     evals: list[tuple[int, EvalResult]]  # (step, result) of the evaluations of this run (--eval-every, final)
     world: int
     sp: int
@@ -86,13 +87,14 @@ def _gather_stats(trainer: Trainer, loss_share: float) -> tuple[float, list[floa
 
 
 def _prepare_save_dir(trainer: Trainer) -> bool:
-    """Rank 0, for a fresh run: clear an earlier run's outputs (prepare_job refused to delete
-    checkpoints without --overwrite). Returns whether there was an earlier run."""
+    """Rank 0, for a fresh run (``--resume auto`` without a checkpoint too): clear an earlier run's
+    outputs (prepare_job refused to delete checkpoints without --overwrite). Returns whether there
+    was an earlier run."""
     cfg = trainer.cfg
     replaced = False
     if trainer.rank == 0:
         os.makedirs(cfg.save_dir, exist_ok=True)
-        if not cfg.resume:
+        if trainer.job.resume_from is None:
             gone = [ckpt.checkpoint_root(cfg.save_dir), os.path.join(cfg.save_dir, HF_DIR),
                     *(os.path.join(cfg.save_dir, f) for f in OUTPUTS)]
             replaced = any(os.path.exists(p) for p in gone)
@@ -152,30 +154,43 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
     mem: list[float] = []
     reserved: list[float] = []
     saved = None
+    skipped: list[int] = []
     t_start = time.perf_counter()
     try:
         while trainer.step < last:
             t0 = time.perf_counter()
-            share, n_targets = trainer.forward_backward(trainer.step)
-            lr = trainer.optimizer.param_groups[0]["lr"]
-            grad_norm = trainer.optimizer_step()  # trainer.step: steps done, so this is step 1, 2, ...
-            loss, mem, reserved = _gather_stats(trainer, share)
+            with faults.publishing("seqpar train's step"):  # what the places inside did not publish
+                share, n_targets = trainer.forward_backward(trainer.step)
+                lr = trainer.optimizer.param_groups[0]["lr"]
+                norm = trainer.grad_norm()
+                # the step's loss before its update: a NaN / Inf is seen at the step it appears
+                loss, mem, reserved = _gather_stats(trainer, share)
+            finite = math.isfinite(loss) and math.isfinite(norm[1])  # the same on every rank
+            if not finite and cfg.on_nonfinite == "stop":
+                raise ValueError(nonfinite_message(trainer.step + 1, loss, norm[1], saved or job.resume_from))
+            with faults.publishing("the optimizer step"):
+                if finite:
+                    grad_norm = trainer.optimizer_step(norm)  # trainer.step: steps done, so this is step 1, 2, ...
+                else:
+                    trainer.skip_step()
+                    grad_norm = norm[1]
+                    skipped.append(trainer.step)
             dt = time.perf_counter() - t0
             losses.append((trainer.step, loss))
-            if not math.isfinite(loss):
-                raise ValueError(f"the loss became {loss} at step {trainer.step}: lower --lr or use --dtype float32")
             if log is not None:
                 log.train({"step": trainer.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_targets,
                            "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                            "peak_mem_mib": [round(m, 1) for m in mem],
-                           "peak_reserved_mib": [round(m, 1) for m in reserved]})
+                           "peak_reserved_mib": [round(m, 1) for m in reserved],
+                           **({"skipped": "non-finite loss or gradient norm"} if not finite else {})})
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {loss:.4f} | {tokens_per_step / dt:,.0f} tok/s | peak mem/rank "
                                     f"{'/'.join(f'{m:.0f}' for m in mem)} MiB", refresh=False)
             if cfg.eval_every and trainer.step % cfg.eval_every == 0 and trainer.step < cfg.steps:
                 t_eval = time.perf_counter()
-                result = trainer.evaluate()  # before the checkpoint: a resumed run keeps this line
+                with faults.publishing("the evaluation"):
+                    result = trainer.evaluate()  # before the checkpoint: a resumed run keeps this line
                 eval_s += time.perf_counter() - t_eval
                 if result is not None:
                     evals.append((trainer.step, result))
@@ -188,7 +203,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
                                              model_config=trainer.model.config, tokenizer=trainer.tokenizer)
         train_time = time.perf_counter() - t_start
         t_eval = time.perf_counter()
-        final_eval = trainer.evaluate() if trainer.step >= cfg.steps else None
+        with faults.publishing("the evaluation"):
+            final_eval = trainer.evaluate() if trainer.step >= cfg.steps else None
         eval_s += time.perf_counter() - t_eval
         if final_eval is not None:
             evals.append((trainer.step, final_eval))
@@ -213,7 +229,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         steps=trainer.step, losses=losses, peak_mem_mib=mem, peak_reserved_mib=reserved, train_time_s=train_time,
         first_eval=first_eval, final_eval=final_eval, evals=evals, chance=trainer.data.chance,
         data=trainer.data.describe(), metrics=os.path.abspath(os.path.join(cfg.save_dir, METRICS_FILE)),
-        checkpoint=os.path.abspath(saved) if saved else None, world=job.world, sp=job.sp, dp=job.dp,
+        checkpoint=os.path.abspath(saved) if saved else None, skipped=skipped, world=job.world, sp=job.sp, dp=job.dp,
         strategy=job.strategy, layout=job.layout, params=trainer.n_params, trainable=trainer.n_trainable,
         lora=describe_lora(cfg), fsdp=trainer.use_fsdp, device=str(trainer.device), tokens_per_step=tokens_per_step,
         resumed_from=os.path.abspath(resume_from) if resume_from else None, resumed_step=job.resume_step,
@@ -227,6 +243,13 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         write_summary(cfg.save_dir, summary)
     dist.barrier()  # every rank returns once the files are there
     return summary
+
+
+def nonfinite_message(step: int, loss: float, norm: float, last_good: str | None) -> str:
+    """What every rank raises when step ``step``'s loss or gradient norm is NaN / Inf (--on-nonfinite stop)."""
+    where = f"the last good checkpoint is {os.path.abspath(last_good)}" if last_good else "no checkpoint was saved yet"
+    return (f"the loss became {loss} at step {step} (gradient norm {norm}), so every rank stopped before its update; "
+            f"{where}. Lower --lr or use --dtype float32, or --on-nonfinite skip to drop such steps' updates")
 
 
 def local_worker(rank: int, world: int, cfg: TrainConfig, stop_after: int | None = None) -> RunSummary:

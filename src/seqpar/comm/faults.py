@@ -1,0 +1,351 @@
+"""Any exception on any rank, told to every rank: published where it is raised, met where peers wait.
+
+A rank that raises outside a collective leaves its peers waiting in their next one (gloo: until the
+process-group timeout; NCCL: until the watchdog's). seqpar tells them through the side channel of
+:mod:`.channel` (the process group's store)::
+
+    rank 1: model(**local) raises  -> publish {rank 1, "the forward", RuntimeError, "...", batch 7}
+                                      -> its own exception goes on up, unchanged (a note says it was told)
+    rank 0: waits in an all-to-all -> between wait slices (:mod:`.waits`) reads the channel
+                                      -> RankFailed "seqpar: rank 1 failed in the forward (batch 7): ..."
+
+**Where it is published.** Wherever seqpar's code sees the exception go by: the forward of a
+parallelized model (the loss inside it), ``sync_gradients``, ``seqpar train``'s step, evaluation
+and checkpoint save, the Trainer integration's training step, the local launcher's worker -- and,
+as the last resort, ``sys.excepthook`` for an exception that ends the program elsewhere. The first
+place that sees it publishes it (:func:`publishing`); it is never published twice.
+
+**Where peers meet it.** In seqpar's own collectives on the CPU (gloo), which wait in slices and
+read the channel between them (zero cost while a collective completes within its first slice); on
+NCCL a watchdog thread reads it and aborts the communicators (:mod:`.waits`). A peer blocked in a
+collective that is not seqpar's (DDP's, FSDP's, the user's) is freed on gloo only when the failing
+process exits (measured: abort and shutdown do not free a pending gloo collective); its error --
+"Connection closed by peer" -- is then turned into the same RankFailed at the next place seqpar
+sees it go by. So on gloo a failing process must exit: ``seqpar train`` and the local launcher do,
+and a user loop should let the exception end the process (and not call ``destroy_process_group``
+in a ``finally``: it hangs while a peer waits in a collective).
+
+**Batches never pair across.** Each process counts the batches it shards over each SP group (:func:`before_batch`,
+called by ``shard_batch``, whose one all-gather carries the count: ranks at different batches raise
+a ValueError instead of pairing). A process that met a fault does not start another batch until
+the fault is resolved (every rank raised in that batch: nothing is pending, see :mod:`.channel`);
+one that left a collective pending never starts another (its group is unusable). A rank whose
+previous backward began in seqpar's loss but never reached its end (an exception caught by the
+caller) publishes that before it starts a new batch.
+
+One state per process, because what it tracks is process-wide: the default process group's store,
+``sys.excepthook``, and the count of batches the program has run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import compat
+from ..errors import RankFailed, RankFailedBadInput
+from .channel import ABANDONED, Channel, Fault, clip
+
+NOTE = "seqpar: told every rank: "
+"""The start of the note (``BaseException.add_note``) a published exception carries."""
+
+RESOLVE_WAIT_S = 60.0
+"""How long a process that met a fault waits, at its next batch, for the fault to resolve (every
+rank raised: a deterministic error) before it raises instead of starting the batch."""
+
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting",
+              "Socket Timeout")
+"""Text of the errors gloo raises when a peer went away or never came: consequences, not causes."""
+
+
+class _Process:
+    """This process's part: the channel of the default group, the batch count, what it met."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # the NCCL watchdog reads the channel from its own thread
+        self.group: Any = None  # the default process group the channel belongs to
+        self.channel: Channel | None = None
+        self.rank = 0
+        self.batches: dict[tuple[int, ...], int] = {}  # batches sharded so far over each mesh (its global ranks)
+        self.current: tuple[tuple[int, ...], int] = ((), 0)  # the batch running now: its mesh's ranks, its number
+        self.backward_open = False  # seqpar's loss began a backward whose end has not come yet
+        self.stopped: Fault | None = None  # this process left a collective pending: the group is unusable
+        self.involved = False  # this process published or met a fault: resolve it before the next batch
+        self.flagged: Fault | None = None  # set by the NCCL watchdog: a fault to raise at the next host read
+        self.previous_hook: Any = None
+
+    def reset(self, group: Any) -> None:
+        self.__init__()  # type: ignore[misc]  -- a new process group: a new job as far as faults go
+        self.group = group
+
+
+_STATE = _Process()
+
+
+def channel() -> Channel | None:
+    """The fault channel of the default process group (None without one). Installs the
+    ``sys.excepthook`` last resort the first time."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    st = _STATE
+    group = dist.group.WORLD
+    with st.lock:
+        if st.group is not group or st.channel is None:
+            hook = st.previous_hook
+            st.reset(group)
+            st.previous_hook = hook
+            st.rank = dist.get_rank()
+            st.channel = Channel(compat.default_store(), dist.get_world_size())
+            _install_excepthook()
+        return st.channel
+
+
+def generation() -> int:
+    """The number of the batch running now, counted over its mesh (the number a fault is recorded with)."""
+    return _STATE.current[1]
+
+
+def met_fault() -> bool:
+    """Whether this process published or met a fault in its current process group."""
+    return _STATE.involved or _STATE.stopped is not None
+
+
+def stopped() -> bool:
+    """Whether this process left a collective pending after a fault: its process group is unusable."""
+    return _STATE.stopped is not None
+
+
+# --------------------------------------------------------------------------------------------
+# publishing
+# --------------------------------------------------------------------------------------------
+
+def is_published(error: BaseException) -> bool:
+    return any(str(n).startswith(NOTE) for n in getattr(error, "__notes__", ()))
+
+
+def is_transport(error: BaseException) -> bool:
+    """An error of the transport itself (a peer went away, a collective timed out): the consequence
+    of another rank's fault, and the end of this process group."""
+    return isinstance(error, dist.DistError) or any(t in str(error) for t in _TRANSPORT)
+
+
+def publish(error: BaseException, where: str, *, batch: int | None = None) -> Fault | None:
+    """Publish ``error``, raised on this rank in ``where`` (during ``batch``: default the current
+    one), to every rank (once; never a RankFailed, which is another rank's fault). Returns the
+    record, or None when nothing was published. Never raises: a channel that cannot be written must
+    not hide the real error."""
+    if isinstance(error, RankFailed) or is_published(error):
+        return None
+    try:
+        ch = channel()
+        if ch is None:
+            return None
+        ranks, number = _STATE.current
+        fault = Fault(_STATE.rank, where, type(error).__name__, clip(str(error)),
+                      clip("".join(traceback.format_exception(error))), number if batch is None else batch,
+                      bad_input=isinstance(error, ValueError), ranks=ranks)
+        with _STATE.lock:
+            fault = ch.publish(fault)
+            _STATE.involved = True
+    except Exception:  # the store is gone (its host exited): the launcher still reports this rank
+        return None
+    error.add_note(NOTE + fault.describe())
+    return fault
+
+
+def stop(error: BaseException, where: str) -> None:
+    """What a place that sees ``error`` go by does: a transport error caused by another rank's
+    fault raises that fault's :class:`RankFailed` (from ``error``); anything else is published and
+    returns (the caller re-raises it)."""
+    if not isinstance(error, Exception) or isinstance(error, RankFailed):
+        return
+    if is_transport(error):
+        cause = _abandon(where, f"{type(error).__name__}: {clip(str(error))}")
+        if cause is not None and cause.rank != _STATE.rank:
+            raise rank_failed(cause) from error
+    publish(error, where)
+
+
+def note(error: BaseException, where: str) -> None:
+    """:func:`stop` for a place that must not raise (a forward hook on the way out of a failed
+    forward): ``error`` is published, or this rank marked as having left a collective pending."""
+    try:
+        stop(error, where)
+    except RankFailed:
+        pass
+
+
+@contextlib.contextmanager
+def publishing(where: str) -> Iterator[None]:
+    """Publish an exception that leaves the block (see :func:`stop`): ``with publishing("the forward"):``."""
+    try:
+        yield
+    except Exception as e:
+        stop(e, where)
+        raise
+
+
+def rank_failed(fault: Fault) -> RankFailed:
+    """The error every rank but the failing one raises: the same text on each."""
+    text = f"seqpar: {fault.describe()}"
+    if fault.traceback:
+        text += "\n  its traceback:\n    " + fault.traceback.rstrip().replace("\n", "\n    ")
+    cls = RankFailedBadInput if fault.bad_input else RankFailed
+    return cls(text, fault)
+
+
+# --------------------------------------------------------------------------------------------
+# meeting a fault
+# --------------------------------------------------------------------------------------------
+
+def check_peers(where: str) -> None:
+    """Called between the slices of a wait in ``where``: raise RankFailed if the channel holds an
+    unresolved fault (this rank then leaves the collective pending: its group is unusable)."""
+    ch = channel()
+    if ch is None:
+        return
+    try:
+        with _STATE.lock:
+            ch.read()
+            cause = ch.first_unresolved()
+    except Exception:  # the store is gone: the transport will say it
+        return
+    if cause is None:
+        return
+    _abandon(where, f"after {cause.describe()}")
+    raise rank_failed(cause)
+
+
+def _abandon(where: str, why: str) -> Fault | None:
+    """Mark this process as having left a collective pending (published once: nothing resolves
+    after it); returns the first unresolved fault, the cause."""
+    st = _STATE
+    try:
+        ch = channel()
+        if ch is None:
+            return None
+        with st.lock:
+            if st.stopped is None:
+                st.stopped = ch.publish(Fault(st.rank, where, "", why, "", st.current[1], kind=ABANDONED,
+                                              ranks=st.current[0]))
+                st.involved = True
+            ch.read()
+            return ch.first_unresolved()
+    except Exception:
+        return None
+
+
+def flag(fault: Fault) -> None:
+    """Called by the NCCL watchdog: ``fault`` is raised at the next :func:`raise_if_flagged`."""
+    _STATE.flagged = fault
+
+
+def raise_if_flagged() -> None:
+    """After a host read of a collective's result: raise the fault the watchdog saw (it aborted the
+    communicators, so that result is garbage). Free: one attribute read."""
+    fault = _STATE.flagged
+    if fault is not None:
+        raise rank_failed(fault)
+
+
+def before_batch(ranks: tuple[int, ...]) -> int:
+    """Called by ``shard_batch`` before its all-gather, with the global ranks of its mesh (the ranks
+    that run the batch: its SP group and the dp ranks its gradients meet); returns the batch's number
+    over that mesh -- which every rank of the mesh counts alike, while a process may also run batches
+    over other meshes (a sub-mesh). Raises, without any collective, when this process cannot start
+    a batch: it left a collective pending, its previous backward failed, or a fault it met does not
+    resolve within :data:`RESOLVE_WAIT_S`."""
+    st = _STATE
+    ch = channel()
+    number = st.batches[ranks] = st.batches.get(ranks, 0) + 1
+    previous, st.current = st.current, (ranks, number)
+    if ch is None:
+        return number
+    if st.backward_open:  # an exception left seqpar's loss backward and the caller went on
+        st.backward_open = False
+        st.current = previous  # recorded in the batch it happened in
+        err = RuntimeError(f"seqpar: the backward of batch {previous[1]} failed on this rank and the program went "
+                           f"on; its peers may be waiting in that backward's collectives, so batch {number} cannot "
+                           "start: let the exception end the process")
+        publish(err, "the backward")
+        st.current = (ranks, number)
+        raise err
+    if st.stopped is not None:
+        raise rank_failed(first_cause(ch) or st.stopped)
+    if st.involved:
+        _wait_resolved(ch)
+    return number
+
+
+def first_cause(ch: Channel) -> Fault | None:
+    try:
+        with _STATE.lock:
+            ch.read()
+            return ch.first_unresolved()
+    except Exception:
+        return None
+
+
+def _wait_resolved(ch: Channel) -> None:
+    deadline = time.monotonic() + RESOLVE_WAIT_S
+    while True:
+        cause = first_cause(ch)
+        if cause is None:
+            _STATE.involved = False
+            return
+        if cause.kind == ABANDONED or any(f.kind == ABANDONED for f in ch.records) or time.monotonic() > deadline:
+            raise rank_failed(cause)
+        time.sleep(0.05)
+
+
+def backward_started() -> None:
+    """Called by seqpar's loss backward: the end of the backward (a callback autograd runs only when
+    the whole backward succeeds) closes it again; still open at the next batch means it failed."""
+    if _STATE.group is None:
+        return
+    _STATE.backward_open = True
+    compat.queue_backward_callback(_backward_done)
+
+
+def _backward_done() -> None:
+    _STATE.backward_open = False
+
+
+# --------------------------------------------------------------------------------------------
+# the last resort
+# --------------------------------------------------------------------------------------------
+
+def _install_excepthook() -> None:
+    if getattr(sys.excepthook, "__name__", "") == _excepthook.__name__:
+        return
+    _STATE.previous_hook = sys.excepthook
+    sys.excepthook = _excepthook
+
+
+def _excepthook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
+    """Publish an exception that ends the program (once), print it as before, and leave at once
+    if this process left a collective pending (its interpreter teardown would wait for the peer:
+    measured on gloo)."""
+    converted = None
+    try:
+        stop(value, "the program (an uncaught exception)")
+    except RankFailed as e:
+        converted = e
+    except Exception:
+        pass
+    (_STATE.previous_hook or sys.__excepthook__)(etype, value, tb)
+    if converted is not None:
+        print(f"\n{converted}", file=sys.stderr)
+    if _STATE.stopped is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
