@@ -28,14 +28,13 @@ pytestmark = pytest.mark.distributed  # every test here starts gloo worker proce
 P = 2
 KINDS = ("plain", "padded", "packed")
 # what make test runs; the rest of the grid is heavy (make verify): each compile takes tens of seconds here
-BREAKS = [("ulysses", "padded"), ("ring", "packed")]
+BREAKS = [("ulysses", "padded")]
 BREAKS_HEAVY = [(s, k) for s in ("ulysses", "ring", "hybrid") for k in KINDS if (s, k) not in BREAKS]
 PARITY, PARITY_HEAVY = ["ulysses"], ["ring", "hybrid"]
 FAILURES = [("ulysses", "backward")]
 FAILURES_HEAVY = [("ulysses", "forward"), ("ring", "forward"), ("ring", "backward")]
 # batches of different layouts, then layouts seen before with other tokens: those must compile nothing
-BATCHES = {False: [("plain", "contiguous", 0), ("padded", "contiguous", 1), ("packed", "zigzag", 2),
-                   ("plain", "contiguous", 3), ("packed", "zigzag", 4)],
+BATCHES = {False: [("plain", "contiguous", 0), ("packed", "zigzag", 1), ("plain", "contiguous", 2)],
            True: [("plain", "contiguous", 0), ("padded", "contiguous", 1), ("packed", "contiguous", 2),
                   ("packed", "zigzag", 3), ("plain", "contiguous", 4), ("padded", "contiguous", 5),
                   ("packed", "zigzag", 6)]}

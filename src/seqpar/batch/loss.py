@@ -55,6 +55,25 @@ from .sharding import BATCH_KWARG, LocalBatch
 from .targets import IGNORE_INDEX
 
 
+@torch.compiler.disable  # host reads, fault-aware waits: one eager call (one graph break) under torch.compile
+def _global_sum(total: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """The sum over ``group`` of every rank's ``total``; the batch's attention failures ride the
+    same all-reduce, so no loss comes from a failed forward."""
+    failed = pending_failure()  # None: no attention call to check
+    if group is None or dist.get_world_size(group) == 1:
+        check_failures()  # no all-reduce to ride: over the attention calls' own groups
+        return total
+    if failed is None:
+        collectives.all_reduce(total, group=group)
+        return total
+    total = torch.stack([total, total.new_tensor(failed)])  # [loss sum, ranks that failed]
+    collectives.all_reduce(total, group=group)
+    any_failed = bool(total[1].item())  # the batch's one host read
+    faults.raise_if_flagged()  # NCCL: a peer's fault made the watchdog abort this all-reduce
+    check_failures(group, any_failed=any_failed)
+    return total[0]
+
+
 class _GlobalTokenMean(torch.autograd.Function):
     """Forward: all-reduce (sum) the ranks' local loss sums, divide by N: the same global loss on
     every rank. Backward: no collective -- ``grad * grad_scale`` into the local sum only. Each rank
@@ -66,20 +85,7 @@ class _GlobalTokenMean(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_sum: Tensor, group: dist.ProcessGroup | None, denominator: float,
                 grad_scale: float) -> Tensor:
-        # the batch's attention failures ride the same all-reduce: no loss from a failed forward
-        failed = pending_failure()  # None: no attention call to check
-        total = local_sum.detach().clone()
-        if group is None or dist.get_world_size(group) == 1:
-            check_failures()  # no all-reduce to ride: over the attention calls' own groups
-        elif failed is None:
-            collectives.all_reduce(total, group=group)
-        else:
-            total = torch.stack([total, total.new_tensor(failed)])  # [loss sum, ranks that failed]
-            collectives.all_reduce(total, group=group)
-            any_failed = bool(total[1].item())  # the batch's one host read
-            faults.raise_if_flagged()  # NCCL: a peer's fault made the watchdog abort this all-reduce
-            check_failures(group, any_failed=any_failed)
-            total = total[0]
+        total = _global_sum(local_sum.detach().clone(), group)
         ctx.grad_scale = grad_scale
         return total / denominator
 
@@ -120,13 +126,21 @@ def make_loss_function(mesh: DeviceMesh) -> Callable[..., Tensor]:
     def seqpar_causal_lm_loss(logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
                               num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
                               shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+        if torch.compiler.is_compiling():  # dynamo cannot break a graph inside the with-block below (the
+            # loss's host read does): compiled, an exception here reaches the other ranks through the
+            # model's published forward (seqpar.integrations.published) instead
+            return loss(logits, labels, num_items_in_batch, ignore_index, shift_labels, kwargs)
         with faults.publishing("the loss"):  # an exception here is told to every rank
-            batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
-                                                              tuple(logits.shape[:2]))
-            per_token = token_losses(logits, targets, ignore_index)
-            if batch.loss_weights is not None:
-                per_token = per_token * batch.loss_weights.to(per_token)
-            return sp_token_mean(per_token.sum(), batch, group, denominator)
+            return loss(logits, labels, num_items_in_batch, ignore_index, shift_labels, kwargs)
+
+    def loss(logits: Tensor, labels: Tensor | None, num_items_in_batch: Any, ignore_index: int,
+             shift_labels: Tensor | None, kwargs: dict[str, Any]) -> Tensor:
+        batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
+                                                          tuple(logits.shape[:2]))
+        per_token = token_losses(logits, targets, ignore_index)
+        if batch.loss_weights is not None:
+            per_token = per_token * batch.loss_weights.to(per_token)
+        return sp_token_mean(per_token.sum(), batch, group, denominator)
 
     return seqpar_causal_lm_loss
 

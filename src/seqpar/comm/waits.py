@@ -108,11 +108,18 @@ class _Helper:
         while True:
             job = self.jobs.get()
             try:
-                for req in job.reqs:
-                    req.wait()
+                _wait_all(job.reqs)
             except BaseException as e:  # handed to the waiting thread, which raises it
                 job.error = e
+            # the requests hold the collective's buffers: no reference to them may outlive the wait
+            job.reqs = ()
             job.done.set()
+            del job
+
+
+def _wait_all(reqs: Sequence[Any]) -> None:
+    for req in reqs:
+        req.wait()
 
 
 _HELPER: list[_Helper] = []  # at most one, made on first use
