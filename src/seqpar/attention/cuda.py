@@ -79,6 +79,7 @@ class CudaFlashKernel(RectKernel):
     name = "cuda_flash"
     supports = frozenset({"window", "chunk"})
     tile = TILE
+    fused_op = True
 
     def _prepare(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
         dim = _op_dim(q, v)
