@@ -50,7 +50,8 @@ __all__ = [
     "CHECKED_ON", "TorchDispatchMode", "active_ddp_module", "attn_implementation", "cpu_flash_attention",
     "cpu_flash_attention_backward", "cuda_efficient_attention", "cuda_efficient_attention_backward",
     "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward",
-    "decoder_block_classes", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes", "init_weights_override",
+    "decoder_block_classes", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes",
+    "init_weights_override",
     "is_traceable_wrapper_subclass", "mark_uninitialized", "queue_backward_callback",
     "split_prepared_loader",
 ]
