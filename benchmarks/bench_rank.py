@@ -149,7 +149,8 @@ def _attention_step(s: Shape, seq: int, p: int, strategy: str, dtype: torch.dtyp
     return step
 
 
-def _model_step(s: Shape, seq: int, p: int, strategy: str, dtype: torch.dtype, device: torch.device, layers: int):
+def _model_step(s: Shape, seq: int, p: int, strategy: str, dtype: torch.dtype, device: torch.device, layers: int,
+                compile_backend: str | None = None):
     import seqpar
     from seqpar.integrations.models import build_model
 
@@ -160,6 +161,9 @@ def _model_step(s: Shape, seq: int, p: int, strategy: str, dtype: torch.dtype, d
                                num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
                                max_position_embeddings=max(seq, 1024))
     seqpar.parallelize(model, mesh, strategy=strategy)
+    if compile_backend is not None:  # each decoder layer, as torchtitan compiles (no graph break inside)
+        for layer in model.model.layers:
+            layer.compile(backend=compile_backend)
     ids = torch.randint(0, s.vocab, (1, seq), generator=torch.Generator().manual_seed(0))
     layout = "contiguous" if strategy == "ulysses" else "zigzag"
 
@@ -171,8 +175,10 @@ def _model_step(s: Shape, seq: int, p: int, strategy: str, dtype: torch.dtype, d
 
 
 def run_rank(what: str, s: Shape, seq: int, p: int, strategy: str, dtype: torch.dtype, device: torch.device,
-             *, rank: int = 0, layers: int = 2, repeats: int = 3) -> dict[str, float]:
-    """Rank ``rank``'s ``what`` (see the module doc): ``{"seconds", "flops", "peak_gib"}``."""
+             *, rank: int = 0, layers: int = 2, repeats: int = 3, compile_backend: str | None = None
+             ) -> dict[str, float]:
+    """Rank ``rank``'s ``what`` (see the module doc): ``{"seconds", "flops", "peak_gib"}``; with
+    ``compile_backend`` the model's decoder layers compiled (``torch.compile`` backend name)."""
     from seqpar import compat
 
     def timed(build) -> float:
@@ -184,10 +190,10 @@ def run_rank(what: str, s: Shape, seq: int, p: int, strategy: str, dtype: torch.
     if what == "attention":
         seconds = timed(lambda: _attention_step(s, seq, p, strategy, dtype, device))
     elif what == "step":
-        seconds = timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers))
+        seconds = timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers, compile_backend))
     else:  # one layer: the difference of two models, one layer apart (embedding, head and loss cancel)
-        seconds = (timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers + 1))
-                   - timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers)))
+        seconds = (timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers + 1, compile_backend))
+                   - timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers, compile_backend)))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     return {"seconds": seconds, "flops": flops(what, s, seq, p, layers), "peak_gib": peak}
 
@@ -207,26 +213,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU dry runs)")
     parser.add_argument("--matmul", type=int, default=8192, help="matmul size of the measured peak rate")
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="also each model row with its decoder layers compiled (inductor, aot_eager): "
+                             "a row '<what>+c' and the ratio compiled / eager")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     s = TINY if args.tiny else LLAMA3_8B
     rate = matmul_rate(device, dtype, args.matmul)
     print(f"one rank ({args.rank}) of P on {device}, {args.dtype}: {s}; measured matmul {rate / 1e12:.1f} TFLOP/s")
     print(f"{'what':>9} {'strategy':>8} {'P':>2} {'S':>8} {'ms':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} "
-          f"{'MB/layer':>9}")
+          f"{'MB/layer':>9}  compiled/eager")
     for what in args.what.split(","):
         for strategy in args.strategies.split(","):
             for p in (int(x) for x in args.p.split(",")):
                 for seq in (int(x) for x in args.seq.split(",")):
                     if what != "attention" and seq // p > args.max_tokens:
                         continue
-                    m = run_rank(what, s, seq, p, strategy, dtype, device, rank=args.rank, layers=args.layers,
-                                 repeats=args.repeats)
-                    achieved = m["flops"] / m["seconds"]
                     mb = bytes_per_layer(s, seq, p, strategy, torch.finfo(dtype).bits // 8) / 2**20
-                    print(f"{what:>9} {strategy:>8} {p:>2} {seq:>8} {1e3 * m['seconds']:>10.2f} "
-                          f"{achieved / 1e12:>8.2f} {achieved / rate:>6.1%} {m['peak_gib']:>8.2f} {mb:>9.1f}",
-                          flush=True)
+                    backends = [None] + ([args.compile] if args.compile and what != "attention" else [])
+                    eager = None
+                    for backend in backends:
+                        m = run_rank(what, s, seq, p, strategy, dtype, device, rank=args.rank, layers=args.layers,
+                                     repeats=args.repeats, compile_backend=backend)
+                        eager = m["seconds"] if backend is None else eager
+                        achieved = m["flops"] / m["seconds"]
+                        name, ratio = (what, "") if backend is None else (f"{what}+c", f"{m['seconds'] / eager:.2f}")
+                        print(f"{name:>9} {strategy:>8} {p:>2} {seq:>8} {1e3 * m['seconds']:>10.2f} "
+                              f"{achieved / 1e12:>8.2f} {achieved / rate:>6.1%} {m['peak_gib']:>8.2f} {mb:>9.1f}  "
+                              f"{ratio}", flush=True)
 
 
 if __name__ == "__main__":
