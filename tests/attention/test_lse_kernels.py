@@ -220,9 +220,11 @@ def test_flex_backward_off_cuda_is_a_clear_error():
 def test_cuda_ops_plumbing_on_meta_tensors():
     """No GPU needed: the aten CUDA ops' meta kernels check every argument and give the shapes, so
     every path (FlashAttention or cuDNN for unmasked half-precision tiles, memory-efficient with a
-    tile mask otherwise), GQA, a v head dim other than q's and the backward's arguments are exercised."""
+    tile mask otherwise), GQA (repeated K/V, and FlashAttention-2 given the KV heads as they are), a
+    v head dim other than q's and the backward's arguments are exercised."""
     pos = torch.arange(37, device="meta")
-    for kern, dtype, how in itertools.product((CudaFlashKernel(), CudnnKernel()), (torch.bfloat16, torch.float32),
+    kernels = (CudaFlashKernel(), CudaFlashKernel(native_gqa=True), CudnnKernel())
+    for kern, dtype, how in itertools.product(kernels, (torch.bfloat16, torch.float32),
                                               ("none", "causal", "positions")):
         q = torch.empty(2, 4, 37, 12, device="meta", dtype=dtype)
         k = torch.empty(2, 2, 37, 12, device="meta", dtype=dtype)

@@ -9,8 +9,10 @@ in place (:func:`~seqpar.attention.blocks.merge_into`)::
     queries:   q2       q2       q2       q2          never move
 
 A block's visibility comes from the global positions of its tokens (``SeqShard.positions``), so
-nothing here knows the layout; the block plans (skip, trim: :func:`~seqpar.attention.blocks.plan_block`)
-and block masks are the batch's, made once (:class:`~seqpar.attention.shard.SeqShard`). The
+nothing here knows the layout; the block plans (skip, trim: :func:`~seqpar.attention.blocks.plan_block`;
+fuse: a full or plain-causal block of a batch without padding or documents runs the kernel's fused
+op once, no mask, no rectangles: :func:`~seqpar.attention.blocks.fused_plan`) and block masks are
+the batch's, made once (:class:`~seqpar.attention.shard.SeqShard`). The
 backward sends the blocks around again; each block's dQ/dK/dV come from the kernel's backward with
 the *merged* out and lse (the softmax over all keys and sinks), so every block's share is exact.
 :func:`ring_forward` and :func:`ring_backward` are that loop in each direction, shared by the
