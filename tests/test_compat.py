@@ -297,3 +297,42 @@ def test_fsdp_meshes_are_the_meshes_fully_shard_got(dist_results):
     for r in dist_results:
         assert r["fsdp"] == [[[0, 1]], [[0, 1]], [[0, 1]], []]  # the root holds no parameter of its own
         assert r["not fsdp"] == [] and r["fsdp after"] == [[0, 1]] and r["dtensor"]
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers: recurrent mixers' kernel functions (each family's names: test_state_passing)
+# ---------------------------------------------------------------------------------------------
+
+def test_kernels_replaced_swaps_a_modeling_global_and_restores_it_on_error():
+    import importlib
+
+    module = importlib.import_module("transformers.models.bamba.modeling_bamba")
+    assert compat.modeling_module(module.BambaMixer) is module
+    original = module.mamba2_chunk_scan
+    with pytest.raises(RuntimeError, match="inside"):
+        with compat.kernels_replaced(module, {"mamba2_chunk_scan": lambda *a, **k: None}) as saved:
+            assert saved["mamba2_chunk_scan"] is original and module.mamba2_chunk_scan is not original
+            raise RuntimeError("inside")
+    assert module.mamba2_chunk_scan is original
+
+
+def test_calls_kernels_reads_the_globals_a_forward_calls():
+    import importlib
+
+    module = importlib.import_module("transformers.models.bamba.modeling_bamba")
+    assert compat.calls_kernels(module.BambaMixer, ("mamba2_chunk_scan", "causal_conv1d_fn"))
+    assert not compat.calls_kernels(module.BambaMixer, ("a_kernel_it_does_not_call",))
+
+
+def test_kernel_call_keeps_the_callers_convention():
+    seen = []
+
+    def kernel(query, key, value, g=None, beta=None, initial_state=None, **kwargs):
+        seen.append((query, key, value, g, initial_state, kwargs))
+        return "out"
+
+    call = compat.KernelCall(kernel, ("q", "k", "v"), {"g": "g", "cu_seqlens": None})
+    assert call["initial_state"] is None and call["value"] == "v" and call["beta"] is None
+    assert call.replace(value="v2", initial_state="s")() == "out"
+    assert seen == [("q", "k", "v2", "g", "s", {"cu_seqlens": None})]
+    assert call.values["value"] == "v"  # replace() leaves the call as it was

@@ -19,8 +19,8 @@ transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
     cuda_efficient_attention(...)    aten._scaled_dot_product_efficient_attention(_bw) attention/cuda.py
     cudnn_attention(_backward)       aten._scaled_dot_product_cudnn_attention(_bw)     attention/cuda.py
     fail_on_recompile_limit          torch._dynamo.config (fail_on_recompile_limit_hit) attention/flex.py
-    fake_process_group               torch.testing._internal.distributed.fake_pg       testing/one_rank.py
-                                     (FakeStore; importing it registers "fake")
+    fake_process_group               torch.testing._internal.distributed.fake_pg       benchmarks/bench_rank.py,
+                                     (FakeStore; importing it registers "fake")        bench_ring_step.py
     TorchDispatchMode,               torch.utils._python_dispatch                      testing/memory.py
       is_traceable_wrapper_subclass
     active_ddp_module                DistributedDataParallel._get_active_ddp_module    integrations/fsdp.py
@@ -31,12 +31,20 @@ transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
     init_weights_override            PreTrainedModel._init_weights (shadowed)          integrations/materialize.py
     split_prepared_loader            accelerate's BatchSamplerShard and                integrations/trainer.py
                                      IterableDatasetShard: num_processes, process_index
+    kernels_replaced, KernelCall,    a recurrent mixer's modeling-module globals       integrations/mixers/
+      calls_kernels, modeling_module (causal_conv1d_fn, torch_chunk_gated_delta_rule,  state_*, testing/scans64
+                                     chunk_kimi_delta_attention, mamba2_chunk_scan,
+                                     mamba_selective_scan, mamba_split_conv1d_scan_
+                                     combined): swapped for one call of the mixer
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+import inspect
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -47,13 +55,12 @@ CHECKED_ON = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0
 """The versions every shim here was tested on (``tests/test_compat.py``)."""
 
 __all__ = [
-    "CHECKED_ON", "TorchDispatchMode", "active_ddp_module", "attn_implementation", "cpu_flash_attention",
+    "CHECKED_ON", "KernelCall", "TorchDispatchMode", "active_ddp_module", "attn_implementation", "cpu_flash_attention",
     "cpu_flash_attention_backward", "cuda_efficient_attention", "cuda_efficient_attention_backward",
-    "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward",
-    "decoder_block_classes", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes",
-    "init_weights_override",
-    "is_traceable_wrapper_subclass", "mark_uninitialized", "queue_backward_callback",
-    "split_prepared_loader",
+    "calls_kernels", "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention",
+    "cudnn_attention_backward", "decoder_block_classes", "fail_on_recompile_limit", "fake_process_group",
+    "flatten_mesh", "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass", "kernels_replaced",
+    "mark_uninitialized", "modeling_module", "queue_backward_callback", "split_prepared_loader",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +221,82 @@ def init_weights_override(models: Iterable[nn.Module],
     finally:
         for m in models:
             m.__dict__.pop("_init_weights", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers: the kernel functions a recurrent token mixer's forward calls by name
+# ---------------------------------------------------------------------------------------------
+# transformers 5.24 has every recurrent mixer's ``forward`` call its kernels as globals of its
+# modeling module -- ``causal_conv1d_fn`` (the short convolution) and one chunked scan
+# (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``,
+# ``mamba_selective_scan``), each a dispatcher to flash-linear-attention / mamba-ssm / causal-conv1d
+# when installed, else to transformers' torch code -- and offers no other way in: no kernel
+# attribute on the module, and the generation cache's recurrent state must be known before the scan
+# runs. State passing (integrations/mixers/state_passing.py) needs the scan's inputs and its initial
+# state, so it swaps those globals for one call of the mixer. The names each family relies on are
+# declared in its module (StateKernels); tests/integrations/test_state_passing.py checks, for each
+# class, that its forward still calls them (a renamed kernel makes state passing unavailable, not
+# wrong: calls_kernels).
+
+
+def modeling_module(cls: type) -> ModuleType:
+    """The module that defines ``cls`` (a mixer's modeling file)."""
+    return sys.modules[cls.__module__]
+
+
+def calls_kernels(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls.forward`` (under its decorators) reads every one of ``names`` as a global of
+    its modeling module, and that module defines them: what :func:`kernels_replaced` needs."""
+    module = sys.modules.get(cls.__module__)
+    code = inspect.unwrap(cls.forward).__code__
+    return module is not None and all(callable(getattr(module, n, None)) and n in code.co_names for n in names)
+
+
+@contextlib.contextmanager
+def kernels_replaced(module: ModuleType, replacements: Mapping[str, Callable[..., Any]]
+                     ) -> Iterator[dict[str, Callable]]:
+    """Inside the block, ``module`` (a modeling file: :func:`modeling_module`) resolves each name
+    of ``replacements`` to the given function; yields the originals (by name), which the
+    replacements call. Restored on exit, exceptions included. One mixer runs at a time in a
+    process (its collectives order the ranks), so no other caller sees the swap."""
+    originals = {name: getattr(module, name) for name in replacements}
+    try:
+        for name, fn in replacements.items():
+            setattr(module, name, fn)
+        yield originals
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+
+
+class KernelCall:
+    """One call of a kernel function: its arguments by the names of the function's signature
+    (transformers' torch reference, which the dispatcher wraps), re-issued as given -- positional
+    arguments stay positional -- with some replaced (the installed kernels name their parameters
+    differently from the torch code: ``q`` vs ``query``)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.fn = fn
+        self._params = inspect.signature(fn).parameters
+        self._positional = tuple(list(self._params)[:len(args)])
+        self.values = {**dict(zip(self._positional, args, strict=True)), **kwargs}
+
+    def __getitem__(self, name: str) -> Any:
+        """The argument ``name`` as passed, else the signature's default (None without one)."""
+        if name in self.values:
+            return self.values[name]
+        default = self._params[name].default if name in self._params else None
+        return None if default is inspect.Parameter.empty else default
+
+    def replace(self, **changes: Any) -> KernelCall:
+        out = object.__new__(KernelCall)
+        out.fn, out._params, out._positional = self.fn, self._params, self._positional
+        out.values = {**self.values, **changes}
+        return out
+
+    def __call__(self) -> Any:
+        args = [self.values[n] for n in self._positional]
+        return self.fn(*args, **{k: v for k, v in self.values.items() if k not in self._positional})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,15 @@ GRID = torch.tensor([[1, 2, 2], [1, 2, 4]])  # 4 + 8 patch rows
     ({"pixel_values": torch.zeros(3, 3, 8, 8), "image_sizes": torch.tensor([[8, 8]] * 2)}, "image_sizes has 2"),
     ({"pixel_values": torch.zeros(3, 3, 8, 8), "mm_token_type_ids": IDS[:, :5]}, "mm_token_type_ids must be"),
     ({"pixel_values": [torch.zeros(3, 8, 8)]}, "must be tensors"),
+    # per row (Idefics): [B, images, C, H, W] with [B, images, H, W]; SigLIP-2 patches with their shapes
+    ({"pixel_values": torch.zeros(2, 2, 3, 8, 8), "pixel_attention_mask": torch.ones(2, 2, 8, 8)}, None),
+    ({"pixel_values": torch.zeros(2, 2, 3, 8, 8), "pixel_attention_mask": torch.ones(2, 1, 8, 8)},
+     "pixel_attention_mask must match pixel_values"),
+    ({"pixel_attention_mask": torch.ones(2, 1, 8, 8)}, "pixel_attention_mask must match pixel_values"),
+    ({"pixel_values": torch.zeros(3, 16, 48), "pixel_attention_mask": torch.ones(3, 16),
+      "spatial_shapes": torch.tensor([[4, 4]] * 3)}, None),
+    ({"pixel_values": torch.zeros(3, 16, 48), "spatial_shapes": torch.tensor([[4, 4]] * 2)},
+     "spatial_shapes must be [images, 2]"),
 ])
 def test_visual_problems(extra, problem):
     found = visual_problem({"input_ids": IDS, **extra}, 2, 6)
@@ -45,7 +54,9 @@ def test_refused_keys_name_their_mechanism():
     assert not set(REFUSED_KEYS) & set(ROUTED_KEYS)
     why = refused_key_problem({"input_ids": IDS, "token_type_ids": IDS})
     assert "token_type_ids" in why and "bidirectional attention inside each image" in why
-    assert "per row" in refused_key_problem({"pixel_attention_mask": IDS})
+    assert "local crops" in refused_key_problem({"pixel_values_local": IDS})
+    # images batched per row (Idefics, SmolVLM) are routed now, their pixel mask with them
+    assert refused_key_problem({"pixel_attention_mask": IDS}) is None and "pixel_attention_mask" in ROUTED_KEYS
 
 
 def test_fingerprint_tells_images_apart():

@@ -15,6 +15,7 @@ from seqpar.integrations.mixers import (
     GATHER,
     HANDLED_MIXERS,
     HEADS,
+    STATE,
     check_token_mixers,
     family_of,
     mode_named,
@@ -105,7 +106,7 @@ def test_a_layer_type_without_a_handled_mixer_is_refused():
     module): the layer type is no longer backed by a mixer seqpar handles."""
     model = _build("qwen3_next")
     layer = next(m for m in model.model.layers if hasattr(m, "linear_attn"))
-    assert family_of(layer.linear_attn).modes[0] == HEADS
+    assert family_of(layer.linear_attn).modes[:2] == (STATE, HEADS)
     layer.linear_attn = _Tiny(nn.Linear(32, 32))
     with pytest.raises(Refused, match="'linear_attention'") as info:
         check_token_mixers(model)

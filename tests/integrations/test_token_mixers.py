@@ -1,9 +1,11 @@
-"""Hybrid models under sequence parallelism (issue 13): Gated DeltaNet (Qwen3-Next), Mamba2 (Bamba),
-Mamba (Jamba) and LFM2's short convolution, whole-model parity in float64 against the same model
-unsharded (loss 1e-9, gradients 1e-8; parameters the model itself sums in float32 -- its
-``A_log.float()`` and float32 scans -- relative to float32 precision, as model_parity measures),
-padded and packed rows, uneven shards; the halo exchange against a local convolution; collectives
-per mixer layer; the wrapping undone by unparallelize and followed by a deep copy.
+"""Hybrid models under sequence parallelism (issue 13), in the run modes other than state passing
+(``tests/integrations/test_state_passing.py``): Gated DeltaNet (Qwen3-Next), Mamba2 (Bamba) and
+Mamba (Jamba) split by heads (forced with ``mixer_mode``), LFM2's short convolution with its halo,
+whole-model parity in float64 against the same model unsharded (loss 1e-9, gradients 1e-8;
+parameters the model itself sums in float32 -- its ``A_log.float()`` and float32 scans -- relative
+to float32 precision, as model_parity measures), padded and packed rows, uneven shards; the gather
+mode; the halo exchange against a local convolution; collectives per mixer layer; the wrapping
+undone by unparallelize and followed by a deep copy.
 
 Default run: P = 2 (one spawn). P = 1..4, zigzag / doc-zigzag, ring and hybrid: ``-m heavy``."""
 
@@ -19,7 +21,7 @@ from seqpar.comm.counting import count_collectives
 from seqpar.comm.halo import halo_exchange
 from seqpar.comm.launch import run_distributed
 from seqpar.comm.mesh import axis_group
-from seqpar.integrations.mixers import HALO, HEADS, family_of, token_mixers
+from seqpar.integrations.mixers import GATHER, HALO, HEADS, STATE, chosen_modes, family_of, set_mixer_mode, token_mixers
 from seqpar.integrations.models import decoder_config
 from seqpar.testing.model_parity import (
     ModelCase,
@@ -52,7 +54,8 @@ SPLIT = {
     "granitemoehybrid/2-groups": ("granitemoehybrid", {"layer_types": ["mamba", "attention"], "mamba_n_groups": 2}),
     "zamba2/2-groups": ("zamba2", {**VARIANTS["zamba2/hybrid-layers"][1], "mamba_ngroups": 2}),
 }
-# a projection the split cannot slice (a bias: not a per-head partial sum) -> the mixer runs gathered
+# a projection the split cannot slice (a bias: not a per-head partial sum) -> heads does not fit, the
+# mixer runs in the next mode that does (state passing), or gathered when that is forced
 FALLBACK = {"qwen3_next/out_proj-bias": ("qwen3_next", "out_proj"), "jamba/x_proj-bias": ("jamba/attention-layers",
                                                                                           "x_proj")}
 # (batch, sequence length, strategy, layout): lengths no P divides evenly. Default run: every mixer
@@ -77,8 +80,9 @@ def _model(family):
     return build_tiny(model_type, **overrides)
 
 
-def _parity(rank, world, families, sizes, grid):
-    """Every family x grid case at every SP size (``grid``: a list, or a dict family -> list); this rank's rows."""
+def _parity(rank, world, families, sizes, grid, mode=HEADS):
+    """Every family x grid case at every SP size (``grid``: a list, or a dict family -> list), the
+    token mixers forced to run in ``mode`` where it fits; this rank's rows."""
     torch.set_num_threads(1)
     grids = grid if isinstance(grid, dict) else {f: grid for f in families}
     meshes = {s: sp_meshes(world, sizes, s) for s in dict.fromkeys(g[2] for f in families for g in grids[f])}
@@ -90,6 +94,8 @@ def _parity(rank, world, families, sizes, grid):
         # the model's own float32 sums show when its tokens are regrouped, which packed rows do
         # most: measured once per model, as model_parity.compare does
         floor = precision_floor(model, case_batch(ModelCase(batch="packed", seq=17), vocab))
+        listed = {x for _, m in token_mixers(model) for x in family_of(m).modes}
+        family_mode = mode if mode in listed else None  # LFM2 lists no heads: its own choice (the halo)
         refs = {}
         for kind, seq, strategy, layout in grid:
             for p, mesh in meshes[strategy].items():
@@ -101,9 +107,10 @@ def _parity(rank, world, families, sizes, grid):
                     refs[(kind, seq, scale)] = batch, reference_grads(model, batch, loss_scale=scale)
                 batch, ref = refs[(kind, seq, scale)]
                 r = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=ref, floor=floor,
-                                   layout=layout)
+                                   layout=layout, mixer_mode=family_mode)
                 rows.append({"family": family, "case": (kind, seq, strategy, layout), "P": p, "float32": bool(floor),
-                             **{k: r[k] for k in ("ok", "loss_diff", "grad_max", "f32_rel", "worst_param")}})
+                             **{k: r[k] for k in ("ok", "loss_diff", "grad_max", "f32_rel", "worst_param",
+                                                  "mixer_modes")}})
     return rows
 
 
@@ -115,6 +122,8 @@ def _check(rows, families, sizes, grid):
     # mixers' own kernels cast to float32 (A_log.float(), float32 scans): measured, not assumed
     for r in rows:
         assert r["float32"] == (r["family"] != "lfm2/conv-layers"), r
+        conv = r["family"] == FAMILIES["short-conv"]  # the halo, gathered where it does not fit (permuted, short)
+        assert set(r["mixer_modes"].values()) <= ({HALO, GATHER} if conv else {HEADS}), r
     assert len(rows) >= len(families) * len(grid)
 
 
@@ -123,9 +132,10 @@ def _default_run(rank, world):
     grids = {f: QUICK + (QUICK_HALO if f == FAMILIES["short-conv"] else []) for f in FAMILIES.values()}
     return {"parity": _parity(rank, world, list(FAMILIES.values()), (world,), grids), "halo": _halo(rank, world),
             "counts": _layer_counts(rank, world), "grouped": _parity(rank, world, list(SPLIT), (world,), QUICK),
-            "approaches": {f: sorted({(family_of(m).modes[0], family_of(m).split_fits(m, world))
+            "approaches": {f: sorted({(HEADS in family_of(m).modes, family_of(m).split_fits(m, world))
                                       for _, m in token_mixers(_model(f))}) for f in [*SPLIT, *FALLBACK]},
-            "fallback": _parity(rank, world, list(FALLBACK), (world,), QUICK)}
+            "fallback": _parity(rank, world, list(FALLBACK), (world,), QUICK),
+            "gathered": _parity(rank, world, list(FALLBACK), (world,), QUICK, mode=GATHER)}
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +146,8 @@ def default_run():
 def test_hybrid_families_exact_at_p2(default_run):
     rows = default_run[0]["parity"]
     _check(rows, list(FAMILIES.values()), (2,), QUICK)
-    halo = {r["case"] for r in rows if r["family"] == FAMILIES["short-conv"]}
-    assert QUICK_HALO[0] in halo
+    halo = {r["case"]: r["mixer_modes"] for r in rows if r["family"] == FAMILIES["short-conv"]}
+    assert halo[QUICK_HALO[0]] == {"Lfm2ShortConv": HALO}, halo
 
 
 @pytest.mark.heavy
@@ -152,10 +162,10 @@ def test_kimi_and_mamba2_split_by_heads_exact_at_p2(default_run):
     groups (one group per rank at P = 2) and Bamba with one group (its heads split, the group's
     gated norm summed across ranks) run split by heads and stay exact, padded and packed."""
     approaches = default_run[0]["approaches"]
-    assert all(approaches[f] == [(HEADS, True)] for f in SPLIT), approaches
+    assert all(approaches[f] == [(True, True)] for f in SPLIT), approaches
     rows = default_run[0]["grouped"]
     assert {r["family"] for r in rows} == set(SPLIT) and len(rows) == len(SPLIT) * len(QUICK)
-    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert all(r["ok"] and set(r["mixer_modes"].values()) == {HEADS} for r in rows), [r for r in rows if not r["ok"]]
 
 
 @pytest.mark.heavy
@@ -164,7 +174,7 @@ def test_kimi_and_mamba2_split_by_heads_exact_p1_to_p4():
     unevenly at P = 3; uneven lengths."""
     rows = run_distributed(_parity, 4, list(SPLIT), (1, 2, 3, 4), HEAVY, timeout=1800)[0]
     assert {(r["family"], r["P"]) for r in rows} >= {(f, p) for f in SPLIT for p in (1, 2, 3, 4)}
-    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert all(r["ok"] and set(r["mixer_modes"].values()) == {HEADS} for r in rows), [r for r in rows if not r["ok"]]
 
 
 @pytest.mark.heavy
@@ -230,6 +240,8 @@ def _layer_counts(rank, world):
     for family in ("qwen3_next", "lfm2/conv-layers"):
         model = build_tiny("qwen3_next", **two_gdn) if family == "qwen3_next" else _model(family)
         seqpar.parallelize(model, mesh)
+        if family == "qwen3_next":
+            set_mixer_mode(model, HEADS)
         batch = case_batch(ModelCase(batch="padded", seq=11), decoder_config(model.config)[0].vocab_size)
         local = seqpar.shard_batch(batch, mesh)
         _, mixer = token_mixers(model)[0]
@@ -256,6 +268,7 @@ def _layer_counts(rank, world):
             loss = model(**local).loss
         with count_collectives() as whole_bwd:
             loss.backward()
+        ran = chosen_modes(model)[type(mixer).__name__]
         copied = copy.deepcopy(model)
         bound_to_copy = all(m.forward.__self__ is m for _, m in token_mixers(copied))
         seqpar.unparallelize(copied)  # the copy's undo unwraps the copy's modules, not the original's
@@ -263,7 +276,7 @@ def _layer_counts(rank, world):
                        and all("forward" in vars(m) for _, m in token_mixers(model)))
         seqpar.unparallelize(model)
         mixers = len(token_mixers(model))
-        out[family] = {"approach": family_of(mixer).modes[0], "fwd": dict(fwd), "bwd": dict(bwd), "scan": rule_heads,
+        out[family] = {"approach": ran, "fwd": dict(fwd), "bwd": dict(bwd), "scan": rule_heads,
                        "heads": (mixer.num_v_heads, local["input_ids"].shape[1]) if family == "qwen3_next" else None,
                        "whole": (dict(whole_fwd), dict(whole_bwd)), "layers": mixers,
                        "attention": len(model.config.layer_types) - mixers, "copy": bound_to_copy and copy_undone,
@@ -297,8 +310,10 @@ def test_collectives_per_mixer_layer(default_run):
 @pytest.mark.heavy
 def test_builtin_hybrids_with_activation_checkpointing():
     """The built-in hybrids (seqpar verify / train --model) recompute their layers in the backward:
-    the gathered mixer's collectives run again there, in the same order on every rank."""
-    cases = [ModelCase(model=m, batch=b, seq=s, checkpointing=c) for m in ("tiny-qwen3-next", "tiny-bamba")
+    the mixers' collectives (split by heads, state passing) run again there, in the same order on
+    every rank."""
+    cases = [ModelCase(model=m, batch=b, seq=s, checkpointing=c, mixer_mode=mode)
+             for m in ("tiny-qwen3-next", "tiny-bamba") for mode in (HEADS, STATE)
              for b, s, c in (("packed", 17, "non-reentrant"), ("padded", 15, "reentrant"))]
     rows = run_distributed(run_model_parity, 4, cases, (2, 4), timeout=1200)[0]
     assert len(rows) == 2 * len(cases) and all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
@@ -315,11 +330,13 @@ def test_gated_deltanet_splits_its_heads(default_run):
     assert all(t == seq for s in scans for _, t in s), scans  # each over the whole sequence
 
 
-def test_unsliceable_mixer_runs_gathered_and_exact(default_run):
+def test_unsliceable_mixer_runs_in_another_mode_and_exact(default_run):
     """A split mixer with a biased projection (Qwen3-Next's out_proj, Jamba's x_proj) does not fit
-    the split: it runs gathered, and stays exact."""
+    the split: asked for heads it runs in the next mode that fits (state passing, which slices
+    nothing), asked for gather it runs gathered; both exact."""
     approaches = default_run[0]["approaches"]
-    assert all(approaches[f] == [(HEADS, False)] for f in FALLBACK), approaches
-    rows = default_run[0]["fallback"]
-    assert {r["family"] for r in rows} == set(FALLBACK) and len(rows) == len(FALLBACK) * len(QUICK)
-    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert all(approaches[f] == [(True, False)] for f in FALLBACK), approaches
+    for key, mode in (("fallback", STATE), ("gathered", GATHER)):
+        rows = default_run[0][key]
+        assert {r["family"] for r in rows} == set(FALLBACK) and len(rows) == len(FALLBACK) * len(QUICK)
+        assert all(r["ok"] and set(r["mixer_modes"].values()) == {mode} for r in rows), rows

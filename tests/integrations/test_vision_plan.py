@@ -119,3 +119,30 @@ def test_route_plan_of_an_image_only_batch_needs_no_reordering():
     assert feats[0] == [("image", j) for j in range(3)] and feats[1] == [("image", j) for j in (3, 4)]
     assert plans[1].recv_counts == [2, 0] and plans[0].send_index[1].tolist() == [3, 4]
     assert all(pl.order is None for pl in plans)
+
+
+def test_units_of_images_batched_per_row_are_the_real_images_row_major():
+    # Idefics / SmolVLM: [B, images, C, H, W]; row 1 has one image and an all-zero one padding it
+    pixels = torch.randn(2, 2, 3, 4, 4, dtype=torch.float64)
+    pixels[1, 1] = 0
+    mask = torch.ones(2, 2, 4, 4, dtype=torch.bool)
+    mask[1, 1] = False
+    us = units({"pixel_values": pixels, "pixel_attention_mask": mask}, frames_apart=False, per_row=True)
+    assert [u.modality for u in us] == ["image"] * 3
+    for u, (b, i) in zip(us, [(0, 0), (0, 1), (1, 0)], strict=True):
+        assert u.inputs["pixel_values"].shape == (1, 1, 3, 4, 4) and torch.equal(u.inputs["pixel_values"][0, 0],
+                                                                                  pixels[b, i])
+        assert u.inputs["pixel_attention_mask"].shape == (1, 1, 4, 4) and u.cost == 3 * 4 * 4
+    # a rank's share is a batch of rows of one image each: the model keeps them in this order
+    assert merge_inputs(us[1:])["image"]["pixel_values"].shape == (2, 1, 3, 4, 4)
+
+
+def test_documents_of_packed_rows_leave_padding_out():
+    from seqpar.integrations.vlm_positions import documents
+
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 1, 1, 1]])
+    keep = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    docs = [(b, idx.tolist()) for b, idx in documents(segments, keep)]
+    assert docs == [(0, [0, 1, 2]), (0, [3, 4]), (1, [0, 1, 2, 3]), (1, [4, 5, 6])]
+    assert [(b, idx.tolist()) for b, idx in documents(segments[:1], None)] == [(0, [0, 1, 2]), (0, [3, 4]),
+                                                                             (0, [5, 6])]

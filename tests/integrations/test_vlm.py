@@ -18,19 +18,25 @@ from seqpar.comm.launch import run_distributed
 from seqpar.errors import Refused
 from seqpar.integrations.vlm_families import FAMILIES, SUPPORTED
 from seqpar.testing.model_parity import GRAD_TOL, LOSS_TOL, compare_models
-from seqpar.testing.vlm_inputs import vlm_batch
-from seqpar.testing.vlm_parity import run_vlm_parity
+from seqpar.testing.vlm_inputs import packed_batch, vlm_batch
+from seqpar.testing.vlm_parity import vlm_family_parity, vlm_floor
 from seqpar.testing.vlm_zoo import build_tiny_vlm, vlm_reference
 
 pytestmark = pytest.mark.distributed
 
 EXACT = ("exact", "exact (float32 model)")
-# the first exact path: M-RoPE with images and a video (Qwen2-VL, Qwen2.5-VL), 1-D positions (LLaVA),
-# anyres crops and a video tensor (LLaVA-OneVision); the rest (hybrid Qwen3.5 ...) at P = 3 in make verify
-FAMILIES_P2 = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision"]
 RUNS_WITH_IMAGES = sorted(f for f, fam in FAMILIES.items() if set(fam.mechanisms) <= SUPPORTED)
-# parallelize refuses their text decoders (indexed, i.e. sparse, attention: seqpar does not shard it)
-TEXT_MODEL_REFUSED = {"mistral_large4", "hy_v4_vl"}
+# parallelize refuses their text decoders (parts that mix tokens along the sequence in a way seqpar does not shard,
+# e.g. indexed -- sparse -- attention): checked at P = 3
+TEXT_MODEL_REFUSED = {"mistral_large4", "hy_v4_vl", "dots3_note", "qwen4_exp"}
+# P = 2 (make test): the first exact path under both strategies -- M-RoPE with images and a video (Qwen2-VL,
+# Qwen2.5-VL), 1-D positions (LLaVA), anyres crops and a video tensor (LLaVA-OneVision) -- and every other
+# family seqpar runs with images once, the strategy alternating; P = 3 (make verify): all of them, both
+_BOTH = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision")
+_ROTATED = [f for f in RUNS_WITH_IMAGES if f not in _BOTH and f not in TEXT_MODEL_REFUSED]
+GRID_P2 = [(f, ("ulysses", "ring")) for f in _BOTH] + [(f, (("ulysses", "ring")[i % 2],))
+                                                      for i, f in enumerate(_ROTATED)]
+GRID_P3 = [(f, ("ulysses", "ring")) for f in RUNS_WITH_IMAGES]
 
 
 def _attempt(fn):
@@ -78,9 +84,10 @@ def _misuse(rank, world):
     out["gemma3 token_type_ids to shard_batch"] = _attempt(lambda: seqpar.shard_batch(batch, mesh))
     without = {k: v for k, v in batch.items() if k != "token_type_ids"}
     out["gemma3 images"] = _attempt(lambda: gemma(**seqpar.shard_batch(without, mesh)))
-    deepstack = build_tiny_vlm("qwen3_vl")
-    seqpar.parallelize(deepstack, mesh)
-    out["qwen3_vl images"] = _attempt(lambda: deepstack(**seqpar.shard_batch(vlm_batch(deepstack), mesh)))
+    # deepstack runs now (Qwen3-VL in the zoo grid); Ovis2's visual indicators are still refused
+    ovis = build_tiny_vlm("ovis2")
+    seqpar.parallelize(ovis, mesh)
+    out["ovis2 images"] = _attempt(lambda: ovis(**seqpar.shard_batch(vlm_batch(ovis), mesh)))
     llama, _ = seqpar.integrations.models.build_model("tiny-llama", dtype=torch.float64)
     seqpar.parallelize(llama, mesh)
     with_images = {**text, "input_ids": text["input_ids"] % 64, "labels": text["labels"].clamp(max=63),
@@ -160,27 +167,47 @@ def _zigzag(rank, world):
             for s in ("ulysses", "ring")}
 
 
-def _worker(rank, world, families):
+def _packed(rank, world):
+    """Rows of several conversations with images packed into one (position_ids restarting at each
+    document, padding after): M-RoPE positions per document through the model's rope index
+    (Qwen2-VL, with a video; Qwen3-VL with deepstack too), 1-D positions (LLaVA). The reference is
+    the same documents unpacked, each its own row (transformers has no packed M-RoPE)."""
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    out = {}
+    for family in ("qwen2_vl", "qwen3_vl", "llava"):
+        model = build_tiny_vlm(family)
+        batch = vlm_batch(model)
+        packed = packed_batch(batch)
+        ref = vlm_reference(model, batch, loss_scale=world)  # seqpar's loss scale, as vlm_family_parity
+        r = compare_models(copy.deepcopy(model), packed, mesh, strategy="ulysses", reference=ref,
+                           floor=vlm_floor(model, batch))
+        out[family] = (r["loss_diff"], r["grad_max"], r["f32_rel"], r["ok"], r["worst_param"])
+    return out
+
+
+def _worker(rank, world, grid):
     torch.set_num_threads(1)
-    out = {"rows": run_vlm_parity(rank, world, families)}
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    out = {"rows": [r for family, strategies in grid for r in vlm_family_parity(family, mesh, strategies)]}
     if world == 2:
         out.update(misuse=_misuse(rank, world), divided=_divided(rank, world),
                    frozen=_frozen_tower_no_images_here(rank, world), wrapped=_wrapped(rank, world),
-                   zigzag=_zigzag(rank, world))
+                   zigzag=_zigzag(rank, world), packed=_packed(rank, world))
     return out
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.heavy)], ids=lambda p: f"P={p}")
 def results(request):
     p = request.param
-    return p, run_distributed(_worker, p, FAMILIES_P2 if p == 2 else RUNS_WITH_IMAGES, timeout=1500)
+    return p, run_distributed(_worker, p, GRID_P2 if p == 2 else GRID_P3, timeout=1500)
 
 
 def test_images_are_exact(results):
     p, outs = results
     rows = [r for out in outs for r in out["rows"]]
     families = {r.family for r in rows}
-    assert families == set(FAMILIES_P2 if p == 2 else RUNS_WITH_IMAGES)
+    assert families == {f for f, _ in (GRID_P2 if p == 2 else GRID_P3)}
+    assert {f for f, _ in GRID_P2} | TEXT_MODEL_REFUSED == set(RUNS_WITH_IMAGES)  # every one at P = 2 too
     bad = [f"{r.family} {r.strategy}: {r.outcome} loss {r.loss_diff:.1e} grad {r.grad_max:.1e} {r.detail[:300]}"
            for r in rows if r.outcome not in EXACT and r.family not in TEXT_MODEL_REFUSED]
     assert not bad, "\n".join(bad)
@@ -215,8 +242,8 @@ def test_gemma3_token_type_ids_are_refused_not_dropped(results):
         assert all("token_type_ids" in g[1] and "bidirectional attention inside each image" in g[1] for g in got)
     got = [out["misuse"]["gemma3 token_type_ids to shard_batch"] for out in outs]
     assert all(g[0] == Refused.__name__ and "token_type_ids" in g[1] for g in got), got
-    # Gemma 3's images are refused by their mechanism even without token_type_ids, and so is deepstack
-    for name, words in (("gemma3 images", "bidirectional attention"), ("qwen3_vl images", "deepstack")):
+    # Gemma 3's images are refused by their mechanism even without token_type_ids, and so are Ovis2's
+    for name, words in (("gemma3 images", "bidirectional attention"), ("ovis2 images", "encoder outputs beside")):
         got = [out["misuse"][name] for out in outs]
         assert all(g is not None and g[0] == Refused.__name__ and words in g[1] for g in got), (name, got)
     got = [out["misuse"]["images into a text model"] for out in outs]
@@ -260,3 +287,13 @@ def test_a_rank_without_images_and_a_frozen_tower_stay_exact(results):
         pytest.skip("runs at P = 2")
     for loss_diff, grad_max, worst in (out["frozen"] for out in outs):
         assert loss_diff <= LOSS_TOL and grad_max <= GRAD_TOL, (loss_diff, grad_max, worst)
+
+
+def test_packed_rows_with_images_are_exact(results):
+    p, outs = results
+    if p != 2:
+        pytest.skip("runs at P = 2")
+    for out in outs:
+        assert set(out["packed"]) == {"qwen2_vl", "qwen3_vl", "llava"}
+        for family, (loss_diff, grad_max, f32_rel, ok, worst) in out["packed"].items():
+            assert ok and loss_diff <= LOSS_TOL and grad_max <= GRAD_TOL and f32_rel <= 1e-5, (family, worst)

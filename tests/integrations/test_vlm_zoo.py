@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from seqpar.integrations.vlm_families import FAMILIES, SUPPORTED, UNVERIFIED
+from seqpar.integrations.vlm_families import FAMILIES, SUPPORTED, UNVERIFIED, VQ_TOKENS
 from seqpar.testing.vlm_inputs import vlm_batch
 from seqpar.testing.vlm_zoo import build_tiny_vlm, run_unsharded, vision_params, vlm_types
 
@@ -64,7 +64,9 @@ def test_every_buildable_family_runs_unsharded():
         if r.status != "runs":
             assert r.detail, r  # transformers' own error, quoted
         else:
-            assert math.isfinite(r.loss) and r.vision_grads > 0, r
+            # VQ tokenizers (Apertus 1.5) turn images into discrete codes: no gradient reaches them, by design
+            vq = VQ_TOKENS in FAMILIES[r.family].mechanisms
+            assert math.isfinite(r.loss) and (r.vision_grads == 0 if vq else r.vision_grads > 0), r
     runs = {r.family for r in rows if r.status == "runs"}
     assert len(runs) >= 45, sorted(runs)
     # what the family table says seqpar runs with images, the zoo runs; what it calls unverified, it cannot

@@ -64,6 +64,22 @@ def test_named_families_end_as_issues_9_and_13_say(zoo):
     assert chunked == {("padded", True), ("packed", True)}, chunked  # packed: each document's own chunks
 
 
+STATE_PASSING = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
+                 "zamba", "jamba/attention-layers", "bamba/attention-layers", "falcon_h1", "nemotron_h",
+                 "zamba2/hybrid-layers", "granitemoehybrid/attention-layers"]
+
+
+def test_hybrid_rows_run_state_passing(zoo):
+    """Issue 28: every recurrent mixer family runs in state passing in the zoo (its scans in float64:
+    seqpar.testing.scans64), exact; LFM2's short convolution keeps its halo."""
+    _, rows = zoo
+    for family in STATE_PASSING:
+        ran = {(r.outcome, r.mixer_modes) for r in rows if r.family == family}
+        assert ran and all(o in EXACT and m and all(x.endswith("=state") for x in m) for o, m in ran), (family, ran)
+    conv = {m for r in rows if r.family == "lfm2/conv-layers" for m in r.mixer_modes}
+    assert conv == {"Lfm2ShortConv=halo"}, conv
+
+
 def test_refusals_say_what_and_why(zoo):
     _, rows = zoo
     for r in rows:

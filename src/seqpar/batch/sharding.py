@@ -282,7 +282,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         out["shift_labels"] = out["labels"]
     out["use_cache"] = False
     positions_given = batch.get("position_ids") is not None or batch.get("cu_seq_lens_q") is not None
-    info.visual = visual_batch(batch, pieces, positions_given)  # the model encodes and routes it
+    info.visual = visual_batch(batch, pieces, positions_given, prep.segments)  # the model encodes and routes it
     out[BATCH_KWARG] = info
     return out
 

@@ -24,16 +24,18 @@ import torch
 from torch import Tensor
 
 ROUTED_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
-               "mm_token_type_ids", "second_per_grid_ts")
-"""Processor outputs :func:`seqpar.shard_batch` takes: pixels (patch rows with a grid, or one entry
-per image), the grids and sizes that say which rows are which image, the modality of every token
-(``mm_token_type_ids [B, S]``: 0 text, 1 image, 2 video), and Qwen2.5-VL's video timing."""
+               "spatial_shapes", "pixel_attention_mask", "mm_token_type_ids", "second_per_grid_ts")
+"""Processor outputs :func:`seqpar.shard_batch` takes: pixels (patch rows with a grid, one entry
+per image, or images batched per row ``[B, images, C, H, W]``), the grids, sizes and pixel masks
+that say which rows are which image (``spatial_shapes`` / ``pixel_attention_mask [images,
+patches]`` of SigLIP-2 towers, ``pixel_attention_mask [B, images, H, W]`` beside per-row pixels),
+the modality of every token (``mm_token_type_ids [B, S]``: 0 text, 1 image, 2 video), and
+Qwen2.5-VL's video timing."""
 
 _BIDIRECTIONAL = ("bidirectional attention inside each image (Gemma 3's token_type_ids, PaliGemma's prefix): "
                   "seqpar cannot express that mask under sequence parallelism yet")
 REFUSED_KEYS: dict[str, str] = {
     "token_type_ids": _BIDIRECTIONAL,
-    "pixel_attention_mask": "images batched per row with a pixel mask (Idefics, SmolVLM)",
     "pixel_mask": "a pixel mask per image (Aria)",
     "image_patches": "Fuyu's raw image patches",
     "image_patches_indices": "Fuyu's raw image patches",
@@ -65,17 +67,19 @@ class VisualBatch:
     attention_mask  ``[B, S]`` the processor's padding mask or None (the model's rope index reads it)
     positions_given whether the batch brought its own position_ids (then the model computes none)
     pieces          ``pieces[r]``: the indices of the row's tokens rank r holds, in its local order
+    segments        ``[B, S]`` document ids of packed rows (position ids restarting), or None (one
+                    document per row): an M-RoPE model's positions are then computed per document
 
     A plain class, like :class:`~seqpar.batch.sharding.LocalBatch`, so that DDP / FSDP input movers
     leave it alone: the model moves what it encodes to its own device.
     """
 
-    __slots__ = ("tensors", "input_ids", "attention_mask", "positions_given", "pieces")
+    __slots__ = ("tensors", "input_ids", "attention_mask", "positions_given", "pieces", "segments")
 
     def __init__(self, tensors: dict[str, Tensor], input_ids: Tensor, attention_mask: Tensor | None,
-                 positions_given: bool, pieces: Sequence[Tensor]) -> None:
+                 positions_given: bool, pieces: Sequence[Tensor], segments: Tensor | None = None) -> None:
         self.tensors, self.input_ids, self.attention_mask = tensors, input_ids, attention_mask
-        self.positions_given, self.pieces = positions_given, tuple(pieces)
+        self.positions_given, self.pieces, self.segments = positions_given, tuple(pieces), segments
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
@@ -117,6 +121,16 @@ def visual_problem(batch: Mapping[str, Any], b: int, s: int) -> str | None:
         if pv.dim() < 2 or pv.shape[0] != rows:
             return (f"{pixels} must be [patches, ...] with one row per patch of {grid_key} ({rows} rows), "
                     f"got {list(pv.shape)}")
+    mask, pv = present.get("pixel_attention_mask"), present.get("pixel_values")
+    if mask is not None:
+        per_row = pv is not None and pv.dim() == 5 and mask.dim() == 4
+        if pv is None or (tuple(mask.shape) != (*pv.shape[:2], *pv.shape[-2:]) if per_row
+                          else mask.shape[0] != pv.shape[0]):
+            return ("pixel_attention_mask must match pixel_values: [B, images, H, W] beside per-row pixels "
+                    "[B, images, C, H, W], or one entry per image beside pixel_values [images, ...]")
+    shapes = present.get("spatial_shapes")
+    if shapes is not None and (pv is None or shapes.dim() != 2 or shapes.shape != (pv.shape[0], 2)):
+        return "spatial_shapes must be [images, 2] (patch rows and columns), beside pixel_values [images, ...]"
     sizes = present.get("image_sizes")
     if sizes is not None:
         pv = present.get("pixel_values")
@@ -140,9 +154,11 @@ def fingerprint(tensors: Mapping[str, Tensor]) -> float:
     return total
 
 
-def visual_batch(batch: Mapping[str, Any], pieces: Sequence[Tensor], positions_given: bool) -> VisualBatch | None:
-    """The :class:`VisualBatch` of a checked batch (None: it has no visual inputs)."""
+def visual_batch(batch: Mapping[str, Any], pieces: Sequence[Tensor], positions_given: bool,
+                 segments: Tensor | None = None) -> VisualBatch | None:
+    """The :class:`VisualBatch` of a checked batch (None: it has no visual inputs); ``segments``:
+    its packed rows' document ids (:func:`seqpar.batch.targets.segments_from_positions`) or None."""
     tensors = {k: batch[k] for k in ROUTED_KEYS if batch.get(k) is not None}
     if not tensors:
         return None
-    return VisualBatch(tensors, batch["input_ids"], batch.get("attention_mask"), positions_given, pieces)
+    return VisualBatch(tensors, batch["input_ids"], batch.get("attention_mask"), positions_given, pieces, segments)

@@ -18,6 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.add_argument("--zoo", action="store_true",
                    help="every causal-LM class of the installed transformers, tiny and float64: exact or refused")
+    p.add_argument("--vlm-zoo", action="store_true",
+                   help="every image-text-to-text class of the installed transformers, tiny and float64, with images:"
+                        " exact, refused (the mechanism named) or not runnable here (why); --quick: Ulysses only")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a hung run fails")
     p.set_defaults(func=run)
 
@@ -31,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
         print(cuda_note(torch.cuda.device_count()), file=sys.stderr, flush=True)
     if args.zoo:
         return verify_zoo(args)
+    if args.vlm_zoo or (args.model and is_vlm_checkpoint(args.model)):
+        from seqpar.cli.verify_vlm import verify_vlm_model, verify_vlm_zoo
+
+        return verify_vlm_zoo(args) if args.vlm_zoo else verify_vlm_model(args)
     if args.model:
         return verify_model(args)
     from seqpar.comm.launch import run_distributed
@@ -52,6 +59,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{len(rows) - len(bad)} passed, {len(bad)} failed (P={args.nproc}, float64, tol {args.tol:g},"
           f" worst |err| {worst_all:.2e})")
     return 1 if bad else 0
+
+
+def is_vlm_checkpoint(model: str) -> bool:
+    """Whether ``--model`` names a local vision-language checkpoint (then it is checked with images)."""
+    import os
+
+    from seqpar.testing.vlm_zoo import is_vlm_checkpoint as vlm
+
+    return os.path.isdir(model) and vlm(model)
 
 
 def cuda_note(devices: int) -> str:

@@ -1,11 +1,14 @@
-"""Counting collectives, for tests and for users who want to see what a step costs."""
+"""Counting collectives -- calls, and the bytes of their buffers -- for tests and for users who want
+to see what a step costs."""
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import collectives
@@ -17,20 +20,26 @@ _NAMES = ["all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tens
 # is counted itself, once per ring step).
 
 
-@contextlib.contextmanager
-def count_collectives() -> Iterator[Counter]:
-    """Count calls to torch.distributed collectives (by name) inside the block::
+def _bytes(args: tuple[Any, ...]) -> int:
+    """The bytes of a call's largest buffer: an all-gather's output (every rank's piece), a
+    reduce-scatter's input, an all-reduce's or broadcast's tensor, an all-to-all's input; for a
+    batch of point-to-point ops, everything sent and received."""
+    def size(t: Any) -> int:
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
-        with count_collectives() as calls:
-            out = ulysses_attention(...)
-        assert calls["all_to_all_single"] == 2
-    """
-    calls: Counter = Counter()
+    if args and isinstance(args[0], list) and args[0] and isinstance(args[0][0], dist.P2POp):
+        return sum(size(op.tensor) for op in args[0])
+    return max((size(a) for a in args[:2]), default=0)
+
+
+@contextlib.contextmanager
+def _counting(record: Callable[[str, tuple[Any, ...]], None]) -> Iterator[None]:
+    """Every torch.distributed collective (and seqpar's aliases of them) calls ``record(name, args)``."""
     saved = {}
 
     def wrap(name, fn):
         def counted(*args, **kwargs):
-            calls[name] += 1
+            record(name, args)
             return fn(*args, **kwargs)
         return counted
 
@@ -43,7 +52,39 @@ def count_collectives() -> Iterator[Counter]:
         saved[("seqpar", alias)] = getattr(collectives, alias)
         setattr(collectives, alias, wrap(name, saved[("seqpar", alias)]))
     try:
-        yield calls
+        yield
     finally:
         for (where, name), fn in saved.items():
             setattr(dist if where == "dist" else collectives, name, fn)
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[Counter]:
+    """Count calls to torch.distributed collectives (by name) inside the block::
+
+        with count_collectives() as calls:
+            out = ulysses_attention(...)
+        assert calls["all_to_all_single"] == 2
+    """
+    calls: Counter = Counter()
+
+    def record(name: str, args: tuple[Any, ...]) -> None:
+        calls[name] += 1
+
+    with _counting(record):
+        yield calls
+
+
+@contextlib.contextmanager
+def count_collective_bytes() -> Iterator[Counter]:
+    """Sum, by collective name, the bytes of each call's largest buffer inside the block (an
+    all-gather's output, a reduce-scatter's input, ...: :func:`_bytes`); a rank sends and receives
+    at most that much in one call. ``calls["all_gather_flat"]`` after one sequence-parallel layer
+    is what that layer gathered."""
+    sizes: Counter = Counter()
+
+    def record(name: str, args: tuple[Any, ...]) -> None:
+        sizes[name] += _bytes(args)
+
+    with _counting(record):
+        yield sizes

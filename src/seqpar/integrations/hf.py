@@ -146,11 +146,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
 
     Hybrid models: the Mamba, Mamba2, Gated DeltaNet, Kimi and LFM2 short-convolution layers of
     :data:`.mixers.HANDLED_MIXERS` are exact too. LFM2's short convolutions take a halo of the
-    previous rank's last inputs (scalable); Gated DeltaNet, Kimi and most Mamba2 layers are split
-    by heads and Jamba's Mamba by inner channels (each rank runs its share on the whole sequence:
-    compute split P ways, input held whole); the rest (Zamba's Mamba, Falcon-H1) are *gathered*:
-    every rank runs such a layer on the whole sequence (its compute repeated P times), see
-    :mod:`.mixers` and
+    previous rank's last inputs; the recurrent layers run *state passing* (each rank its own
+    tokens, the scan's state across ranks: compute and memory O(S/P), communication independent
+    of S) or, where measured faster, split by heads (each rank its share of the heads on the
+    whole sequence), see :mod:`.mixers`, :func:`.mixers.set_mixer_mode` and
     :func:`.mixers.describe_token_mixers`.
 
     Raises ValueError if the model is not a transformers model whose attention goes through

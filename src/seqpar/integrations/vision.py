@@ -4,7 +4,8 @@ Pure functions (no communication, no model): every SP rank holds the same whole 
 rank derives the same plan. :mod:`.vlm` runs it::
 
     units       the batch's images, one unit each; a video one unit per frame where the model's
-                tower encodes frames apart (Qwen2-VL's convention: attention inside each frame)
+                tower encodes frames apart (Qwen2-VL's convention: attention inside each frame);
+                per-row pixels ([B, images, ...], Idefics) one unit per real (not all-zero) image
     assign      contiguous runs of units, balanced by pixel count: rank r encodes units[runs[r]]
     route_plan  feature row j of a modality fills the j-th placeholder token of the whole batch
                 (row-major over [B, S], as the model's masked_scatter does); the rank whose shard
@@ -25,8 +26,9 @@ from torch import Tensor
 MODALITIES = ("image", "video")
 PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}
-PER_ITEM = {"image": ("image_sizes",), "video": ()}
-"""Keys with one entry (dim 0) per image or video, cut with it."""
+PER_ITEM = {"image": ("image_sizes", "spatial_shapes", "pixel_attention_mask"), "video": ()}
+"""Keys with one entry (dim 0) per image or video, cut with it (per-row layouts: two dims, row
+and image)."""
 
 
 @dataclass(frozen=True)
@@ -40,16 +42,36 @@ class Unit:
     cost: int
 
 
-def units(tensors: Mapping[str, Tensor], frames_apart: bool) -> list[Unit]:
+def _per_row_units(tensors: Mapping[str, Tensor]) -> list[Unit]:
+    """``pixel_values [B, N, C, H, W]`` (and ``pixel_attention_mask [B, N, H, W]``): one unit per
+    real image, row-major -- the model drops the all-zero images that pad the rows, and its
+    feature rows follow the real images in this order."""
+    pixels = tensors["pixel_values"]
+    mask = tensors.get("pixel_attention_mask")
+    real = pixels.flatten(2).ne(0).any(-1)  # [B, N]: what the model keeps
+    out = []
+    for b, i in real.nonzero().tolist():
+        inputs = {"pixel_values": pixels[b, i][None, None]}  # [1, 1, C, H, W]: a row of one image
+        if mask is not None:
+            inputs["pixel_attention_mask"] = mask[b, i][None, None]
+        out.append(Unit("image", inputs, int(pixels[b, i].numel())))
+    return out
+
+
+def units(tensors: Mapping[str, Tensor], frames_apart: bool, per_row: bool = False) -> list[Unit]:
     """Every unit of the batch, images first then videos, each in the model's order.
 
     With a grid (``image_grid_thw``), ``pixel_values`` holds ``t * h * w`` patch rows per image;
     without one, one dim-0 entry per image. ``frames_apart``: cut grid videos into their ``t``
-    frames (exact only for towers whose attention stays inside a frame)."""
+    frames (exact only for towers whose attention stays inside a frame). ``per_row``: images
+    batched per row (:func:`_per_row_units`)."""
     out: list[Unit] = []
     for modality in MODALITIES:
         pixels = tensors.get(PIXELS[modality])
         if pixels is None:
+            continue
+        if per_row and modality == "image":
+            out += _per_row_units(tensors)
             continue
         grid = tensors.get(GRIDS[modality])
         if grid is None:

@@ -20,14 +20,13 @@ image; summing parameter gradients over the SP ranks (sync_gradients, FSDP2) com
 
 Never silently wrong, never a hang: which families run is declared by mechanism in
 :mod:`.vlm_families`; a family with a mechanism seqpar cannot run exactly (bidirectional image
-masks, deepstack, cross-attention...) is refused by that mechanism's name; pixels or other
+masks, cross-attention, encoder-decoders...) is refused by that mechanism's name; pixels or other
 multimodal inputs passed to the model directly (not through shard_batch) are a ValueError. All of
 it raised before the hook's first collective, from facts every rank shares (the checked batch).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -42,10 +41,9 @@ from ..comm.mesh import Axis, axis_group
 from ..comm.route import route_rows
 from ..errors import Refused
 from .vision import MODALITIES, PIXELS, RoutePlan, assign, merge_inputs, route_plan, units
-from .vlm_families import family_problem, frames_apart, placeholder_token
-
-ROPE_KEYS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-"""The visual keys a model's get_rope_index may read (beside input_ids and attention_mask)."""
+from .vlm_families import family_problem, frames_apart, per_row, placeholder_token
+from .vlm_features import FeatureLayout, encoder_output, encoder_rows
+from .vlm_positions import mrope_positions
 
 
 def is_vision_language(model: nn.Module) -> bool:
@@ -71,29 +69,20 @@ def direct_input_problem(model: nn.Module, kwargs: dict[str, Any]) -> tuple[str,
     return None
 
 
-def encoder_rows(model: nn.Module, modality: str, inputs: dict[str, Tensor]) -> tuple[Tensor, bool]:
-    """``(feature rows [n, E], whether the model's pooler_output is a tensor)`` of one encoder
-    call -- the base model's ``get_<modality>_features``, the entry transformers' generate uses."""
-    fn = getattr(model.base_model, f"get_{modality}_features", None) or getattr(model, f"get_{modality}_features")
-    out = fn(**inputs, return_dict=True)
-    pooled = out.pooler_output
-    rows = torch.cat([f.reshape(-1, f.shape[-1]) for f in pooled])  # [n, E], the model's order
-    return rows, isinstance(pooled, Tensor)
-
-
 def _encode_share(model: nn.Module, visual: VisualBatch, p: int, me: int, device: torch.device,
-                  dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, bool]]:
-    """This rank's share of the units, encoded: ``({modality: rows [n, E]}, {modality: the model's
-    pooler_output is a tensor})``.
+                  dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, FeatureLayout]]:
+    """This rank's share of the units, encoded: ``({modality: rows [n, W]}, {modality: how the
+    rows map back to the model's encoder output})`` (:mod:`.vlm_features`: W is the main features'
+    width plus the deepstack layers').
 
     Every rank calls the encoder exactly once per modality the batch has: a rank whose share holds
     none of a modality encodes that modality's smallest unit and keeps none of its rows. Under
     FSDP2 each call all-gathers the tower's blocks (and their backward reduce-scatters), under DDP
     every rank must use every parameter: equal calls on every rank keep those collectives matched."""
-    work = units(visual.tensors, frames_apart(model))
+    work = units(visual.tensors, frames_apart(model), per_row(model))
     runs = assign([u.cost for u in work], p)
     share = [work[i] for i in runs[me]]
-    feats, is_tensor = {}, {}
+    feats, layouts = {}, {}
     for modality in dict.fromkeys(u.modality for u in work):  # the batch's modalities, in model order
         mine = [u for u in share if u.modality == modality]
         stand_in = not mine
@@ -101,20 +90,20 @@ def _encode_share(model: nn.Module, visual: VisualBatch, p: int, me: int, device
             mine = [min((u for u in work if u.modality == modality), key=lambda u: u.cost)]
         inputs = merge_inputs(mine)[modality]
         # only this rank's share of the pixels moves to the model's device
-        rows, is_tensor[modality] = encoder_rows(model, modality, {k: v.to(device) for k, v in inputs.items()})
+        rows, layouts[modality] = encoder_rows(model, modality, {k: v.to(device) for k, v in inputs.items()})
         rows = rows[:0] if stand_in else rows  # a stand-in's rows go nowhere (zero gradient back)
         feats[modality] = rows.to(dtype)  # the model casts to its embeddings' dtype before merging
-    return feats, is_tensor
+    return feats, layouts
 
 
-def _agree(feats: dict[str, Tensor], is_tensor: dict[str, bool], error: BaseException | None,
-           group: dist.ProcessGroup) -> tuple[list[dict[str, int]], int, dict[str, bool]]:
-    """One all-gather: every rank's feature-row counts and width, and any rank's failure (raised
-    on every rank). Returns ``(rows per rank per modality, width, {modality: pooler is a tensor})``."""
+def _agree(feats: dict[str, Tensor], layouts: dict[str, FeatureLayout], error: BaseException | None,
+           group: dist.ProcessGroup) -> tuple[list[dict[str, int]], int]:
+    """One all-gather: every rank's feature-row counts and row layout, and any rank's failure
+    (raised on every rank). Returns ``(rows per rank per modality, routed row width)``."""
     facts = {f"rows.{m}": float(feats[m].shape[0]) if m in feats else 0.0 for m in MODALITIES}
-    widths = {int(t.shape[1]) for t in feats.values()}
-    facts["width"] = float(widths.pop()) if len(widths) == 1 else MISSING
-    facts.update({f"tensor.{m}": float(is_tensor[m]) if m in is_tensor else MISSING for m in MODALITIES})
+    for m in MODALITIES:  # every rank encodes every modality of the batch (a stand-in at least)
+        facts[f"width.{m}"] = float(layouts[m].width) if m in layouts else MISSING
+        facts[f"streams.{m}"] = float(len(layouts[m].widths)) if m in layouts else MISSING
     facts["value_error"] = float(isinstance(error, ValueError))
     problem = None if error is None else f"{type(error).__name__}: {error}"
     table = share(facts, group, problem=problem)
@@ -124,11 +113,12 @@ def _agree(feats: dict[str, Tensor], is_tensor: dict[str, bool], error: BaseExce
         kind = ValueError if max(table.column("value_error")) else RuntimeError
         raise kind(text) from error
     rows = [{m: int(row[f"rows.{m}"]) for m in MODALITIES} for row in table.rows]
-    widths = {int(w) for w in table.column("width") if w != MISSING}
-    if len(widths) > 1:
-        raise ValueError(f"seqpar: the ranks' image features have different widths {sorted(widths)}")
-    tensor = {m: any(t == 1.0 for t in table.column(f"tensor.{m}")) for m in MODALITIES}
-    return rows, widths.pop() if widths else 0, tensor
+    widths = {int(w) for m in MODALITIES for w in table.column(f"width.{m}") if w != MISSING}
+    streams = {int(n) for m in MODALITIES for n in table.column(f"streams.{m}") if n != MISSING}
+    if len(widths) > 1 or len(streams) > 1:  # one routed tensor holds every modality's rows
+        raise ValueError(f"seqpar: the image / video features have different widths {sorted(widths)} or streams "
+                         f"{sorted(streams)} across modalities or ranks; seqpar routes them in one tensor")
+    return rows, widths.pop() if widths else 0
 
 
 def _placeholders(model: nn.Module, visual: VisualBatch) -> dict[str, Tensor]:
@@ -155,30 +145,10 @@ def _check_rows(masks: dict[str, Tensor], rows: list[dict[str, int]]) -> None:
                              f"pixels must come from the same call)")
 
 
-def _positions(model: nn.Module, visual: VisualBatch, me: int, device: torch.device) -> Tensor | None:
-    """This rank's slice of the 3-D M-RoPE positions the model computes for the whole rows, or
-    None when the model would compute none (no rope index, positions given, no grid)."""
-    rope_index = getattr(model.base_model, "get_rope_index", None)
-    t = visual.tensors
-    if rope_index is None or visual.positions_given or not ({"image_grid_thw", "video_grid_thw"} & set(t)):
-        return None
-    params = inspect.signature(rope_index).parameters
-    if "mm_token_type_ids" in params and "mm_token_type_ids" not in t:
-        raise ValueError("seqpar: image_grid_thw / video_grid_thw were given without mm_token_type_ids, which this "
-                         "model's M-RoPE positions need: pass the processor's mm_token_type_ids to shard_batch")
-    kw = {k: t[k] for k in ROPE_KEYS if k in t and k in params}
-    if "attention_mask" in params and visual.attention_mask is not None:
-        kw["attention_mask"] = visual.attention_mask
-    with torch.no_grad():
-        pos, _ = rope_index(visual.input_ids, **kw)  # [3, B, S], the whole rows
-    return pos.index_select(-1, visual.pieces[me].to(pos.device)).to(device)
-
-
-def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor], is_tensor: dict[str, bool]) -> dict[str, Any]:
+def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor],
+           layouts: dict[str, FeatureLayout]) -> dict[str, Any]:
     """The model's ``mm_encoder_outputs`` for this rank: each modality's rows in placeholder order,
-    in the container the model's own encoder returns (a list of tensors, or a tensor)."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
+    in the family's own encoder output (:func:`.vlm_features.encoder_output`)."""
     if plan.order is not None:
         routed = routed.index_select(0, plan.order.to(routed.device))
     out, start = {}, 0
@@ -186,7 +156,7 @@ def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor], is_tensor:
         if m in masks:
             rows = routed[start:start + plan.counts[m]]
             start += plan.counts[m]
-            out[m] = BaseModelOutputWithPooling(pooler_output=rows[None] if is_tensor[m] else [rows])
+            out[m] = encoder_output(rows, layouts[m])
     return out
 
 
@@ -203,21 +173,21 @@ def route_visual(model: nn.Module, batch: LocalBatch, group: dist.ProcessGroup) 
         raise Refused(f"seqpar: {type(model).__name__} with images: {problem}")
     embed = model.get_input_embeddings().weight
     masks = _placeholders(model, visual)
-    pos = _positions(model, visual, me, embed.device)
+    pos = mrope_positions(model, visual, me, embed.device)
     if pos is not None:
         kwargs["position_ids"] = pos
-    feats, is_tensor, error = {}, {}, None
+    feats, layouts, error = {}, {}, None
     try:
-        feats, is_tensor = _encode_share(model, visual, p, me, embed.device, embed.dtype)
+        feats, layouts = _encode_share(model, visual, p, me, embed.device, embed.dtype)
     except Exception as e:  # raised on every rank by _agree, not left to hang the others
         error = e
-    rows, width, is_tensor = _agree(feats, is_tensor, error, group)
+    rows, width = _agree(feats, layouts, error, group)
     _check_rows(masks, rows)
     plan = route_plan(masks, rows, visual.pieces, me)
     local = [feats[m] for m in MODALITIES if m in feats]
     x = torch.cat(local) if local else embed.new_zeros((0, width))  # [n_local, E]
     routed = route_rows(x, plan.send_index, plan.recv_counts, group=group)  # [n_placeholders_here, E]
-    kwargs["mm_encoder_outputs"] = _merge(routed, plan, masks, is_tensor)
+    kwargs["mm_encoder_outputs"] = _merge(routed, plan, masks, layouts)
     return kwargs
 
 

@@ -18,22 +18,30 @@ PLACEHOLDER = "placeholder merge"  # features masked_scatter'ed at image / video
 # positions
 POSITIONS_1D = "1-D positions"
 MROPE = "M-RoPE"  # 3-D positions from the model's public get_rope_index
+DEEPSTACK = ("deepstack (visual features added again to the image tokens' hidden states at early decoder layers: "
+             "routed beside the main features, added at this shard's placeholders)")
+PER_ROW_PIXELS = ("images batched per row (pixel_values [B, images, ...] with a pixel_attention_mask; all-zero "
+                  "images pad the rows: each real image is a unit of vision work)")
+VQ_TOKENS = ("image codes from a VQ tokenizer embedded as text tokens (each image tokenized alone; no gradient "
+             "reaches the tokenizer)")
 # the supported set
-SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE})
+SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE, DEEPSTACK, PER_ROW_PIXELS, VQ_TOKENS})
 
 # mechanisms seqpar cannot run exactly yet (each one a candidate for the next step)
 BIDIRECTIONAL = ("bidirectional attention inside each image or prefix (a mask the model builds from token_type_ids "
                  "/ mm_token_type_ids: Gemma 3, Gemma 4, PaliGemma, Molmo 2)")
-DEEPSTACK = "deepstack (visual features added again to the image tokens' hidden states at early decoder layers)"
 CROSS_ATTENTION = "cross-attention from the text to image states (no placeholder tokens)"
 ENCODER_DECODER = "an encoder-decoder (the text is decoded against an encoder's states)"
 NO_PLACEHOLDERS = "image embeddings prepended or placed without placeholder tokens (GIT, BLIP-2 queries, Kosmos-2)"
-PER_ROW_PIXELS = "images batched per row (pixel_values [B, images, ...] with a pixel_attention_mask)"
 OWN_INPUTS = "visual inputs of the family's own (crop sizes, merge sizes, raw patches) that seqpar does not route"
 MODALITY_EXPERTS = "experts routed by modality (moe_mm_token_type_ids)"
 EXTRA_OUTPUTS = "encoder outputs beside the image features that the model reads (Ovis2's visual indicators)"
 ONE_BASED_POSITIONS = ("positions counted from 1 (the model adds 1 to the position ids it computes; under RoPE only "
                        "the float32 rounding of its tables differs)")
+VIDEO_SPANS = ("video placeholders that are image tokens told apart by their enclosing video start / end tokens "
+               "(a count over the whole row, which a shard cannot see)")
+TILE_MASK = ("per-row tiles marked by a tile mask (pixel_attention_mask [B, tiles], Granite-Docling), which seqpar "
+             "does not cut into units of vision work yet")
 NO_VISION = "no vision entry (a text-only class in the image-text-to-text mapping)"
 UNVERIFIED = ("a family whose tiny model the VLM zoo cannot build or run (transformers' own error), so seqpar has not "
               "checked it with images")
@@ -44,11 +52,13 @@ UNCLASSIFIED = "a family seqpar has not classified (transformers is newer than s
 class Family:
     """A family's mechanisms with images. ``frames_apart``: its vision tower attends inside each
     video frame only (``get_vision_cu_seqlens``' default), so a video may be encoded frame by frame;
-    ``video_token``: which placeholder a video's features fill (GLM-4V: the image token)."""
+    ``video_token``: which placeholder a video's features fill (GLM-4V: the image token);
+    ``per_row``: its pixels come per row (``[B, images, C, H, W]``, Idefics)."""
 
     mechanisms: tuple[str, ...]
     frames_apart: bool = False
     video_token: str = "video"
+    per_row: bool = False
 
 
 _1D = Family((PLACEHOLDER, POSITIONS_1D))
@@ -64,7 +74,9 @@ FAMILIES: dict[str, Family] = {
                      "qianfan_ocr", "step3p7", "video_llava", "vipllava", "lfm3_vl"], _1D),
     # ... with 3-D M-RoPE positions from get_rope_index
     **dict.fromkeys(["qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "cosmos3_edge", "hunyuan_vl", "paddleocr_vl",
-                     "qwen2_5_omni_thinker", "hy_v4_vl"], _MROPE),
+                     "qwen2_5_omni_thinker", "hy_v4_vl", "qwen4_exp"], _MROPE),
+    "dots3_note": Family((PLACEHOLDER, POSITIONS_1D), frames_apart=True),
+    "glm5_next": Family((PLACEHOLDER, POSITIONS_1D, VIDEO_SPANS), frames_apart=True),
     **dict.fromkeys(["glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr"], _GLM),
     "ernie4_5_vl_moe": Family((PLACEHOLDER, MROPE, MODALITY_EXPERTS)),
     "ovis2": Family((PLACEHOLDER, EXTRA_OUTPUTS)),
@@ -72,9 +84,14 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["gemma3", "shieldgemma2", "gemma4", "gemma4_unified", "molmo2", "diffusion_gemma"],
                     Family((PLACEHOLDER, BIDIRECTIONAL))),
     "paligemma": Family((PLACEHOLDER, BIDIRECTIONAL, ONE_BASED_POSITIONS)),
-    **dict.fromkeys(["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker", "cohere_compass", "cosmos3_omni",
-                     "granite4_vision", "granite_docling"], Family((PLACEHOLDER, DEEPSTACK))),
-    **dict.fromkeys(["idefics2", "idefics3", "smolvlm", "lfm2_vl"], Family((PLACEHOLDER, PER_ROW_PIXELS))),
+    **dict.fromkeys(["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker", "cosmos3_omni"],
+                    Family((PLACEHOLDER, MROPE, DEEPSTACK), frames_apart=True)),
+    "cohere_compass": Family((PLACEHOLDER, MROPE, DEEPSTACK), frames_apart=True),
+    "granite4_vision": Family((PLACEHOLDER, POSITIONS_1D, DEEPSTACK)),  # (decoder layer, rows) pairs only
+    **dict.fromkeys(["idefics2", "idefics3", "smolvlm"], Family((PLACEHOLDER, POSITIONS_1D, PER_ROW_PIXELS),
+                                                               per_row=True)),
+    "granite_docling": Family((PLACEHOLDER, POSITIONS_1D, TILE_MASK, DEEPSTACK)),
+    "lfm2_vl": _1D,
     **dict.fromkeys(["deepseek_vl_hybrid", "fuyu", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "nemotron_h_omni",
                      "video_llama_3"], Family((PLACEHOLDER, OWN_INPUTS))),
     **dict.fromkeys(["blip", "idefics", "mllama", "evolla"], Family((CROSS_ATTENTION,))),
@@ -84,9 +101,10 @@ FAMILIES: dict[str, Family] = {
                     Family((NO_PLACEHOLDERS,))),
     "mistral4": Family((NO_VISION,)),
     # placeholder merges by their modeling files, not run: their tiny configs do not build or run here
-    **dict.fromkeys(["apertus1p5", "chameleon", "deepseek_ocr2", "dots3_note", "emu3", "fast_vlm", "gemma3n",
-                     "glm5_next", "inkling2", "inkling2_loop", "inkling_mm_model", "llama4",
-                     "muse_glimmer", "muse_spark", "perception_lm", "qwen4_exp", "unlimited_ocr"], _UNVERIFIED),
+    "apertus1p5": Family((PLACEHOLDER, POSITIONS_1D, VQ_TOKENS)),
+    **dict.fromkeys(["chameleon", "deepseek_ocr2", "emu3", "fast_vlm", "gemma3n", "inkling2", "inkling2_loop",
+                     "inkling_mm_model", "llama4", "muse_glimmer", "muse_spark", "perception_lm", "unlimited_ocr"],
+                    _UNVERIFIED),
 }
 """model_type -> :class:`Family`, for every key of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES."""
 
@@ -106,6 +124,10 @@ def family_problem(model: nn.Module) -> str | None:
 
 def frames_apart(model: nn.Module) -> bool:
     return family_of(model).frames_apart
+
+
+def per_row(model: nn.Module) -> bool:
+    return family_of(model).per_row
 
 
 def placeholder_token(model: nn.Module, modality: str) -> str:

@@ -27,6 +27,7 @@ from ..batch.targets import IGNORE_INDEX
 from ..comm.mesh import Axis, axis_group, init_mesh
 from ..errors import Refused
 from ..integrations.hf import parallelize, unparallelize
+from ..integrations.mixers import chosen_modes, set_mixer_mode
 from ..integrations.models import BUILTIN_MODELS, build_model, builtin_config, decoder_config
 from ..planner import hybrid_split
 from .eager64 import EAGER_FLOAT64, register_eager_float64
@@ -122,12 +123,14 @@ class ModelCase:
     attn: str | None = None  # attn_implementation (None: the built-in default)
     seed: int = 0
     checkpointing: str | None = None  # "reentrant" / "non-reentrant": the SP model recomputes its layers
+    mixer_mode: str | None = None  # hybrid token mixers' run mode (set_mixer_mode); None: seqpar chooses
 
     def label(self) -> str:
         heads = "" if self.heads is None else f" H={self.heads}/{self.kv_heads}"
         attn = "" if self.attn is None else f" attn={self.attn}"
         ckpt = "" if self.checkpointing is None else f" ckpt={self.checkpointing}"
-        return f"{self.model} {self.batch} S={self.seq}{heads} {self.strategy}/{self.layout}{attn}{ckpt}"
+        mixers = "" if self.mixer_mode is None else f" mixers={self.mixer_mode}"
+        return f"{self.model} {self.batch} S={self.seq}{heads} {self.strategy}/{self.layout}{attn}{ckpt}{mixers}"
 
 
 def case_batch(case: ModelCase, vocab: int) -> dict[str, Tensor]:
@@ -247,19 +250,25 @@ def sp_loss_scale(mesh: DeviceMesh) -> int:
 
 def compare_models(sp_model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMesh, *, strategy: str,
                    reference: tuple[float, dict[str, Tensor | None]], floor: Floor = Floor(),
-                   layout: str = "contiguous") -> dict[str, Any]:
+                   layout: str = "contiguous", mixer_mode: str | None = None) -> dict[str, Any]:
     """Run ``sp_model`` (a copy of the reference model, parallelized here and restored after) on
     its shard of ``batch``; compare its loss and synced gradients with ``reference``
     (:func:`reference_grads`), where the model is float32-exact only by its own code
-    (``floor``, :func:`precision_floor`) relative to :data:`F32_RTOL`. Returns ``{loss_ref,
-    loss_diff, loss_tol, grad_diff: {group: max}, grad_max, worst_param, f32_params, f32_rel, ok}``."""
+    (``floor``, :func:`precision_floor`) relative to :data:`F32_RTOL`. ``mixer_mode``: the run
+    mode of hybrid token mixers (:func:`seqpar.integrations.mixers.set_mixer_mode`; None: seqpar
+    chooses). Returns ``{loss_ref, loss_diff, loss_tol, grad_diff: {group: max}, grad_max,
+    worst_param, f32_params, f32_rel, ok, mixer_modes}`` (``mixer_modes``: token-mixer class -> the
+    mode it ran in)."""
     ref_loss, ref_grads = reference
     parallelize(sp_model, mesh, strategy=strategy)
     try:
+        if mixer_mode is not None:
+            set_mixer_mode(sp_model, mixer_mode)
         local = shard_batch(batch, mesh, layout=layout)
         loss = sp_model(**local).loss
         loss.backward()
         sync_gradients(sp_model, mesh)
+        modes = chosen_modes(sp_model)
     finally:
         unparallelize(sp_model)
     groups: dict[str, float] = {}
@@ -283,7 +292,8 @@ def compare_models(sp_model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMe
     loss_tol = max(LOSS_TOL, F32_RTOL * abs(ref_loss)) if floor else LOSS_TOL
     row = {"loss_ref": ref_loss, "loss_diff": abs(float(loss.detach()) - ref_loss), "loss_tol": loss_tol,
            "grad_diff": groups,
-           "grad_max": worst, "worst_param": worst_name, "f32_params": len(f32), "f32_rel": f32_worst}
+           "grad_max": worst, "worst_param": worst_name, "f32_params": len(f32), "f32_rel": f32_worst,
+           "mixer_modes": modes}
     row["ok"] = row_ok(row)
     return row
 
@@ -309,7 +319,7 @@ def compare(case: ModelCase, mesh: DeviceMesh, p: int) -> dict[str, Any]:
         sp_model.train()
     reference = reference_grads(model, batch, loss_scale=sp_loss_scale(mesh))
     row = compare_models(sp_model, batch, mesh, strategy=case.strategy, reference=reference, floor=floor,
-                         layout=case.layout)
+                         layout=case.layout, mixer_mode=case.mixer_mode)
     return {**head, **row}
 
 

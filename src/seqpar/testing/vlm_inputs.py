@@ -6,12 +6,14 @@ placeholder tokens of each image is what the model's own encoder returns for tha
 (a processor computes the same number from the config)::
 
     grid     pixel_values [sum t*h*w, C * T * P * P] patch rows, image_grid_thw [n, 3] (Qwen-VL, GLM-4V)
+    patches  pixel_values [n, most patches, C * P * P], pixel_attention_mask [n, most], spatial_shapes [n, 2]
+             (SigLIP-2 towers of variable size: LFM2-VL)
     stacked  pixel_values [n, C, H, W] one entry per image (LLaVA, InternVL...), image_sizes [n, 2] where the
              tower takes them (Pixtral)
     anyres   pixel_values [n, crops, C, H, W] and image_sizes [n, 2] (LLaVA-NeXT, OneVision: the crops of
              image_grid_pinpoints, counted as the model counts them)
     per row  pixel_values [B, images, C, H, W] and pixel_attention_mask [B, images, H, W], all-zero
-             images padding the rows with fewer (Idefics, SmolVLM)
+             images padding the rows with fewer (Idefics, SmolVLM); the last image half padding
     rows     two rows: row 0 holds two images, row 1 one image (and a video) and right padding;
              placeholders wrapped in the family's start / end tokens, labels -100 on them and on padding;
              mm_token_type_ids (0 text, 1 image, 2 video) and token_type_ids (1 on images) where taken
@@ -44,6 +46,10 @@ def _params(fn: Any) -> set[str]:
     return set(inspect.signature(fn).parameters) if fn is not None else set()
 
 
+def _required(fn: Any, name: str) -> bool:
+    return inspect.signature(fn).parameters[name].default is inspect.Parameter.empty
+
+
 def _vision_config(model: nn.Module) -> Any:
     return getattr(model.config, "vision_config", None) or model.config
 
@@ -68,6 +74,21 @@ def _channels(vc: Any) -> int:
     return next((int(getattr(vc, k)) for k in ("num_channels", "in_channels", "in_chans") if getattr(vc, k, None)), 3)
 
 
+def _patch_rows(vc: Any, g: torch.Generator) -> list[dict[str, Tensor]]:
+    """SigLIP-2 images (LFM2-VL): each image's ``h * w`` patch rows padded to the batch's most,
+    with ``pixel_attention_mask [1, most]`` and ``spatial_shapes [[h, w]]`` (in patches)."""
+    p = _size(getattr(vc, "patch_size", 4), 4)
+    most = max(h * w for _, h, w in IMAGE_GRIDS)
+    out = []
+    for _, h, w in IMAGE_GRIDS:
+        pixels = torch.zeros(1, most, _channels(vc) * p * p, dtype=torch.float64)
+        pixels[0, :h * w] = torch.randn(h * w, pixels.shape[-1], generator=g, dtype=torch.float64)
+        mask = torch.zeros(1, most, dtype=torch.bool)
+        mask[0, :h * w] = True
+        out.append({"pixel_values": pixels, "pixel_attention_mask": mask, "spatial_shapes": torch.tensor([[h, w]])})
+    return out
+
+
 def pixel_units(model: nn.Module, modality: str, g: torch.Generator) -> list[dict[str, Tensor]]:
     """Each image's (or video's) encoder inputs alone, in the family's layout."""
     fn = getattr(model.base_model, f"get_{modality}_features", None)
@@ -82,6 +103,8 @@ def pixel_units(model: nn.Module, modality: str, g: torch.Generator) -> list[dic
         row = (_channels(vc), p, p) if model.config.model_type in PATCHES_4D else row
         return [{pixels: torch.randn(t * h * w, *row, generator=g, dtype=dtype), grid_key: torch.tensor([[t, h, w]])}
                 for t, h, w in (IMAGE_GRIDS if modality == "image" else VIDEO_GRIDS)]
+    if modality == "image" and "spatial_shapes" in params:
+        return _patch_rows(vc, g)
     size = _size(getattr(vc, "image_size", 8), 8)
     shape = (1, _channels(vc), size, size) if modality == "image" else (1, VIDEO_FRAMES, _channels(vc), size, size)
     n = len(IMAGE_GRIDS) if modality == "image" else len(VIDEO_GRIDS)
@@ -94,12 +117,17 @@ def pixel_units(model: nn.Module, modality: str, g: torch.Generator) -> list[dic
     if modality == "image" and "pixel_attention_mask" in params:  # per row: [1 row, 1 image, ...]
         shape = (1, 1, _channels(vc), size, size)
     out = []
-    for _ in range(n):
+    for i in range(n):
         unit = {pixels: torch.randn(*shape, generator=g, dtype=dtype)}
-        if modality == "image" and "image_sizes" in params and (anyres or _tower_takes_sizes(model)):
+        if modality == "image" and "image_sizes" in params and (anyres or _tower_takes_sizes(model)
+                                                                or _required(fn, "image_sizes")):
             unit["image_sizes"] = torch.tensor([[size, size]])
         if modality == "image" and "pixel_attention_mask" in params:
-            unit["pixel_attention_mask"] = torch.ones(1, 1, size, size, dtype=torch.bool)
+            mask = torch.ones(1, 1, size, size, dtype=torch.bool)
+            if i == n - 1:  # a smaller image, padded to the batch's size with zeros its mask leaves out
+                mask[..., size // 2:, :] = False
+                unit[pixels] = unit[pixels] * mask[:, :, None]
+            unit["pixel_attention_mask"] = mask
         out.append(unit)
     return out
 
@@ -120,7 +148,8 @@ def feature_rows(model: nn.Module, modality: str, unit: dict[str, Tensor]) -> in
     """How many feature rows (= placeholder tokens) the model's encoder gives one image / video."""
     fn = getattr(model.base_model, f"get_{modality}_features")
     with torch.no_grad():
-        pooled = fn(**unit, return_dict=True).pooler_output
+        out = fn(**unit, return_dict=True)
+    pooled = out.pooler_output if out.pooler_output is not None else out.deepstack_features[0][1]  # Granite 4
     return sum(int(f.reshape(-1, f.shape[-1]).shape[0]) for f in pooled)
 
 
@@ -134,11 +163,12 @@ def _wrap(model: nn.Module, token: int, n: int) -> list[int]:
 
 
 def _videos_in_image_tokens(model: nn.Module) -> bool:
-    """Whether the model's video placeholders are its image tokens (GLM-4.1V / 4.5V): then one
-    batch cannot hold images and a video, and the harness gives it images only."""
+    """Whether the model's video placeholders are its image tokens (GLM-4.1V / 4.5V, GLM-5-next):
+    then the harness gives it images only."""
     mask = getattr(model.base_model, "get_placeholder_mask", None)
-    return mask is not None and "special_video_mask = input_ids == self.config.image_token_id" in \
-        inspect.getsource(mask)
+    source = inspect.getsource(mask) if mask is not None else ""
+    # GLM-4.1V: video tokens are image tokens; GLM-5-next: image tokens inside a video's start / end span
+    return "special_video_mask = input_ids == self.config.image_token_id" in source or "in_video_span" in source
 
 
 def _frames_apart_in_text(model: nn.Module) -> bool:
@@ -194,7 +224,7 @@ def vlm_batch(model: nn.Module, seed: int = 0, lead: int = 0) -> dict[str, Tenso
     row1 += [0] * (s - len(row1))
     ids = torch.tensor([row0, row1])
     batch: dict[str, Tensor] = {"input_ids": ids, "attention_mask": mask}
-    if "pixel_attention_mask" in images[0]:
+    if "pixel_attention_mask" in images[0] and images[0]["pixel_values"].dim() == 5:  # per row
         batch.update(_per_row(images, [[0, 1], [2]]))
     else:
         for key in images[0]:
@@ -210,3 +240,25 @@ def vlm_batch(model: nn.Module, seed: int = 0, lead: int = 0) -> dict[str, Tenso
     labels[is_img | is_vid | (mask == 0)] = IGNORE_INDEX
     batch["labels"] = labels
     return batch
+
+
+def packed_batch(batch: dict[str, Tensor], tail: int = PAD) -> dict[str, Tensor]:
+    """``batch``'s rows packed into one row (what a flattening collator makes): the documents'
+    tokens back to back, ``position_ids`` restarting at 0 for each, then ``tail`` padding tokens;
+    the visual tensors unchanged (the images stay in row-major order). Its reference is ``batch``
+    itself, unpacked: each document run as its own row. Not for per-row pixels (Idefics), whose
+    pixels are laid out by row."""
+    if batch["pixel_values"].dim() == 5 and "pixel_attention_mask" in batch:
+        raise ValueError("packed_batch does not re-lay per-row pixels")
+    keep = batch["attention_mask"].bool()
+    seq = {k: [batch[k][b][keep[b]] for b in range(keep.shape[0])]
+           for k in ("input_ids", "labels", "mm_token_type_ids") if k in batch}
+    pos = [torch.arange(int(k.sum())) for k in keep]
+    out = {k: v for k, v in batch.items() if k not in seq and k != "attention_mask"}
+    for k, parts in seq.items():
+        fill = IGNORE_INDEX if k == "labels" else 0
+        out[k] = torch.cat([*parts, parts[0].new_full((tail,), fill)])[None]
+    out["position_ids"] = torch.cat([*pos, torch.arange(tail)])[None]
+    out["attention_mask"] = torch.cat([torch.ones(sum(len(p) for p in pos), dtype=torch.long),
+                                       torch.zeros(tail, dtype=torch.long)])[None]
+    return out

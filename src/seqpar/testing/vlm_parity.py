@@ -14,6 +14,7 @@ strategy, :func:`seqpar.testing.model_parity.compare_models` runs the same batch
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +27,8 @@ from ..comm.collectives import split_sizes
 from ..comm.mesh import axis_group, init_mesh
 from ..errors import Refused
 from ..integrations.vision import merge_inputs, units
-from ..integrations.vlm import encoder_rows
-from ..integrations.vlm_families import frames_apart
+from ..integrations.vlm_families import frames_apart, per_row
+from ..integrations.vlm_features import encoder_rows
 from .model_parity import FLOAT64_NOISE, Floor, compare_models, precision_floor
 from .vlm_inputs import vlm_batch
 from .vlm_zoo import build_tiny_vlm, run_unsharded, vlm_reference
@@ -83,7 +84,7 @@ def vision_floor(model: nn.Module, batch: dict[str, Tensor]) -> frozenset[str]:
     every feature row, from the images encoded all at once and one unit at a time (as the SP
     ranks encode them), differs by more than float64 rounding (a float32 interpolation of position
     embeddings, a float32 norm inside the tower)."""
-    work = units({k: batch[k] for k in ROUTED_KEYS if k in batch}, frames_apart(model))
+    work = units({k: batch[k] for k in ROUTED_KEYS if k in batch}, frames_apart(model), per_row(model))
     grads = []
     for groups in ([work], [[u] for u in work]):
         model.zero_grad(set_to_none=True)
@@ -125,16 +126,21 @@ def _straddling_batch(model: nn.Module, p: int) -> dict[str, Tensor]:
     return vlm_batch(model)
 
 
-def vlm_family_parity(family: str, mesh: DeviceMesh, strategies: tuple[str, ...]) -> list[VlmParityRow]:
-    """Every strategy of one family on this rank, collective over ``mesh``."""
+def vlm_family_parity(family: str, mesh: DeviceMesh, strategies: tuple[str, ...],
+                      build: Callable[[str], nn.Module] | None = None) -> list[VlmParityRow]:
+    """Every strategy of one family on this rank, collective over ``mesh``. ``build``: the float64
+    model from ``family`` (default: the zoo's tiny model of that model_type; ``seqpar verify
+    --model DIR`` passes a checkpoint loader and the directory)."""
     group = axis_group(mesh, "sp")
     p = dist.get_world_size(group)
     try:
-        model = build_tiny_vlm(family)
+        model = (build or build_tiny_vlm)(family)
         batch = _straddling_batch(model, p)
         ref = vlm_reference(model, batch, loss_scale=p)  # seqpar's loss scale (exact for a power of 2)
         floor = vlm_floor(model, batch)
-    except Exception:  # not runnable without seqpar: its own status, measured alone
+    except Exception as e:  # not runnable without seqpar: its own status, measured alone
+        if build is not None:
+            return [VlmParityRow(family, "-", p, "fails", f"{type(e).__name__}: {e}")]
         status = run_unsharded(family)
         return [VlmParityRow(family, "-", p, status.status, status.detail)]
     runs = placeholder_runs(model, batch)
@@ -159,11 +165,13 @@ def vlm_family_parity(family: str, mesh: DeviceMesh, strategies: tuple[str, ...]
 
 
 def run_vlm_parity(rank: int, world: int, families: list[str],
-                   strategies: tuple[str, ...] = ("ulysses", "ring")) -> list[VlmParityRow]:
-    """The families on ``world`` ranks (SP size = world); returns this rank's rows."""
+                   strategies: tuple[str, ...] = ("ulysses", "ring"),
+                   build: Callable[[str], nn.Module] | None = None) -> list[VlmParityRow]:
+    """The families on ``world`` ranks (SP size = world); returns this rank's rows. ``build``:
+    as in :func:`vlm_family_parity` (a module-level function: it travels to the processes)."""
     torch.set_num_threads(1)
     mesh = init_mesh(sp=world, device_type="cpu")
     rows = []
     for family in families:
-        rows.extend(vlm_family_parity(family, mesh, strategies))
+        rows.extend(vlm_family_parity(family, mesh, strategies, build))
     return rows

@@ -37,7 +37,7 @@ from .zoo import TINY, shrink_config
 VISION_TINY: dict[str, Any] = dict(
     depth=2, embed_dim=32, out_hidden_size=32, image_size=8, patch_size=4, window_size=16,
     fullatt_block_indexes=[1], hidden_size=32, intermediate_size=64, num_attention_heads=4, num_heads=4,
-    projection_dim=32, text_hidden_size=32,
+    projection_dim=32, text_hidden_size=32, deepstack_visual_indexes=[0, 1],
 )
 """Vision sub-config fields set where a family's vision config has them."""
 
@@ -59,12 +59,30 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "mistral3": _PIXTRAL, "mistral_large4": _PIXTRAL, "lighton_ocr": _PIXTRAL,
     "llava_next": _ANYRES, "llava_next_video": _ANYRES, "llava_onevision": _ANYRES,
     "step3p7": {"text_config": {"sliding_window": 8}},  # its default leaves the window unset
-    "glm5_next": {"text_config": {"index_kpool": 2}},  # index_topk (4) must be a multiple of it
     "hy_v4_vl": {"text_config": {"qk_rope_head_dim": 8}},  # M-RoPE sections [2, 1, 1] need 4 frequencies
-    "apertus1p5": {"audio_config": {"codebook_dim": 32}},  # its audio tokenizer has no projection
+    # VQ tokenizers: image / audio codes are token ids past image_token_offset (a small range here)
+    "apertus1p5": {"audio_config": {"codebook_dim": 32, "codebook_size": 16},
+                   "vision_config": {"codebook_size": 16, "channel_multiplier": [1, 2], "num_res_blocks": 1},
+                   "image_token_offset": 200, "audio_token_offset": 216},
     # their rope index reads config.vision_start_token_id, which their default configs do not set
     "glm4v_moe": {"text_config": {"head_dim": 16}},  # partial rotary (0.5): 4 frequencies for the 3 sections
     "qwen2_5_omni_thinker": {"vision_start_token_id": 200}, "qwen3_omni_moe_thinker": {"vision_start_token_id": 200},
+    # indexed (sparse) attention: its indexer sized for the tiny head (parallelize refuses the text decoder)
+    "qwen4_exp": {"text_config": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8,
+                                  "indexer_budget": 8, "indexer_compress_ratio": 2}},
+    "dots3_note": {"text_config": {"head_dim": 12},  # its sliding layers: qk_nope + qk_rope
+                   "vision_config": {"adapter_in_dim": 32, "adapter_out_dim": 32,
+                                     "mlp_layer_types": ["dense", "dense"]},
+                   "audio_config": {"adapter_input_size": 32, "adapter_out_dim": 32}},
+    "glm5_next": {"text_config": {"index_kpool": 2, "qk_rope_head_dim": 0}},  # its DSA layers take no RoPE
+    # per-layer-type RoPE, unset by default; M-RoPE sections for the tiny head (4 frequencies)
+    "cohere_compass": {"text_config": {"rope_parameters": {"full_attention": {
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}}},
+    # Window Q-Former heads are vision hidden // 64; deepstack and spatial groups at the two tiny layers
+    "granite4_vision": {"vision_config": {"hidden_size": 64, "image_size": 16}, "downsample_rate": "1/2",
+                        "deepstack_layer_map": [[-1, 0], [-2, 1]], "spatial_target_layers": [0, 1, 0, 1],
+                        "image_grid_pinpoints": [[16, 16], [16, 32], [32, 16]]},
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]}},
     "idefics2": {**_PER_ROW, "perceiver_config": {"resampler_n_latents": 4}},
     "idefics3": _PER_ROW, "smolvlm": _PER_ROW, "granite_docling": _PER_ROW,
 }
@@ -130,6 +148,13 @@ def tiny_vlm_config(model_type: str) -> Any:
     """The family's default config, shrunk (see the module doc)."""
     from transformers import AutoConfig
 
+    return type(AutoConfig.for_model(model_type)).from_dict(tiny_vlm_dict(model_type))
+
+
+def tiny_vlm_dict(model_type: str) -> dict[str, Any]:
+    """The shrunk config as a dict (before transformers validates it)."""
+    from transformers import AutoConfig
+
     config = AutoConfig.for_model(model_type)
     d = _extra_tiny(shrink_config(config.to_dict()))
     for key, sub in list(d.items()):
@@ -147,7 +172,7 @@ def tiny_vlm_config(model_type: str) -> Any:
     d = _merge(d, FAMILY_FIXES.get(model_type, {}))
     for key in ("model_type", "transformers_version"):
         d.pop(key, None)
-    return type(config).from_dict(d)
+    return d
 
 
 def build_tiny_vlm(model_type: str, seed: int = 0) -> nn.Module:
@@ -167,6 +192,32 @@ def build_tiny_vlm(model_type: str, seed: int = 0) -> nn.Module:
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * (1.5 / p[0].numel() ** 0.5))
     return model
+
+
+def load_vlm(path: str) -> nn.Module:
+    """A local image-text-to-text checkpoint in float64 and train mode (MoE experts on
+    transformers' eager loop, which has float64)."""
+    from transformers import AutoModelForImageTextToText
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    return model.train()
+
+
+def is_vlm_checkpoint(path: str) -> bool:
+    """Whether the checkpoint directory ``path`` holds an image-text-to-text model (its config's
+    model_type is in transformers' mapping)."""
+    import json
+    import os
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def vlm_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:

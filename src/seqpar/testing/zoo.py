@@ -21,6 +21,11 @@ compare_models` runs the model with and without seqpar. Outcomes::
                  (its own config validation or code); then the default config is built on the
                  meta device and parallelize must still refuse it or accept it (``refused`` /
                  ``accepted, not run``)
+
+Hybrid families whose recurrent mixers run state passing (:mod:`seqpar.integrations.mixers.
+state_passing`) run in that mode, with their scans in float64 (:mod:`.scans64`: transformers' torch
+scans compute in float32 whatever the model's dtype, as its eager softmax does -- cf. :mod:`.eager64`)
+for the reference and the sequence-parallel run alike.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .. import compat
 from ..comm.agree import share
 from ..errors import Refused
 from ..integrations.hf import parallelize, unparallelize
+from ..integrations.mixers import STATE, family_of, token_mixers
 from ..integrations.models import decoder_config
 from .eager64 import register_eager_float64
 from .model_parity import (
@@ -51,6 +57,7 @@ from .model_parity import (
     precision_floor,
     reference_grads,
 )
+from .scans64 import float64_scans
 
 TINY: dict[str, int | float] = dict(
     hidden_size=32, n_embd=32, d_model=32, embedding_size=32, attention_hidden_size=32,
@@ -251,6 +258,7 @@ class ZooRow:
     detail: str = ""
     loss_diff: float = 0.0
     grad_max: float = 0.0
+    mixer_modes: tuple[str, ...] = ()  # "Class=mode" of each hybrid token mixer, as it ran
 
 
 def agreed_outcome(outcome: str, detail: str, group: dist.ProcessGroup) -> tuple[str, str]:
@@ -322,6 +330,19 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
             rows.append(ZooRow(name, strategy, "-", p, outcome, detail[:2000]))
     if not runnable:
         return rows
+    with float64_scans(model):
+        return _compared(name, model, mesh, runnable, solo, rows)
+
+
+def _compared(name: str, model: nn.Module, mesh: DeviceMesh, runnable: list[str], solo: DeviceMesh,
+              rows: list[ZooRow]) -> list[ZooRow]:
+    """``rows`` and every batch x runnable strategy of one family against its reference (see
+    :func:`zoo_family`); hybrid mixers that list state passing run in it."""
+    from ..comm.mesh import axis_group
+
+    group = axis_group(mesh, "sp")
+    p = dist.get_world_size(group)
+    mode = STATE if any(STATE in family_of(m).modes for _, m in token_mixers(model)) else None
     refs, floor = {}, Floor()
     for i, (kind, seq) in enumerate(BATCHES):
         owner = i % p
@@ -338,15 +359,18 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
         for kind, _ in BATCHES:
             batch, _, ref = refs[kind]
             outcome, detail, loss_diff, grad_max = ("exact (float32 model)" if floor else "exact"), "", 0.0, 0.0
+            ran: tuple[str, ...] = ()
             try:
-                r = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=ref, floor=floor)
+                r = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=ref, floor=floor,
+                                   mixer_mode=mode)
                 loss_diff, grad_max = r["loss_diff"], r["grad_max"]
+                ran = tuple(f"{c}={m}" for c, m in sorted(r["mixer_modes"].items()))
                 if not r["ok"]:
                     outcome, detail = "mismatch", f"worst {r['worst_param']}"
             except Exception as e:
                 outcome, detail = verdict(e)
             outcome, detail = agreed_outcome(outcome, detail, group)
-            rows.append(ZooRow(name, strategy, kind, p, outcome, detail[:2000], loss_diff, grad_max))
+            rows.append(ZooRow(name, strategy, kind, p, outcome, detail[:2000], loss_diff, grad_max, ran))
     return rows
 
 

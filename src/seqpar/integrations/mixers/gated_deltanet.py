@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from .registry import GATHER, HEADS, MixerFamily, register_family
+from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
+from .state_scans import DELTA_RULE
 from .views import conv_view, linear_view, plain, view_module
 
 
@@ -74,8 +75,10 @@ class Qwen3_5Projections(GatedDeltaNet):
         return out
 
 
-register_family(Qwen3NextProjections("Gated DeltaNet (Qwen3-Next)", ("Qwen3NextGatedDeltaNet",), (HEADS, GATHER),
-                                     projections=("in_proj_qkvz", "in_proj_ba")))
+KERNELS = StateKernels("torch_chunk_gated_delta_rule", DELTA_RULE)
+register_family(Qwen3NextProjections("Gated DeltaNet (Qwen3-Next)", ("Qwen3NextGatedDeltaNet",), (STATE, HEADS, GATHER),
+                                     KERNELS, projections=("in_proj_qkvz", "in_proj_ba")))
 register_family(Qwen3_5Projections("Gated DeltaNet (Qwen3.5)", ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"),
-                                   (HEADS, GATHER), projections=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
-register_family(MixerFamily("Gated DeltaNet (OLMo hybrid)", ("OlmoHybridGatedDeltaNet",), (GATHER,)))
+                                   (STATE, HEADS, GATHER), KERNELS,
+                                   projections=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")))
+register_family(MixerFamily("Gated DeltaNet (OLMo hybrid)", ("OlmoHybridGatedDeltaNet",), (STATE, GATHER), KERNELS))

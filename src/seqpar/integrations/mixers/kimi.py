@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from .registry import GATHER, HEADS, MixerFamily, register_family
+from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
+from .state_scans import DELTA_RULE
 from .views import conv_view, linear_view, plain, view_module
 
 _LINEAR = ("q_proj", "k_proj", "v_proj", "b_proj", "g_b_proj", "o_proj")
@@ -46,5 +47,8 @@ class KimiDeltaAttention(MixerFamily):
             o_proj=linear_view(module.o_proj, ch, columns=True))
 
 
-register_family(KimiDeltaAttention("Kimi delta attention", ("KimiLinearDeltaAttention",), (HEADS, GATHER)))
-register_family(MixerFamily("Kimi delta attention (Bailing hybrid)", ("BailingHybridDeltaAttention",), (GATHER,)))
+KERNELS = StateKernels("chunk_kimi_delta_attention", DELTA_RULE)
+register_family(KimiDeltaAttention("Kimi delta attention", ("KimiLinearDeltaAttention",), (STATE, HEADS, GATHER),
+                                   KERNELS))
+register_family(MixerFamily("Kimi delta attention (Bailing hybrid)", ("BailingHybridDeltaAttention",), (STATE, GATHER),
+                            KERNELS))

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...comm.gather import all_reduce_sum
-from .registry import GATHER, HEADS, MixerFamily, register_family
+from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
+from .state_scans import MAMBA
 from .views import conv_view, linear_view, plain, view_module
 
 
@@ -54,5 +55,7 @@ class SummedLinear(nn.Module):
         return all_reduce_sum(nn.functional.linear(x, self.weight), group=self.group)
 
 
-register_family(MambaChannels("Mamba (Jamba)", ("JambaMambaMixer",), (HEADS, GATHER)))
-register_family(MixerFamily("Mamba (gathered)", ("ZambaMambaMixer", "MambaMixer", "FalconMambaMixer"), (GATHER,)))
+KERNELS = StateKernels("mamba_selective_scan", MAMBA)
+register_family(MambaChannels("Mamba (Jamba)", ("JambaMambaMixer",), (STATE, HEADS, GATHER), KERNELS))
+register_family(MixerFamily("Mamba (Zamba)", ("ZambaMambaMixer",), (STATE, GATHER), KERNELS))
+register_family(MixerFamily("Mamba (gathered)", ("MambaMixer", "FalconMambaMixer"), (GATHER,)))

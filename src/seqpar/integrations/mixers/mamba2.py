@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...comm.gather import all_reduce_sum
-from .registry import GATHER, HEADS, MixerFamily, register_family
+from .registry import GATHER, HEADS, STATE, MixerFamily, StateKernels, register_family
+from .state_scans import MAMBA2
 from .views import conv_view, linear_view, plain, view_module
 
 
@@ -101,6 +102,8 @@ class SplitGatedNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+KERNELS = StateKernels("mamba2_chunk_scan", MAMBA2, fused=("mamba2_split_conv1d_scan_combined",))
 register_family(Mamba2("Mamba2", ("BambaMixer", "NemotronHMamba2Mixer", "Zamba2MambaMixer",
-                                  "GraniteMoeHybridMambaLayer"), (HEADS, GATHER)))
-register_family(MixerFamily("Mamba2 (gathered)", ("FalconH1Mixer", "Mamba2Mixer"), (GATHER,)))
+                                  "GraniteMoeHybridMambaLayer"), (STATE, HEADS, GATHER), KERNELS))
+register_family(MixerFamily("Mamba2 (Falcon-H1)", ("FalconH1Mixer",), (STATE, GATHER), KERNELS))
+register_family(MixerFamily("Mamba2 (gathered)", ("Mamba2Mixer",), (GATHER,)))

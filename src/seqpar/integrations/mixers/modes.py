@@ -2,7 +2,9 @@
 mixer is causal and runs along the whole sequence (a convolution over time, a recurrence or a
 chunked scan), so on a shard alone it would start from a zero state at every rank but the first.
 Each mode feeds the model's own module (the class's own code and kernels doing the work) what it
-would see unsharded; the wrapper (:mod:`.wrap`) runs the first mode of the family's list that fits.
+would see unsharded; the wrapper (:mod:`.wrap`) runs the mode :mod:`.choice` picks among the
+family's list. The fourth mode, ``"state"`` (state passing: each rank its own tokens, the scan's
+state across ranks), is its own module, :mod:`.state_passing`.
 
 ``"halo"`` (scalable) -- for a mixer that is per-token except for a causal convolution of width
 ``k`` (LFM2's short convolution; the family gives ``halo_width(module) = k - 1``): rank r receives
@@ -212,12 +214,12 @@ def _run_rows(forward: Forward, x: Tensor, keep: Tensor | None, runs: list[list[
     """The module's own forward on ``x [B, W, D]`` (original order): whole rows with the padding
     mask ``keep [B, W]``, or, for packed rows, each document alone (zeros at padding)."""
     if runs is None:
-        return _tensor(forward(x, attention_mask=None if keep is None else keep.to(torch.long)))
+        return mixer_output(forward(x, attention_mask=None if keep is None else keep.to(torch.long)))
     rows = []
     for b, row_runs in enumerate(runs):
         pieces, pos = [], 0
         for a, e in row_runs:
-            out = _tensor(forward(x[b:b + 1, a:e]))  # [1, e - a, D']
+            out = mixer_output(forward(x[b:b + 1, a:e]))  # [1, e - a, D']
             if a > pos:
                 pieces.append(out.new_zeros((1, a - pos, out.shape[-1])))
             pieces.append(out)
@@ -225,7 +227,7 @@ def _run_rows(forward: Forward, x: Tensor, keep: Tensor | None, runs: list[list[
         rows.append(pieces)
     width = next((p.shape[-1] for pieces in rows for p in pieces), None)
     if width is None:  # nothing but padding: the outputs are never read, their shape still matters
-        return _tensor(forward(x)) * 0
+        return mixer_output(forward(x)) * 0
     full = []
     for pieces in rows:
         n = sum(p.shape[1] for p in pieces)
@@ -235,7 +237,8 @@ def _run_rows(forward: Forward, x: Tensor, keep: Tensor | None, runs: list[list[
     return torch.cat(full, dim=0)  # [B, W, D']
 
 
-def _tensor(out: object) -> Tensor:
+def mixer_output(out: object) -> Tensor:
+    """A token mixer's output, checked to be one tensor."""
     if not isinstance(out, Tensor):
         raise Refused(f"seqpar expected a token mixer to return one tensor, got {type(out).__name__}")
     return out

@@ -5,7 +5,9 @@ knows the other's list: a new family is one module that calls :func:`register_fa
 mode one module that calls :func:`register_mode`::
 
     family_of(module)          type(module).__name__ -> its MixerFamily (None: not a mixer seqpar handles)
-    family.modes               ("heads", "gather"): the first mode whose fits() holds runs the call
+    family.modes               ("state", "heads", "gather"): the modes that can run it, in order of
+                               preference (:mod:`.choice` picks among those that fit)
+    family.state               StateKernels: the kernel functions "state" swaps (None: no such mode)
     mode_named("heads")        the RunMode: fits(family, module, batch), run(family, module, x, batch, group)
 
 Classes are matched by exact name, never by a parent class: each one was read (its ``forward``
@@ -17,15 +19,32 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...batch.sharding import LocalBatch
 
-GATHER, HALO, HEADS = "gather", "halo", "heads"
-"""The run modes of :mod:`.modes` by name (a family lists them in :attr:`MixerFamily.modes`)."""
+if TYPE_CHECKING:
+    from .state_scans import StateScan
+
+GATHER, HALO, HEADS, STATE = "gather", "halo", "heads", "state"
+"""The run modes of :mod:`.modes` and :mod:`.state_passing` by name (a family lists them in
+:attr:`MixerFamily.modes`)."""
+
+
+@dataclass(frozen=True)
+class StateKernels:
+    """What the ``"state"`` run mode needs of a family: the module-level names of the kernel
+    functions its classes' ``forward`` calls (:mod:`seqpar.compat`) -- the causal convolution, the chunked
+    scan, and fused shortcuts that would bypass both (answered "none here") -- and how to run its
+    scan from a state (:mod:`.state_scans`)."""
+
+    scan: str
+    kind: StateScan
+    conv: str = "causal_conv1d_fn"
+    fused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,11 +54,12 @@ class MixerFamily:
     independent, ``kwargs`` only packing metadata or kernels) and the run modes that make it exact,
     in order of preference; the last one must always fit (``"gather"``). A family that lists a mode
     implements what that mode's module asks of it (e.g. ``"heads"``: ``units``, ``split_fits``,
-    ``part``; ``"halo"``: ``halo_width``). ``name`` is what messages call it."""
+    ``part``; ``"halo"``: ``halo_width``; ``"state"``: ``state``). ``name`` is what messages call it."""
 
     name: str
     classes: tuple[str, ...]
     modes: tuple[str, ...] = (GATHER,)
+    state: StateKernels | None = None
 
 
 class RunMode(Protocol):
@@ -65,6 +85,7 @@ HANDLED_MIXERS: Mapping[str, MixerFamily] = MappingProxyType(_FAMILIES)
 def register_family(family: MixerFamily) -> MixerFamily:
     """Add ``family`` under each of its class names (a class belongs to one family)."""
     assert family.modes and family.modes[-1] == GATHER, f"{family.name}: the last run mode must be {GATHER!r}"
+    assert (STATE in family.modes) == (family.state is not None), f"{family.name}: {STATE!r} needs its kernels"
     for cls in family.classes:
         assert cls not in _FAMILIES, f"{cls} is already handled by {_FAMILIES[cls].name}"
         _FAMILIES[cls] = family
