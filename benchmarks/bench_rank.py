@@ -16,20 +16,23 @@ Three things per (strategy, P, S), forward + backward, batch 1, causal, zigzag f
                  ``L``), each a full training step of ``seqpar.parallelize``-d model;
 * ``step``       a full step (forward, loss, backward) of the model with ``--layers`` layers.
 
-Printed per row: milliseconds, achieved TFLOP/s and MFU against this device's measured matmul rate
-(``--dtype``), peak memory (CUDA), and the bytes the rank would move per layer, forward (the
-planner's count: :func:`seqpar.planner.cost.estimate`). FLOPs per rank are the model FLOPs of
+Printed per row: milliseconds (the fastest of ``--repeats``), achieved TFLOP/s and MFU against this
+device's measured matmul rate (``--dtype``), peak memory (CUDA; a layer row holds both its models),
+and the bytes the rank would move per layer, forward (the planner's count:
+:func:`seqpar.planner.cost.estimate`). A layer is a difference of two timings: on a small CPU model
+it is within the noise (of either sign); on a GPU at 8B shapes it is most of a step. FLOPs per rank are the model FLOPs of
 :func:`flops` (matmuls, 2 per multiply-add, backward twice the forward; causal attention half the
 square), divided by P -- what peers quote as MFU.
 
     python benchmarks/bench_rank.py        # CUDA: Llama-3-8B shapes, bf16 (see --help for sizes)
-    python benchmarks/bench_rank.py --device cpu --dtype float32 --tiny --seq 256 --p 2,4   # a dry run
+    python benchmarks/bench_rank.py --device cpu --dtype float32 --shape tiny --seq 256 --p 2,4   # a dry run
+    python benchmarks/bench_rank.py --device cpu --dtype float32 --shape small-llama3 --what layer \
+        --strategies ring --p 4 --seq 4096 --compile aot_eager          # compiled vs eager on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -51,7 +54,9 @@ class Shape:
 
 
 LLAMA3_8B = Shape()
+SMALL_LLAMA3 = Shape(heads=8, kv_heads=2, head_dim=32, hidden=256, inter=896, vocab=8192)  # seqpar's small-llama3
 TINY = Shape(heads=4, kv_heads=2, head_dim=8, hidden=32, inter=64, vocab=128)
+SHAPES = {"llama3-8b": LLAMA3_8B, "small-llama3": SMALL_LLAMA3, "tiny": TINY}
 
 
 def layer_params(s: Shape) -> int:
@@ -101,23 +106,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn()`` after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
+def _timed(fns: dict, device: torch.device, repeats: int) -> dict[str, float]:
+    """Each ``fns[name]()``'s fastest time in seconds after one warm-up, the functions run in turn
+    within each repeat (a loaded machine slows them alike; the minimum drops what others added)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int) -> float:
     """This device's measured FLOP/s of an ``n x n`` matmul in ``dtype`` (the MFU denominator)."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    return 2 * n ** 3 / _timed(lambda: a @ b, device, 5)
+    return 2 * n ** 3 / _timed({"matmul": lambda: a @ b}, device, 5)["matmul"]
 
 
 def _mesh(strategy: str, p: int, heads: int, device: torch.device):
@@ -181,19 +189,20 @@ def run_rank(what: str, s: Shape, seq: int, p: int, strategy: str, dtype: torch.
     ``compile_backend`` the model's decoder layers compiled (``torch.compile`` backend name)."""
     from seqpar import compat
 
-    def timed(build) -> float:
-        with compat.fake_process_group(rank, p):
-            return _timed(build(), device, repeats)
-
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    if what == "attention":
-        seconds = timed(lambda: _attention_step(s, seq, p, strategy, dtype, device))
-    elif what == "step":
-        seconds = timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers, compile_backend))
-    else:  # one layer: the difference of two models, one layer apart (embedding, head and loss cancel)
-        seconds = (timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers + 1, compile_backend))
-                   - timed(lambda: _model_step(s, seq, p, strategy, dtype, device, layers, compile_backend)))
+    with compat.fake_process_group(rank, p):
+        if compile_backend is not None:
+            torch.compiler.reset()  # each model parallelizes afresh: its layers' graphs are its own
+        if what == "attention":
+            steps = {"it": _attention_step(s, seq, p, strategy, dtype, device)}
+        elif what == "step":
+            steps = {"it": _model_step(s, seq, p, strategy, dtype, device, layers, compile_backend)}
+        else:  # one layer: two models one layer apart, timed in turn (embedding, head and loss cancel)
+            steps = {"it": _model_step(s, seq, p, strategy, dtype, device, layers + 1, compile_backend),
+                     "less": _model_step(s, seq, p, strategy, dtype, device, layers, compile_backend)}
+        times = _timed(steps, device, repeats)
+    seconds = times["it"] - times.get("less", 0.0)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     return {"seconds": seconds, "flops": flops(what, s, seq, p, layers), "peak_gib": peak}
 
@@ -211,14 +220,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="layers of the step's model")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="a tiny model shape (CPU dry runs)")
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES),
+                        help="the model's shape (small-llama3, tiny: CPU runs)")
     parser.add_argument("--matmul", type=int, default=8192, help="matmul size of the measured peak rate")
     parser.add_argument("--compile", default=None, metavar="BACKEND",
                         help="also each model row with its decoder layers compiled (inductor, aot_eager): "
                              "a row '<what>+c' and the ratio compiled / eager")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    s = TINY if args.tiny else LLAMA3_8B
+    s = SHAPES[args.shape]
     rate = matmul_rate(device, dtype, args.matmul)
     print(f"one rank ({args.rank}) of P on {device}, {args.dtype}: {s}; measured matmul {rate / 1e12:.1f} TFLOP/s")
     print(f"{'what':>9} {'strategy':>8} {'P':>2} {'S':>8} {'ms':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} "

@@ -44,8 +44,10 @@ def _rank_args(quick: bool) -> list[str]:
     import torch
 
     if torch.cuda.is_available():
-        return ["--p", "4,8", "--seq", "32768", "--max-tokens", "8192"] if quick else ["--max-tokens", "16384"]
-    return ["--device", "cpu", "--dtype", "float32", "--tiny", "--p", "2,4", "--seq", "512", "--matmul", "1024"]
+        return ["--p", "4,8", "--seq", "32768", "--max-tokens", "8192"] if quick else \
+            ["--max-tokens", "16384"]
+    return ["--device", "cpu", "--dtype", "float32", "--shape", "small-llama3", "--p", "2,4", "--seq", "2048",
+            "--matmul", "1024", "--compile", "aot_eager"]
 
 
 def main() -> int:
