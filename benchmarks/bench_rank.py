@@ -20,9 +20,9 @@ Printed per row: milliseconds (the fastest of ``--repeats``), achieved TFLOP/s a
 device's measured matmul rate (``--dtype``), peak memory (CUDA; a layer row holds both its models),
 and the bytes the rank would move per layer, forward (the planner's count:
 :func:`seqpar.planner.cost.estimate`). A layer is a difference of two timings: on a small CPU model
-it is within the noise (of either sign); on a GPU at 8B shapes it is most of a step. FLOPs per rank are the model FLOPs of
-:func:`flops` (matmuls, 2 per multiply-add, backward twice the forward; causal attention half the
-square), divided by P -- what peers quote as MFU.
+it is within the noise (of either sign); on a GPU at 8B shapes it is most of a step. FLOPs per
+rank are the model FLOPs of :func:`flops` (matmuls, 2 per multiply-add, backward twice the
+forward; causal attention half the square), divided by P -- what peers quote as MFU.
 
     python benchmarks/bench_rank.py        # CUDA: Llama-3-8B shapes, bf16 (see --help for sizes)
     python benchmarks/bench_rank.py --device cpu --dtype float32 --shape tiny --seq 256 --p 2,4   # a dry run
