@@ -28,7 +28,7 @@ verify: install
 test: install
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider --durations=25
 
 bench: install
 	$(PY) benchmarks/run_all.py

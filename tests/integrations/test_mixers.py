@@ -135,6 +135,7 @@ def test_attention_only_families_pass(family):
     assert unsupported_mixers(_build(family)) == []
 
 
+@pytest.mark.heavy  # builds every class (tens of seconds); make test's zoo runs every class end to end
 def test_every_causal_lm_class_is_classified():
     """Each class either passes (all its token mixers are attention), is refused with reasons, or
     is refused by decoder_config (no single head count): Refused, never another exception."""

@@ -13,6 +13,7 @@ strategy, :func:`seqpar.testing.model_parity.compare_models` runs the same batch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from ..integrations.vision import merge_inputs, units
 from ..integrations.vlm_families import frames_apart, per_row
 from ..integrations.vlm_features import encoder_rows
 from .model_parity import FLOAT64_NOISE, Floor, compare_models, precision_floor
+from .scans64 import float64_scans
 from .vlm_inputs import vlm_batch
 from .vlm_zoo import build_tiny_vlm, run_unsharded, vlm_reference
 from .zoo import agreed_outcome
@@ -133,35 +135,39 @@ def vlm_family_parity(family: str, mesh: DeviceMesh, strategies: tuple[str, ...]
     --model DIR`` passes a checkpoint loader and the directory)."""
     group = axis_group(mesh, "sp")
     p = dist.get_world_size(group)
-    try:
-        model = (build or build_tiny_vlm)(family)
-        batch = _straddling_batch(model, p)
-        ref = vlm_reference(model, batch, loss_scale=p)  # seqpar's loss scale (exact for a power of 2)
-        floor = vlm_floor(model, batch)
-    except Exception as e:  # not runnable without seqpar: its own status, measured alone
-        if build is not None:
-            return [VlmParityRow(family, "-", p, "fails", f"{type(e).__name__}: {e}")]
-        status = run_unsharded(family)
-        return [VlmParityRow(family, "-", p, status.status, status.detail)]
-    runs = placeholder_runs(model, batch)
-    rows = []
-    for strategy in strategies:
-        outcome, detail, loss_diff, grad_max, f32_rel = ("exact (float32 model)" if floor else "exact"), "", 0., 0., 0.
+    with contextlib.ExitStack() as scans:
         try:
-            r = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=ref, floor=floor)
-            loss_diff, grad_max, f32_rel = r["loss_diff"], r["grad_max"], r["f32_rel"]
-            if not r["ok"]:
-                outcome, detail = "mismatch", f"worst {r['worst_param']}"
-        except Refused as e:
-            outcome, detail = "refused", str(e)
-        except ValueError as e:
-            outcome, detail = "refused", f"(a ValueError, not a Refused) {e}"
-        except Exception as e:
-            outcome, detail = "crashed", f"{type(e).__name__}: {e}"
-        outcome, detail = agreed_outcome(outcome, detail, group)
-        rows.append(VlmParityRow(family, strategy, p, outcome, detail[:2000], loss_diff, grad_max, f32_rel,
-                                 straddling(runs, batch["input_ids"].shape[1], p)))
-    return rows
+            model = (build or build_tiny_vlm)(family)
+            # recurrent mixers (state passing) scan in float64 on both sides, as in the text zoo
+            scans.enter_context(float64_scans(model))
+            batch = _straddling_batch(model, p)
+            ref = vlm_reference(model, batch, loss_scale=p)  # seqpar's loss scale (exact for a power of 2)
+            floor = vlm_floor(model, batch)
+        except Exception as e:  # not runnable without seqpar: its own status, measured alone
+            if build is not None:
+                return [VlmParityRow(family, "-", p, "fails", f"{type(e).__name__}: {e}")]
+            status = run_unsharded(family)
+            return [VlmParityRow(family, "-", p, status.status, status.detail)]
+        runs = placeholder_runs(model, batch)
+        rows = []
+        for strategy in strategies:
+            outcome = "exact (float32 model)" if floor else "exact"
+            detail, loss_diff, grad_max, f32_rel = "", 0., 0., 0.
+            try:
+                r = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=ref, floor=floor)
+                loss_diff, grad_max, f32_rel = r["loss_diff"], r["grad_max"], r["f32_rel"]
+                if not r["ok"]:
+                    outcome, detail = "mismatch", f"worst {r['worst_param']}"
+            except Refused as e:
+                outcome, detail = "refused", str(e)
+            except ValueError as e:
+                outcome, detail = "refused", f"(a ValueError, not a Refused) {e}"
+            except Exception as e:
+                outcome, detail = "crashed", f"{type(e).__name__}: {e}"
+            outcome, detail = agreed_outcome(outcome, detail, group)
+            rows.append(VlmParityRow(family, strategy, p, outcome, detail[:2000], loss_diff, grad_max, f32_rel,
+                                     straddling(runs, batch["input_ids"].shape[1], p)))
+        return rows
 
 
 def run_vlm_parity(rank: int, world: int, families: list[str],
