@@ -46,16 +46,16 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'transform
 SAVE=${SAVE:-/tmp/seqpar-gpu-runs}  # the runs' metrics and checkpoints
 GPU_TESTS=(tests/attention/test_lse_kernels.py tests/attention/test_cuda_path.py tests/attention/test_fused_blocks.py)
 PYTEST=($PY -m pytest -p no:cacheprovider -m gpu -rfEs --tb=short)
-TAIL=40 step tests 120 "${PYTEST[@]}" -k "not flex and not cudnn" "${GPU_TESTS[@]}"
-TAIL=20 step tests-cudnn 45 "${PYTEST[@]}" -k "cudnn" "${GPU_TESTS[@]}"
+TAIL=40 step tests 150 "${PYTEST[@]}" -k "not flex and not cudnn" "${GPU_TESTS[@]}"
+TAIL=20 step tests-cudnn 40 "${PYTEST[@]}" -k "cudnn" "${GPU_TESTS[@]}"
 step ring-step 30 $PY benchmarks/bench_ring_step.py --seq 32768,131072 --repeats 3
 step ring-step-gqa 30 $PY benchmarks/bench_ring_step.py --seq 32768,131072 --repeats 3 --native-gqa
-step rank-attention 75 $PY benchmarks/bench_rank.py --what attention --p 2,4,8 --seq 32768,131072 --repeats 2
-step rank-model 105 $PY benchmarks/bench_rank.py --what layer,step --p 8 --seq 32768,131072 --max-tokens 16384 \
+step rank-attention 70 $PY benchmarks/bench_rank.py --what attention --p 2,4,8 --seq 32768,131072 --repeats 2
+step rank-model 90 $PY benchmarks/bench_rank.py --what layer,step --p 8 --seq 32768,131072 --max-tokens 16384 \
     --repeats 2
 step compile 75 $PY benchmarks/bench_rank.py --what step --strategies ulysses,ring --p 8 --seq 32768 --layers 1 \
     --repeats 2 --compile inductor
-step bench-kernels 60 $PY benchmarks/bench_kernels.py --seq 8192 --repeats 2 --opt-in
+step bench-kernels 55 $PY benchmarks/bench_kernels.py --seq 8192 --repeats 2 --opt-in
 
 if [ "${FULL:-0}" = 1 ]; then
     RUN=($PY -m torch.distributed.run --standalone --nproc-per-node 1 -m seqpar.cli.main train --sp 1 --no-progress
