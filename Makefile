@@ -33,9 +33,11 @@ test: install
 bench: install
 	$(PY) benchmarks/run_all.py
 
-# On a machine with a GPU (a CUDA build of torch: `make TORCH=torch gpu-check`): the gpu-marked tests
-# (each CUDA kernel against the float64 oracle, no CUDA sync in steady-state layers, the README's
-# example over NCCL), `seqpar train` under torchrun with NCCL, the kernels' time and memory against
-# dense SDPA, and the longest sequence at sp=1 (benchmarks/gpu_check.sh; logs in /tmp/seqpar-gpu).
+# On a machine with a GPU (a CUDA build of torch: `make TORCH=torch gpu-check`), inside 9 minutes: the
+# gpu-marked tests (each CUDA kernel and the ring's fused blocks against the float64 oracle, no CUDA sync
+# in steady-state layers, the README's example over NCCL), a ring step against SDPA alone, one rank of P at
+# Llama-3-8B shapes (MFU, memory, bytes per layer), compiled vs eager, the kernels against dense SDPA,
+# ending in one table (benchmarks/gpu_check.sh; logs in /tmp/seqpar-gpu; FULL=1 adds `seqpar train`
+# under torchrun and the longest sequence at sp=1).
 gpu-check: install
 	PY=$(PY) bash benchmarks/gpu_check.sh

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, for a machine with one CUDA device (`make gpu-check`, or on a bare GPU
-# machine whose python3 has torch and transformers: `PY=python3 bash benchmarks/gpu_check.sh`):
-#   1. the gpu-marked tests: each CUDA kernel's out, lse and gradients as ring blocks against the
-#      float64 oracle; no CUDA sync (set_sync_debug_mode("error")) in steady-state layers of
-#      Ulysses, ring and hybrid over a one-rank NCCL group (the opt-in kernels, flex and cuda_cudnn,
-#      last: their tests and their bench_kernels figures);
-#   2. `seqpar train` under torchrun with NCCL (bf16, FSDP2, sharded init) on its default task;
-#   3. `seqpar train` without torchrun on a GPU host (it must say that it runs on the CPU);
-#   4. the kernels' time and memory against dense SDPA (benchmarks/bench_kernels.py);
-#   5. the longest sequence of the small-llama3 shape on the GPU at sp=1 (tiled loss, tiled MLP,
-#      checkpointed layers).
+# machine whose python3 has torch and transformers: `PY=python3 bash benchmarks/gpu_check.sh`).
+# Sized for one H200 inside one 10-minute command: the steps' time limits add up to 9 minutes.
+#   1. tests: the gpu-marked tests -- each CUDA kernel's out, lse and gradients as ring blocks against
+#      the float64 oracle (cuda_flash with native GQA too), the ring's fused blocks (issue 27), no
+#      CUDA sync in steady-state layers of Ulysses, ring and hybrid over a one-rank NCCL group;
+#   2. tests-cudnn: cuda_cudnn's gpu tests (opt-in kernel: passing, list it as verified in
+#      kernels.gpu_verified and let auto pick it where bench-kernels shows it faster);
+#   3. ring-step: a ring rank's attention against SDPA alone on the same blocks (goal <= 1.1x), with
+#      cuda_flash's repeated K/V and with native GQA (benchmarks/bench_ring_step.py);
+#   4. rank-attention, rank-model: one rank of P on this GPU at Llama-3-8B shapes -- attention, a
+#      decoder layer and a step: ms, TFLOP/s, MFU, peak memory, bytes per layer (bench_rank.py);
+#   5. compile: a step with compiled decoder layers (inductor) against eager, same rank and shapes;
+#   6. bench-kernels: the kernels with --opt-in (cuda_cudnn, flex) against dense SDPA.
+# It ends with one table: every step's status and time, the kernel ratios, the per-rank rows.
+# FULL=1 adds the slower checks (about 15 more minutes): `seqpar train` under torchrun (bf16,
+# FSDP2), packed, the longest small-llama3 sequences, train on a GPU host without torchrun, and
+# flex's gpu tests (passing: set FLEX_VERIFIED in seqpar/attention/kernels.py).
 # Each step's log goes to $LOGS (default /tmp/seqpar-gpu), the runs to $SAVE; the exit status is 1 if
 # any step failed.
 set -uo pipefail
@@ -19,6 +26,7 @@ LOGS=${LOGS:-/tmp/seqpar-gpu}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 failed=()
+summary=()
 
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.log
     local name=$1 limit=$2 t0=$SECONDS
@@ -29,30 +37,56 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $LOGS/NAME.l
     tail -n "${TAIL:-25}" "$LOGS/$name.log"
     echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
     [ "$rc" = 0 ] || failed+=("$name")
+    summary+=("$name|$rc|$((SECONDS - t0))")
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 SAVE=${SAVE:-/tmp/seqpar-gpu-runs}  # the runs' metrics and checkpoints
-RUN=($PY -m torch.distributed.run --standalone --nproc-per-node 1 -m seqpar.cli.main train --sp 1 --no-progress --overwrite)
-GPU_TESTS=(tests/attention/test_lse_kernels.py tests/attention/test_cuda_path.py)
-TAIL=40 step tests 240 $PY -m pytest -p no:cacheprovider -m gpu -v -rfEs --tb=short -k "not flex and not cudnn" \
-    "${GPU_TESTS[@]}"
-step train 150 "${RUN[@]}" --save-dir "$SAVE/run"
-step bench-kernels 120 $PY benchmarks/bench_kernels.py --seq 8192,32768 --repeats 3
-step train-packed 90 "${RUN[@]}" --packing --steps 30 --eval-rows 2 --save-dir "$SAVE/packed"
-for seq in 131072 1048576; do
-    step "long-$seq" 150 "${RUN[@]}" --model small-llama3 --seq-len "$seq" --steps 1 --eval-rows 0 \
-        --save-dir "$SAVE/long-$seq"
-done
-step train-cpu 60 $PY -m seqpar.cli.main train --steps 2 --seq-len 256 --eval-rows 2 --no-progress --overwrite \
-    --save-dir "$SAVE/cpu"
-# last, so that their compiles (flex: a few graphs per dtype) cannot starve the steps above: the
-# opt-in kernels' gpu tests, then their time and memory (pass: set FLEX_VERIFIED / list cuDNN as verified)
-TAIL=40 step tests-opt-in 420 $PY -m pytest -p no:cacheprovider -m gpu -v -rfEs --tb=short -k "flex or cudnn" \
-    "${GPU_TESTS[@]}"
-step bench-opt-in 180 $PY benchmarks/bench_kernels.py --seq 8192,32768 --repeats 3 --opt-in
+GPU_TESTS=(tests/attention/test_lse_kernels.py tests/attention/test_cuda_path.py tests/attention/test_fused_blocks.py)
+PYTEST=($PY -m pytest -p no:cacheprovider -m gpu -rfEs --tb=short)
+TAIL=40 step tests 150 "${PYTEST[@]}" -k "not flex and not cudnn" "${GPU_TESTS[@]}"
+TAIL=20 step tests-cudnn 40 "${PYTEST[@]}" -k "cudnn" "${GPU_TESTS[@]}"
+step ring-step 30 $PY benchmarks/bench_ring_step.py --seq 32768,131072 --repeats 3
+step ring-step-gqa 30 $PY benchmarks/bench_ring_step.py --seq 32768,131072 --repeats 3 --native-gqa
+step rank-attention 70 $PY benchmarks/bench_rank.py --what attention --p 2,4,8 --seq 32768,131072 --repeats 2
+step rank-model 90 $PY benchmarks/bench_rank.py --what layer,step --p 8 --seq 32768,131072 --max-tokens 16384 \
+    --repeats 2
+step compile 75 $PY benchmarks/bench_rank.py --what step --strategies ulysses,ring --p 8 --seq 32768 --layers 1 \
+    --repeats 2 --compile inductor
+step bench-kernels 55 $PY benchmarks/bench_kernels.py --seq 8192 --repeats 2 --opt-in
 
+if [ "${FULL:-0}" = 1 ]; then
+    RUN=($PY -m torch.distributed.run --standalone --nproc-per-node 1 -m seqpar.cli.main train --sp 1 --no-progress
+         --overwrite)
+    step train 150 "${RUN[@]}" --save-dir "$SAVE/run"
+    step train-packed 90 "${RUN[@]}" --packing --steps 30 --eval-rows 2 --save-dir "$SAVE/packed"
+    for seq in 131072 1048576; do
+        step "long-$seq" 150 "${RUN[@]}" --model small-llama3 --seq-len "$seq" --steps 1 --eval-rows 0 \
+            --save-dir "$SAVE/long-$seq"
+    done
+    step train-cpu 60 $PY -m seqpar.cli.main train --steps 2 --seq-len 256 --eval-rows 2 --no-progress --overwrite \
+        --save-dir "$SAVE/cpu"
+    step rank-1m 150 $PY benchmarks/bench_rank.py --what attention --strategies ring,hybrid --p 8 --seq 1048576 \
+        --repeats 1
+    TAIL=40 step tests-flex 420 "${PYTEST[@]}" -k "flex" "${GPU_TESTS[@]}"
+fi
+
+echo
+echo "==================================== summary ===================================="
+printf '%-16s %-6s %6s  %s\n' step status secs "last line"
+for row in "${summary[@]}"; do
+    IFS='|' read -r name rc secs <<<"$row"
+    printf '%-16s %-6s %6s  %s\n' "$name" "$([ "$rc" = 0 ] && echo pass || echo "FAIL$rc")" "$secs" \
+        "$(grep -v '^\s*$' "$LOGS/$name.log" | tail -n 1 | cut -c1-90)"
+done
+for name in ring-step ring-step-gqa; do  # S, sdpa ms, fused ms, rects ms, fused/sdpa, rects/sdpa, blocks
+    [ -f "$LOGS/$name.log" ] && { echo "--- $name"; grep -E '^ *(S|[0-9]+) ' "$LOGS/$name.log"; }
+done
+echo "--- one rank of P (bench_rank.py)"
+grep -h -m1 'measured matmul' "$LOGS"/rank-attention.log 2>/dev/null
+grep -h -m1 -E '^ +what ' "$LOGS"/rank-attention.log 2>/dev/null
+grep -h -E '^ *(attention|layer|step)(\+c)? ' "$LOGS"/rank-*.log "$LOGS"/compile.log 2>/dev/null
 echo "failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} = 0 ]

@@ -2,7 +2,8 @@
 
     python benchmarks/run_all.py            # strategies, vs DeepSpeed-Ulysses, the guard's cost, seqpar bench,
                                             # seqpar bench --packing (plain vs packed rows), issue 11's goals
-                                            # (memory switches: peak, step time, seqpar bench --max-seq)
+                                            # (memory switches: peak, step time, seqpar bench --max-seq),
+                                            # a ring step vs SDPA alone, one rank of P (issue 27)
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
 The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
@@ -28,6 +29,27 @@ def _kernel_args(quick: bool) -> list[str]:
             "--heads", "8", "--kv-heads", "2", "--dim", "64"]
 
 
+def _ring_step_args(quick: bool) -> list[str]:
+    """bench_ring_step's sizes: its defaults on a GPU, 2k-8k tokens on the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ["--seq", "32768"] if quick else []
+    return ["--device", "cpu", "--dtype", "float32", "--seq", "2048" if quick else "2048,4096,8192", "--heads", "8",
+            "--kv-heads", "2", "--dim", "64", "--repeats", "3"]
+
+
+def _rank_args(quick: bool) -> list[str]:
+    """bench_rank's sizes: Llama-3-8B shapes on a GPU, the tiny shape on the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ["--p", "4,8", "--seq", "32768", "--max-tokens", "8192"] if quick else \
+            ["--max-tokens", "16384"]
+    return ["--device", "cpu", "--dtype", "float32", "--shape", "small-llama3", "--p", "2,4", "--seq", "2048",
+            "--matmul", "1024", "--compile", "aot_eager"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes")
@@ -43,6 +65,8 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_mixers.py"), *(["--seq", "1024"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_vision.py"), *(["--repeats", "2"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_kernels.py"), *_kernel_args(args.quick)],
+        [sys.executable, os.path.join(HERE, "bench_ring_step.py"), *_ring_step_args(args.quick)],
+        [sys.executable, os.path.join(HERE, "bench_rank.py"), *_rank_args(args.quick)],
         [sys.executable, "-m", "seqpar.cli.main", "bench", *bench_lens],
         [sys.executable, "-m", "seqpar.cli.main", "bench", "--packing", *bench_lens],
         [sys.executable, os.path.join(HERE, "bench_long_seq_goals.py"), "memory",

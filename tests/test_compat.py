@@ -107,6 +107,21 @@ def test_fail_on_recompile_limit_sets_dynamo_flag_inside_only():
     assert torch._dynamo.config.fail_on_recompile_limit_hit == before
 
 
+def test_fake_process_group_is_one_rank_of_many_whose_collectives_move_nothing():
+    import torch.distributed as dist
+
+    with compat.fake_process_group(2, 4):
+        assert (dist.get_rank(), dist.get_world_size()) == (2, 4)
+        mine, out = torch.ones(3), [torch.zeros(3) for _ in range(4)]
+        dist.all_gather(out, mine)
+        assert all(torch.equal(o, mine) for o in out)  # every "rank" answers with this rank's input
+        got = torch.full((3,), 5.0)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 3), dist.P2POp(dist.irecv, got, 1)]):
+            work.wait()
+        assert torch.equal(got, torch.full((3,), 5.0))  # nothing arrived
+    assert not dist.is_initialized()
+
+
 def test_dispatch_mode_sees_aten_ops_and_tells_plain_tensors_from_wrapper_subclasses():
     seen = []
 

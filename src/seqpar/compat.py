@@ -21,6 +21,8 @@ transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
     cuda_efficient_attention(...)    aten._scaled_dot_product_efficient_attention(_bw) attention/cuda.py
     cudnn_attention(_backward)       aten._scaled_dot_product_cudnn_attention(_bw)     attention/cuda.py
     fail_on_recompile_limit          torch._dynamo.config (fail_on_recompile_limit_hit) attention/flex.py
+    fake_process_group               torch.testing._internal.distributed.fake_pg       benchmarks/bench_rank.py,
+                                     (FakeStore; importing it registers "fake")        bench_ring_step.py
     TorchDispatchMode,               torch.utils._python_dispatch                      testing/memory.py
       is_traceable_wrapper_subclass
     active_ddp_module                DistributedDataParallel._get_active_ddp_module    integrations/fsdp.py
@@ -58,9 +60,9 @@ __all__ = [
     "CHECKED_ON", "KernelCall", "TorchDispatchMode", "abort_all_groups", "active_ddp_module", "attn_implementation",
     "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention",
     "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention",
-    "cudnn_attention_backward", "decoder_block_classes", "default_store", "fail_on_recompile_limit", "flatten_mesh",
-    "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass", "kernels_replaced", "mark_uninitialized",
-    "modeling_module", "queue_backward_callback", "split_prepared_loader",
+    "cudnn_attention_backward", "decoder_block_classes", "default_store", "fail_on_recompile_limit",
+    "fake_process_group", "flatten_mesh", "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass",
+    "kernels_replaced", "mark_uninitialized", "modeling_module", "queue_backward_callback", "split_prepared_loader",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +127,25 @@ def cudnn_attention(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
 def cudnn_attention_backward(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor, Tensor]:
     """``aten._scaled_dot_product_cudnn_attention_backward`` (CUDA): ``(dq, dk, dv)``."""
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """The default process group as rank ``rank`` of ``world_size`` in this one process, on torch's
+    ``"fake"`` backend: every collective returns at once and moves no bytes (an all-gather's or
+    all-reduce's output is this rank's own input, a receive buffer keeps what it held). Relies on
+    ``torch.testing._internal.distributed.fake_pg`` registering the backend on import and on its
+    ``FakeStore``. Destroyed on exit; refuses to run when a process group exists already."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_process_group: torch.distributed is initialized already in this process")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def fail_on_recompile_limit() -> contextlib.AbstractContextManager[Any]:

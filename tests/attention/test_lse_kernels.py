@@ -220,9 +220,11 @@ def test_flex_backward_off_cuda_is_a_clear_error():
 def test_cuda_ops_plumbing_on_meta_tensors():
     """No GPU needed: the aten CUDA ops' meta kernels check every argument and give the shapes, so
     every path (FlashAttention or cuDNN for unmasked half-precision tiles, memory-efficient with a
-    tile mask otherwise), GQA, a v head dim other than q's and the backward's arguments are exercised."""
+    tile mask otherwise), GQA (repeated K/V, and FlashAttention-2 given the KV heads as they are), a
+    v head dim other than q's and the backward's arguments are exercised."""
     pos = torch.arange(37, device="meta")
-    for kern, dtype, how in itertools.product((CudaFlashKernel(), CudnnKernel()), (torch.bfloat16, torch.float32),
+    kernels = (CudaFlashKernel(), CudaFlashKernel(native_gqa=True), CudnnKernel())
+    for kern, dtype, how in itertools.product(kernels, (torch.bfloat16, torch.float32),
                                               ("none", "causal", "positions")):
         q = torch.empty(2, 4, 37, 12, device="meta", dtype=dtype)
         k = torch.empty(2, 2, 37, 12, device="meta", dtype=dtype)
@@ -239,12 +241,15 @@ def test_cuda_ops_plumbing_on_meta_tensors():
 @pytest.mark.parametrize(("name", "dtype"), [
     *itertools.product(["cuda_flash", "tiled"], [torch.bfloat16, torch.float16, torch.float32]),
     ("cuda_cudnn", torch.bfloat16), ("cuda_cudnn", torch.float16),  # cuDNN takes half-precision tiles only
+    # FlashAttention-2 given the KV heads as they are (issue 27): flip CudaFlashKernel's registry default once it passes
+    ("cuda_flash native_gqa", torch.bfloat16), ("cuda_flash native_gqa", torch.float16),
     ("flex", torch.bfloat16), ("flex", torch.float32)])  # flex compiles per dtype: the lease is short
 def test_cuda_kernels_as_ring_blocks_match_the_oracle(name, dtype):
     """Errors against the float64 oracle within twice those of torch's own SDPA (dense mask) in the
     same dtype, plus float32 rounding of the merge (8 ulp of float32 at the oracle's largest value:
     the tiles' and blocks' partial results are merged and summed in float32) -- the dtype's floor,
     measured, not assumed. Every case and tensor is checked; the failures are reported together."""
+    from seqpar.attention.cuda import CudaFlashKernel
     from seqpar.attention.spec import dense_mask
 
     (q, k, v), seg, keep, pos = _case(0, "cuda", dtype)
@@ -253,7 +258,8 @@ def test_cuda_kernels_as_ring_blocks_match_the_oracle(name, dtype):
     for spec, mask in _masks(seg, keep, pos):
         dout = torch.randn(q.shape[:3] + (v.shape[3],), generator=g).to("cuda", dtype)
         want = _oracle(q, k, v, spec, mask, dout)
-        got = _errors(*_ring_style(KERNELS[name], q, k, v, spec, mask, dout), *want)
+        kernel = CudaFlashKernel(native_gqa=True) if name == "cuda_flash native_gqa" else KERNELS[name]
+        got = _errors(*_ring_style(kernel, q, k, v, spec, mask, dout), *want)
         ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         allowed = dense_mask(spec, mask, q.shape[2], k.shape[2], q.device)
         seen = allowed.any(-1, keepdim=True)

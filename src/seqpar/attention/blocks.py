@@ -7,7 +7,7 @@ No communication: every rank plans its blocks from the global token positions it
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -20,11 +20,16 @@ _FAR = 1 << 62  # "unbounded" for integer position intervals
 @dataclass(frozen=True)
 class BlockPlan:
     """The part of a (queries x keys) block worth computing: ``rows``/``cols`` are ``(start, n)``
-    of the bounding box of visible pairs; ``visible`` counts the query-key pairs causal/window allow."""
+    of the bounding box of visible pairs; ``visible`` counts the query-key pairs causal/window allow.
+    ``fused``: how one fused op call computes the trimmed block with no mask at all -- ``"full"``
+    (every pair visible) or ``"causal"`` (the op's causal flag: the aligned diagonal) -- or None:
+    it needs the kernel's document rectangles (padding, documents, a window or chunk that cuts it).
+    Set by :func:`fused_plan`, once per batch."""
 
     rows: tuple[int, int]
     cols: tuple[int, int]
     visible: int
+    fused: str | None = None
 
 
 def _count_in(sorted_vals: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
@@ -66,6 +71,30 @@ def plan_block(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> BlockPlan | None
         return None
     k_cnt = _count_in(q_pos.sort().values, *_visible_range(spec, k_pos, as_key=True))
     return BlockPlan(_span(q_cnt > 0), _span(k_cnt > 0), total)
+
+
+def fused_kind(spec: AttnSpec, plan: BlockPlan, q_pos: Tensor, k_pos: Tensor) -> str | None:
+    """How a fused op's own flag computes ``plan``'s trimmed block of a batch without padding or
+    documents, from its global positions ``q_pos [nr]``, ``k_pos [nc]`` (the plan's rows and
+    columns, on the host): ``"full"`` when causal/window/chunk hide none of its pairs, ``"causal"``
+    when it is the aligned diagonal (same strictly increasing positions on both sides, causal
+    alone: a zigzag rank's own block), else None. Pure: once per batch, with the plans."""
+    (_, nr), (_, nc) = plan.rows, plan.cols
+    if plan.visible == nr * nc:
+        return "full"
+    diagonal = (spec.causal and spec.window is None and spec.chunk is None and nr == nc
+                and torch.equal(q_pos, k_pos) and bool((q_pos[1:] > q_pos[:-1]).all()))
+    return "causal" if diagonal else None
+
+
+def fused_plan(spec: AttnSpec, plan: BlockPlan | None, q_pos: Tensor, k_pos: Tensor) -> BlockPlan | None:
+    """``plan`` with :attr:`BlockPlan.fused` set from the block's untrimmed positions ``q_pos``,
+    ``k_pos`` (host tensors) -- for a batch without padding or documents only (the caller's
+    check: those blocks need the kernel's rectangles)."""
+    if plan is None:
+        return None
+    (r0, nr), (c0, nc) = plan.rows, plan.cols
+    return replace(plan, fused=fused_kind(spec, plan, q_pos[r0:r0 + nr], k_pos[c0:c0 + nc]))
 
 
 def merge_partials(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -133,9 +162,20 @@ def merged_block_grads(block: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, T
 @dataclass
 class RingStats:
     """Attention work one rank did (filled by the forward): blocks computed / skipped, the query-key
-    pairs causal/window allow in them, and the pairs the kernel was given (trimmed rectangles)."""
+    pairs causal/window allow in them, the pairs the kernel was given (trimmed rectangles), and
+    how each computed block ran (``ops``: ``"fused full"`` / ``"fused causal"`` -- one fused op
+    call, no mask -- or ``"rectangles"``: the kernel's document rectangles), counted."""
 
     blocks: int = 0
     skipped: int = 0
     visible_pairs: int = 0
     computed_pairs: int = 0
+    ops: dict[str, int] = field(default_factory=dict)
+
+    def add(self, plan: BlockPlan) -> None:
+        """Count one computed block of ``plan``."""
+        self.blocks += 1
+        self.visible_pairs += plan.visible
+        self.computed_pairs += plan.rows[1] * plan.cols[1]
+        how = "rectangles" if plan.fused is None else f"fused {plan.fused}"
+        self.ops[how] = self.ops.get(how, 0) + 1

@@ -74,21 +74,29 @@ def _aligned_bias(bias: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 
 class CudaFlashKernel(RectKernel):
-    """torch's FlashAttention-2 / memory-efficient CUDA ops per tile: fused, lse, a backward."""
+    """torch's FlashAttention-2 / memory-efficient CUDA ops per tile: fused, lse, a backward.
+    ``native_gqa``: FlashAttention-2 tiles get the KV heads as they are (no repeated K/V); off in
+    the registry until its gpu-marked test passes on a GPU (tests/attention/test_lse_kernels.py)."""
 
     name = "cuda_flash"
     supports = frozenset({"window", "chunk"})
     tile = TILE
+    fused_op = True
 
-    def _prepare(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    def __init__(self, native_gqa: bool = False) -> None:
+        self.native_gqa = native_gqa
+
+    def _prepare(self, q: Tensor, k: Tensor, v: Tensor, how: str = "positions") -> tuple[Tensor, Tensor, Tensor, int]:
         dim = _op_dim(q, v)
-        n_rep = q.shape[1] // k.shape[1]
+        # FlashAttention-2 takes fewer KV heads itself (its backward sums dK/dV over each group);
+        # the memory-efficient op does not: its K/V are repeated
+        n_rep = 1 if self.native_gqa and uses_flash(how, q.dtype, dim) else q.shape[1] // k.shape[1]
         return (pad_head_dim(q, dim), pad_head_dim(_repeat(k, n_rep), dim), pad_head_dim(_repeat(v, n_rep), dim),
                 dim)
 
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
                      k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        qp, kp, vp, dim = self._prepare(q, k, v)
+        qp, kp, vp, dim = self._prepare(q, k, v, how)
         scale, nq = spec.scale_for(q.shape[-1]), q.shape[2]
         causal = how == "causal"
         if uses_flash(how, q.dtype, dim):
@@ -108,7 +116,7 @@ class CudaFlashKernel(RectKernel):
     def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                       spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         d, dv_dim, n_kv = q.shape[-1], v.shape[-1], k.shape[1]
-        qp, kp, vp, dim = self._prepare(q, k, v)
+        qp, kp, vp, dim = self._prepare(q, k, v, how)
         dop, outp = pad_head_dim(dout, dim).contiguous(), pad_head_dim(out, dim).contiguous()
         scale, nq, nk = spec.scale_for(d), q.shape[2], k.shape[2]
         causal = how == "causal"

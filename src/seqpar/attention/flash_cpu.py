@@ -24,6 +24,7 @@ class CpuFlashKernel(RectKernel):
 
     name = "flash_cpu"
     supports = frozenset({"window", "chunk"})
+    fused_op = True
 
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
                      k_pos: Tensor) -> tuple[Tensor, Tensor]:

@@ -40,6 +40,10 @@ def tile_bias(spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor, dtype: tor
     return bias, allowed.any(dim=-1)
 
 
+_NO_POS = torch.empty(0, dtype=torch.long)
+"""The positions a fused block's tile op gets: only ``"positions"`` tiles read them."""
+
+
 def _rows(rect: Rect) -> slice:
     return slice(None) if rect.row is None else slice(rect.row, rect.row + 1)
 
@@ -48,6 +52,9 @@ class RectKernel(LseKernel):
     """Base of the varlen lse kernels: the rectangle loop; subclasses give the tile op and ``tile``."""
 
     tile: int = TILE
+    fused_op: bool = False
+    """Whether the tile op is a fused op that runs an unmasked or causal block of any length in
+    one call without reading positions (the ring's fast path: :meth:`fused_forward`)."""
 
     @abstractmethod
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
@@ -61,6 +68,24 @@ class RectKernel(LseKernel):
                       spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """One rectangle's ``(dq, dk, dv)`` from the whole row's ``out`` and ``lse`` (``lse`` finite:
         rows that see no key anywhere carry 0 and ``dout``'s share of them is 0)."""
+
+    def fused_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, causal: bool) -> tuple[Tensor, Tensor]:
+        if not self.fused_op:
+            return super().fused_forward(q, k, v, spec, causal)
+        # one call of the tile op on the whole block, whatever its length: "none" and "causal"
+        # tiles hold no bias, and neither fused op keeps Sq x Sk scores (the CPU op's backward
+        # took 30 MiB at 8k x 8k, 4 heads, one thread); no rectangles, no accumulator, no merge
+        out, lse = self.tile_forward(q, k, v, spec, "causal" if causal else "none", _NO_POS, _NO_POS)
+        return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
+
+    def fused_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       spec: AttnSpec, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+        if not self.fused_op:
+            return super().fused_backward(dout, q, k, v, out, lse, spec, causal)
+        # every row of such a block sees a key of it: its merged lse is finite, nothing to clean
+        how = "causal" if causal else "none"
+        g = self.tile_backward(dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), spec, how, _NO_POS, _NO_POS)
+        return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None
                 ) -> tuple[Tensor, Tensor]:

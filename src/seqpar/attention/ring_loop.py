@@ -9,8 +9,10 @@ in place (:func:`~seqpar.attention.blocks.merge_into`)::
     queries:   q2       q2       q2       q2          never move
 
 A block's visibility comes from the global positions of its tokens (``SeqShard.positions``), so
-nothing here knows the layout; the block plans (skip, trim: :func:`~seqpar.attention.blocks.plan_block`)
-and block masks are the batch's, made once (:class:`~seqpar.attention.shard.SeqShard`). The
+nothing here knows the layout; the block plans (skip, trim: :func:`~seqpar.attention.blocks.plan_block`;
+fuse: a full or plain-causal block of a batch without padding or documents runs the kernel's fused
+op once, no mask, no rectangles: :func:`~seqpar.attention.blocks.fused_plan`) and block masks are
+the batch's, made once (:class:`~seqpar.attention.shard.SeqShard`). The
 backward sends the blocks around again; each block's dQ/dK/dV come from the kernel's backward with
 the *merged* out and lse (the softmax over all keys and sinks), so every block's share is exact.
 :func:`ring_forward` and :func:`ring_backward` are that loop in each direction, shared by the
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.guard import Guard, guarded
-from .blocks import BlockPlan, RingStats, fold_sinks, merge_into, plan_block, sinks_grad
+from .blocks import BlockPlan, RingStats, fold_sinks, fused_plan, merge_into, plan_block, sinks_grad
 from .ring_comm import COMMS, Grads, RingComm
 from .shard import SeqShard
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype
@@ -58,8 +60,12 @@ class Ring:
 
     def forward_block(self, q: Tensor, kb: Tensor, vb: Tensor, owner: int, plan: BlockPlan
                       ) -> tuple[Tensor, Tensor]:
-        """``(out, lse)`` of this rank's queries against the plan's part of ``owner``'s block."""
+        """``(out, lse)`` of this rank's queries against the plan's part of ``owner``'s block: one
+        call of the kernel's fused op where the plan says it needs no mask, else its rectangles."""
         (r0, nr), (c0, nc) = plan.rows, plan.cols
+        if plan.fused is not None:
+            return self.kernel.fused_forward(q[:, :, r0:r0 + nr], kb[:, :, c0:c0 + nc], vb[:, :, c0:c0 + nc],
+                                             self.spec, plan.fused == "causal")
         return self.kernel.forward(q[:, :, r0:r0 + nr], kb[:, :, c0:c0 + nc], vb[:, :, c0:c0 + nc], self.spec,
                                    self.mask(owner, plan, q.device))
 
@@ -68,19 +74,28 @@ class Ring:
         """The kernel's ``(dq, dk, dv)`` of the plan's rows and columns, with the merged out and lse."""
         (r0, nr), (c0, nc) = plan.rows, plan.cols
         rows = slice(r0, r0 + nr)
+        if plan.fused is not None:
+            return self.kernel.fused_backward(dout[:, :, rows], q[:, :, rows], kb[:, :, c0:c0 + nc],
+                                              vb[:, :, c0:c0 + nc], out[:, :, rows], lse[:, :, rows], self.spec,
+                                              plan.fused == "causal")
         return self.kernel.backward(dout[:, :, rows], q[:, :, rows], kb[:, :, c0:c0 + nc], vb[:, :, c0:c0 + nc],
                                     out[:, :, rows], lse[:, :, rows], self.spec, self.mask(owner, plan, q.device))
 
 
 def block_plans(shard: SeqShard, spec: AttnSpec, me: int) -> list[BlockPlan | None]:
     """What rank ``me`` computes of every rank's block: host-side arithmetic on the positions, once
-    per batch (kept in the shard's state), not per layer."""
+    per batch (kept in the shard's state), not per layer. In a batch without padding or documents
+    a block that one fused op computes without a mask says so (:attr:`BlockPlan.fused`: every
+    block of a zigzag or contiguous causal ring), and runs without the kernel's rectangles."""
     key = ("ring plans", me, spec.causal, spec.window, spec.chunk)
     if key not in shard.cache:
         host = shard if shard.positions is None else SeqShard(shard.seq_lens, shard.positions.cpu(),
                                                               state=shard.state)
         q_pos = host.positions_of(me)
-        shard.cache[key] = [plan_block(spec, q_pos, host.positions_of(r)) for r in range(len(shard.seq_lens))]
+        plans = [plan_block(spec, q_pos, host.positions_of(r)) for r in range(len(shard.seq_lens))]
+        if shard.key_keep is None and shard.segments is None:
+            plans = [fused_plan(spec, p, q_pos, host.positions_of(r)) for r, p in enumerate(plans)]
+        shard.cache[key] = plans
     return shard.cache[key]
 
 
@@ -122,9 +137,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, ring: Ri
         rows = slice(plan.rows[0], plan.rows[0] + plan.rows[1])
         merge_into(out[:, :, rows], lse[:, :, rows], *res)
         if stats is not None:
-            stats.blocks += 1
-            stats.visible_pairs += plan.visible
-            stats.computed_pairs += plan.rows[1] * plan.cols[1]
+            stats.add(plan)
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse, kp, vp

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -167,6 +167,18 @@ class LseKernel(ABC):
     @abstractmethod
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  spec: AttnSpec, mask: MaskInfo | None) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    def fused_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, causal: bool) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` of a block every query of which sees every key (``causal=False``) or
+        that is the aligned causal diagonal (``causal=True``): no mask, nothing to plan. The ring's
+        fast path (:attr:`~seqpar.attention.blocks.BlockPlan.fused`); a fused kernel overrides it
+        with one call of its op. ``spec``'s window and chunk hide nothing of such a block."""
+        return self.forward(q, k, v, replace(spec, causal=causal, window=None, chunk=None), None)
+
+    def fused_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       spec: AttnSpec, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`backward` of a :meth:`fused_forward` block (the whole row's ``out`` and ``lse``)."""
+        return self.backward(dout, q, k, v, out, lse, replace(spec, causal=causal, window=None, chunk=None), None)
 
 
 class LocalKernel(ABC):
