@@ -62,6 +62,8 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_balance.py"), *(["--rows", "50"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_varlen.py"), *(["--seq", "4096,8192"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_guard.py"), *(["--seq", "1024,2048"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_faults.py"),
+         *(["--seq", "1024", "--repeats", "5"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_mixers.py"), *(["--seq", "1024"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_vision.py"), *(["--repeats", "2"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_kernels.py"), *_kernel_args(args.quick)],
