@@ -348,10 +348,20 @@ def _strict_rows(rank, world, families, sizes, grid, mode="state"):
                     strict = max((_diff(grads[n], ref[n]) for n in ref if n not in floor.params), default=0.0)
                     f32 = max((_diff(grads[n], ref[n]) / max(float(ref[n].abs().max()), 1e-30) for n in ref
                                if n in floor.params and _diff(grads[n], ref[n]) > GRAD_TOL), default=0.0)
+                    # a model with float32 steps of its own (a non-empty floor) is held to float32
+                    # precision wherever they feed: the floor's regrouping misses gradients upstream of a
+                    # float32 norm that only a new token order perturbs (NemotronH under zigzag: the
+                    # embeddings and layer 0's in_proj at 6e-8, float32's unit in the last place)
+                    upstream = 0.0
+                    if floor.params and strict > GRAD_TOL:
+                        upstream = max(_diff(grads[n], ref[n]) / max(float(ref[n].abs().max()), 1e-30) for n in ref
+                                       if n not in floor.params and _diff(grads[n], ref[n]) > GRAD_TOL)
+                    strict_ok = strict <= GRAD_TOL or (floor.params and upstream <= F32_RTOL)
                     loss_tol = max(LOSS_TOL, F32_RTOL * abs(ref_loss)) if floor.loss else LOSS_TOL
                     rows.append({"family": family, "case": (kind, seq, strategy, layout), "P": p, "modes": modes,
                                  "loss_diff": abs(loss - ref_loss), "strict": strict, "f32_rel": f32,
-                                 "ok": abs(loss - ref_loss) <= loss_tol and strict <= GRAD_TOL and f32 <= F32_RTOL})
+                                 "upstream_f32_rel": upstream,
+                                 "ok": abs(loss - ref_loss) <= loss_tol and strict_ok and f32 <= F32_RTOL})
     return rows
 
 
