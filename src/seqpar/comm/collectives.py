@@ -42,9 +42,9 @@ def reduce_scatter_flat(output: Tensor, input: Tensor, *, group: Group | None = 
     waits.wait_work(_REDUCE_SCATTER(output, input, group=group, async_op=True), output.device, "a reduce-scatter")
 
 
-def all_reduce(x: Tensor, *, group: Group | None = None) -> None:
-    """``x`` = the sum over ranks of ``x``, in place."""
-    waits.wait_work(dist.all_reduce(x, group=group, async_op=True), x.device, "an all-reduce")
+def all_reduce(x: Tensor, *, group: Group | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+    """``x`` = the reduction (``op``, default the sum) over ranks of ``x``, in place."""
+    waits.wait_work(dist.all_reduce(x, op=op, group=group, async_op=True), x.device, "an all-reduce")
 
 
 def comm_device(group: Group) -> torch.device:

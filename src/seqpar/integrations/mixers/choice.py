@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ...attention.shard import SeqShard
 from ...batch.sharding import LocalBatch
+from ...comm import collectives
 from ...comm.collectives import comm_device
 from .registry import HEADS, STATE, MixerFamily, mode_named
 
@@ -81,7 +82,7 @@ def measure(family: MixerFamily, module: nn.Module, x: Tensor, batch: LocalBatch
             _sync(x)
             best[mode] = min(best[mode], time.perf_counter() - start)
     times = torch.tensor([best[m] for m in modes], dtype=torch.float64, device=comm_device(group))
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    collectives.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # fault-aware, as every seqpar wait
     return dict(zip(modes, times.tolist(), strict=True))
 
 
