@@ -29,7 +29,7 @@ from torch import Tensor
 
 import seqpar
 from seqpar.batch.loss import token_losses
-from seqpar.comm import faults
+from seqpar.comm import collectives, faults
 from seqpar.comm.mesh import axis_group, default_device_type
 from seqpar.integrations.materialize import load_full_state_dict, materialize, meta_model
 from seqpar.integrations.models import BUILTIN_MODELS, build_model
@@ -270,6 +270,6 @@ class Trainer:
             if i < len(mine):  # else a padding round of a dp rank with fewer rows
                 totals += row.to(totals)
         self.model.train()
-        dist.all_reduce(totals)
+        collectives.all_reduce(totals)  # fault-aware: a peer failing in its evaluation ends this wait
         loss_sum, correct, count = totals.tolist()
         return EvalResult(loss=loss_sum / max(count, 1), accuracy=correct / max(count, 1), targets=int(count))
