@@ -33,14 +33,20 @@ EXPECTED = {
     "mamba": ("refused",), "mamba2": ("refused",), "falcon_mamba": ("refused",),  # no attention heads at all
     "bart": ("refused",), "whisper": ("refused",), "roberta": ("refused",),  # positions seqpar cannot feed
 }
+STATE_PASSING = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
+                 "zamba", "jamba/attention-layers", "bamba/attention-layers", "falcon_h1", "nemotron_h",
+                 "zamba2/hybrid-layers", "granitemoehybrid/attention-layers"]
 # transformers' own default configs that do not build in this version (reported, not seqpar's)
 UNBUILDABLE_OK = ("unbuildable",)
 
 
-# P=3 (uneven shards of every family) runs in `make verify` and CI: two zoo spawns do not fit `make test`
+# P=3 (uneven shards of every family, each under every strategy) runs in `make verify` and CI; the
+# P=2 sweep in `make test` runs the named families under every strategy and each other family under
+# one, Ulysses and ring in turn (every family and every strategy still run at P=2)
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.heavy)], ids=lambda p: f"P={p}")
 def zoo(request):
-    return request.param, run_distributed(run_zoo, request.param, timeout=1200)[0]
+    both = None if request.param == 3 else {*EXPECTED, *STATE_PASSING, "llama"}
+    return request.param, run_distributed(run_zoo, request.param, None, ("ulysses", "ring"), both, timeout=1200)[0]
 
 
 def test_every_family_is_exact_or_refused(zoo):
@@ -52,6 +58,8 @@ def test_every_family_is_exact_or_refused(zoo):
     assert not bad, "\n".join(bad)
     exact = {r.family for r in rows if r.outcome in EXACT}
     assert len(exact) > 100, len(exact)  # most families run, they are not all refused
+    for strategy in ("ulysses", "ring"):  # each strategy ran most families exactly (P=2: about half each)
+        assert len({r.family for r in rows if r.strategy == strategy and r.outcome in EXACT}) > 50, strategy
     assert all(r.p == p for r in rows)
 
 
@@ -63,10 +71,6 @@ def test_named_families_end_as_issues_9_and_13_say(zoo):
     chunked = {(r.batch, r.outcome in EXACT) for r in rows if r.family == "llama4_text/no-temperature-tuning"}
     assert chunked == {("padded", True), ("packed", True)}, chunked  # packed: each document's own chunks
 
-
-STATE_PASSING = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
-                 "zamba", "jamba/attention-layers", "bamba/attention-layers", "falcon_h1", "nemotron_h",
-                 "zamba2/hybrid-layers", "granitemoehybrid/attention-layers"]
 
 
 def test_hybrid_rows_run_state_passing(zoo):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -375,13 +376,19 @@ def _compared(name: str, model: nn.Module, mesh: DeviceMesh, runnable: list[str]
 
 
 def run_zoo(rank: int, world: int, families: list[str] | None = None,
-            strategies: tuple[str, ...] = ("ulysses", "ring")) -> list[ZooRow]:
-    """The zoo on ``world`` ranks (SP size = world); returns this rank's rows."""
+            strategies: tuple[str, ...] = ("ulysses", "ring"), every_strategy: Collection[str] | None = None
+            ) -> list[ZooRow]:
+    """The zoo on ``world`` ranks (SP size = world); returns this rank's rows.
+
+    ``every_strategy``: None runs every family under every strategy; a set of families runs those
+    under every strategy and each other family under one, taking ``strategies`` in turn (a quicker
+    sweep that still runs every family and every strategy)."""
     from ..comm.mesh import init_mesh
 
     torch.set_num_threads(1)
     mesh, solo = init_mesh(sp=world, device_type="cpu"), init_mesh(sp=1, device_type="cpu")
     rows = []
-    for family in families or [*causal_lm_types(), *VARIANTS]:
-        rows.extend(zoo_family(family, mesh, strategies, solo))
+    for i, family in enumerate(families or [*causal_lm_types(), *VARIANTS]):
+        mine = strategies if every_strategy is None or family in every_strategy else (strategies[i % len(strategies)],)
+        rows.extend(zoo_family(family, mesh, mine, solo))
     return rows
