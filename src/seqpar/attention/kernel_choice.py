@@ -38,6 +38,7 @@ import functools
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,14 +91,16 @@ def _read_record(path: str, machine: str) -> frozenset[str]:
     except FileNotFoundError:
         return frozenset()
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the GPU record {path} ({e}): delete it, or rerun `make gpu-check` to "
-                         f"write it again") from e
-    return frozenset(record.get(machine, ()))
+        # warned, not raised: a rank's own file must not stop it alone (its peers would wait in a collective)
+        warnings.warn(f"ignoring the GPU record {path} ({e}): delete it, or rerun `make gpu-check` to write it again",
+                      stacklevel=3)
+        return frozenset()
+    return frozenset(record.get(machine, ()) if isinstance(record, dict) else ())
 
 
 def recorded_kernels(device: torch.device) -> frozenset[str]:
     """The kernels this machine's record lists for ``device``'s GPU model and this torch (read once
-    per process and path); empty off CUDA or without a record."""
+    per process and path); empty off CUDA, without a record, or with one that cannot be read (said once)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return frozenset()
     return _read_record(str(record_path()), _machine(device))
