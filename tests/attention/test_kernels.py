@@ -234,6 +234,7 @@ def test_auto_picks_sdpa_only_where_its_flag_suffices(monkeypatch):
 def test_verify_names_the_cuda_kernels_not_yet_run_on_a_gpu(monkeypatch):
     from seqpar.cli.verify import cuda_note
 
+    monkeypatch.setenv("SEQPAR_GPU_RECORD", "/nonexistent/gpu_verified.json")  # no machine's record
     note = cuda_note(1)
     assert "1 CUDA device(s)" in note and "make gpu-check" in note
     assert "opt-in: flex, cuda_cudnn" in note and "cuda_flash" not in note.split("opt-in")[1]

@@ -293,7 +293,8 @@ def describe_kernels(device: torch.device | None = None) -> str:
     how = ("measures each shape class once and runs the fastest" if measuring()
            else f"runs the first that honours the options ({MEASURE_ENV}=0)")
     lines = [f"auto on CUDA: verified {', '.join(ok) or 'none'}; of several, it {how}"]
-    lines += [f"  {line}" for line in KERNELS["fastest"].describe()]  # type: ignore[attr-defined]
+    fastest = KERNELS["fastest"]
+    lines += [f"  {line}" for line in (fastest.describe() if isinstance(fastest, FastestKernel) else [])]
     return "\n".join(lines)
 
 
