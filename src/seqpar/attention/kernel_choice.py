@@ -244,7 +244,8 @@ class FastestKernel(LseKernel):
                 try:
                     seconds[name] = self.timer(lambda k=kernel: run(k), device)
                 except RuntimeError as e:
-                    seconds[name], failures[name], error = None, f"{type(e).__name__}: {str(e)[:120]}", e
+                    seconds[name], error = None, e
+                    failures[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
         timed = {n: s for n, s in seconds.items() if s is not None}
         if not timed:
             assert error is not None
