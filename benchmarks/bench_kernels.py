@@ -1,6 +1,7 @@
-"""The local attention kernels on one device, forward + backward of one block, in one run: the
-varlen lse kernel ``auto`` picks (``cuda_flash`` on CUDA, ``flash_cpu`` on CPU), with ``--opt-in``
-``cuda_cudnn`` and ``flex`` (CUDA), and ``tiled`` against SDPA with a dense mask (``sdpa_dense``,
+"""The local attention kernels on one device, forward + backward of one block, in one run:
+``cuda_flash`` (CUDA; verified on a GPU) or ``flash_cpu`` (CPU), with ``--opt-in`` the other CUDA
+kernels ``cuda_cudnn`` and ``flex`` (which ``auto`` measures against ``cuda_flash`` once they are
+verified: ``--choice``), and ``tiled`` against SDPA with a dense mask (``sdpa_dense``,
 the O(S^2) peer), on plain causal rows and on rows packed with fixed-length documents. Printed:
 time and peak memory ratios (ours / dense) measured in the same process, and each kernel's max
 error against the float64 oracle at the smallest length.
@@ -165,9 +166,9 @@ def main() -> None:
         print_choice(args, device, dtype, [int(s) for s in args.seq.split(",")])
         return
     spec = AttnSpec(causal=True)
-    # on CUDA the fused kernel itself (auto uses it only once it is verified on a GPU)
+    # on CUDA each fused kernel by name (auto's measured pick among the verified ones: --choice)
     ours = "cuda_flash" if device.type == "cuda" else lse_kernel_for(device, dtype, spec)
-    opt_in = ["cuda_cudnn", "flex"] if device.type == "cuda" and args.opt_in else []  # not yet verified on a GPU
+    opt_in = ["cuda_cudnn", "flex"] if device.type == "cuda" and args.opt_in else []
     names = (ours, *opt_in, "tiled")
     lengths = [int(s) for s in args.seq.split(",")]
     print(f"{device} {args.dtype}, H={args.heads}/{args.kv_heads}, D={args.dim}, causal, fwd+bwd, "
