@@ -1,12 +1,21 @@
-"""The local attention kernels on one device, forward + backward of one block, in one run: the
-varlen lse kernel ``auto`` picks (``cuda_flash`` on CUDA, ``flash_cpu`` on CPU), with ``--opt-in``
-``cuda_cudnn`` and ``flex`` (CUDA), and ``tiled`` against SDPA with a dense mask (``sdpa_dense``,
+"""The local attention kernels on one device, forward + backward of one block, in one run:
+``cuda_flash`` (CUDA; verified on a GPU) or ``flash_cpu`` (CPU), with ``--opt-in`` the other CUDA
+kernels ``cuda_cudnn`` and ``flex`` (which ``auto`` measures against ``cuda_flash`` once they are
+verified: ``--choice``), and ``tiled`` against SDPA with a dense mask (``sdpa_dense``,
 the O(S^2) peer), on plain causal rows and on rows packed with fixed-length documents. Printed:
 time and peak memory ratios (ours / dense) measured in the same process, and each kernel's max
 error against the float64 oracle at the smallest length.
 
     python benchmarks/bench_kernels.py                        # CUDA if present: bf16, S = 8k..64k
     python benchmarks/bench_kernels.py --device cpu --seq 1024,2048 --dtype float32   # a dry run
+    python benchmarks/bench_kernels.py --choice --seq 8192,32768 --heads 32 --kv-heads 8   # auto's choice
+
+``--choice``: what ``kernel="auto"`` chooses on this device (issue 27): per length, for a ring's
+fused causal block, a fused full block and a masked block (packed documents), forward and backward
+apart, each candidate's time as ``auto`` measures it (:mod:`seqpar.attention.kernel_choice`: CUDA
+events, the faster of two runs after a warm-up), the fastest, and the one ``auto`` runs -- the
+fastest of those verified on this GPU (``*`` marks a candidate that is not). ``--candidates``
+(default: the verified ones; on CPU flash_cpu and tiled, a dry run) names the kernels to time.
 
 Memory: ``torch.cuda.max_memory_allocated`` above the inputs on CUDA; on CPU the live-tensor
 probe (:class:`seqpar.testing.memory.LiveMemory`). The dense peer is skipped where its mask alone
@@ -21,7 +30,15 @@ import time
 
 import torch
 
-from seqpar.attention.kernels import KERNELS, attend, lse_kernel_for
+from seqpar.attention.kernel_choice import FastestKernel, ShapeClass, eligible, measuring
+from seqpar.attention.kernels import (
+    KERNELS,
+    attend,
+    cuda_candidates,
+    describe_kernels,
+    lse_kernel_for,
+    verified_kernels,
+)
 from seqpar.attention.reference import math_attention
 from seqpar.attention.spec import AttnSpec, MaskInfo
 
@@ -84,6 +101,50 @@ def _error(kernel: str, q, k, v, spec, mask) -> float:
                for a, b in zip((out, *grads), (ref, *ref_grads), strict=True))
 
 
+def choice_rows(device: torch.device, dtype: torch.dtype, lengths: list[int], heads: int, kv_heads: int, dim: int,
+                doc: int, names: list[str]) -> list[tuple[int, ShapeClass, dict[str, float | None], str]]:
+    """``(S, shape class, seconds per candidate (None: it failed), the fastest)`` for a fused causal,
+    a fused full and a masked (``doc``-token documents) causal block of ``S x S``, forward and
+    backward, timed by :class:`FastestKernel` over ``names`` as ``auto`` times them."""
+    fastest = FastestKernel(KERNELS.__getitem__, lambda dev, dt, spec: eligible(names, names, KERNELS, spec))
+    spec, rows = AttnSpec(causal=True), []
+    for seq in lengths:
+        q, k, v = (t.detach() for t in _inputs(seq, heads, kv_heads, dim, dtype, device))
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+        seg = (torch.arange(seq, device=device) // doc)[None]
+        mask = MaskInfo(q_seg=seg, k_seg=seg)
+        for causal in (True, False):
+            out, lse = fastest.fused_forward(q, k, v, spec, causal)
+            fastest.fused_backward(dout, q, k, v, out, lse, spec, causal)
+        out, lse = fastest.forward(q, k, v, spec, mask)
+        fastest.backward(dout, q, k, v, out, lse, spec, mask)
+        rows += [(seq, key, dict(c.seconds), c.kernel) for key, c in fastest.chosen.items() if key.sq == seq]
+        del q, k, v, dout, out, lse
+    return rows
+
+
+def print_choice(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, lengths: list[int]) -> None:
+    """The ``--choice`` table (see the module doc)."""
+    if not measuring():
+        raise SystemExit("SEQPAR_MEASURE_KERNELS=0: auto does not measure (unset it to see its choice)")
+    cuda = device.type == "cuda"
+    verified = verified_kernels(device) if cuda else {"flash_cpu", "tiled"}
+    names = (args.candidates.split(",") if args.candidates
+             else cuda_candidates(device, dtype, AttnSpec(causal=True)) if cuda else ["flash_cpu", "tiled"])
+    if cuda:
+        print(describe_kernels(device))
+    print(f"auto's choice on {device} {args.dtype}, B=1, H={args.heads}/{args.kv_heads}, D={args.dim}, causal; "
+          f"masked = {args.doc}-token documents; ms per call (* not verified on this GPU: auto skips it)")
+    head = "".join(f"{n + ('' if n in verified else '*'):>12}" for n in names)
+    print(f"{'S':>6}  {'block':<12} {'dir':<8}{head}  {'fastest':<11} auto runs")
+    for seq, key, seconds, best in choice_rows(device, dtype, lengths, args.heads, args.kv_heads, args.dim, args.doc,
+                                               names):
+        times = "".join(f"{'failed' if seconds.get(n) is None else f'{1e3 * seconds[n]:.2f}':>12}" for n in names)
+        ok = {n: t for n, t in seconds.items() if t is not None and n in verified}
+        runs = min(ok, key=ok.__getitem__) if ok else "-"
+        print(f"{seq:>6}  {key.block:<12} {key.direction:<8}{times}  {best:<11} {runs}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -97,12 +158,17 @@ def main() -> None:
     parser.add_argument("--dense-limit", type=float, default=8.0, help="GiB the dense mask may take")
     parser.add_argument("--opt-in", action="store_true",
                         help="also the CUDA kernels not yet verified on a GPU (cuda_cudnn, flex: flex compiles first)")
+    parser.add_argument("--choice", action="store_true", help="auto's measured choice per block and length instead")
+    parser.add_argument("--candidates", default="", help="with --choice: the kernels to time (default: the verified)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.choice:
+        print_choice(args, device, dtype, [int(s) for s in args.seq.split(",")])
+        return
     spec = AttnSpec(causal=True)
-    # on CUDA the fused kernel itself (auto uses it only once it is verified on a GPU)
+    # on CUDA each fused kernel by name (auto's measured pick among the verified ones: --choice)
     ours = "cuda_flash" if device.type == "cuda" else lse_kernel_for(device, dtype, spec)
-    opt_in = ["cuda_cudnn", "flex"] if device.type == "cuda" and args.opt_in else []  # not yet verified on a GPU
+    opt_in = ["cuda_cudnn", "flex"] if device.type == "cuda" and args.opt_in else []
     names = (ours, *opt_in, "tiled")
     lengths = [int(s) for s in args.seq.split(",")]
     print(f"{device} {args.dtype}, H={args.heads}/{args.kv_heads}, D={args.dim}, causal, fwd+bwd, "

@@ -208,30 +208,35 @@ def test_auto_picks_sdpa_only_where_its_flag_suffices(monkeypatch):
     with pytest.warns(UserWarning, match="sdpa_dense"):
         assert auto_kernel(q, AttnSpec(causal=True, dropout=0.1), pad) == "sdpa_dense"
     cuda = torch.device("cuda")
-    assert kernels.CUDA_FLASH_VERIFIED  # its gpu-marked tests passed on an H200
+    monkeypatch.setenv("SEQPAR_GPU_RECORD", "/nonexistent/gpu_verified.json")  # no machine's record
+    assert kernels.GPU_VERIFIED == {"cuda_flash"}  # its gpu-marked tests passed on an H200
     assert lse_kernel_for(cuda, torch.bfloat16, AttnSpec(causal=True, window=4)) == "cuda_flash"
-    monkeypatch.setattr(kernels, "CUDA_FLASH_VERIFIED", False)  # a kernel not yet run on a GPU is opt-in
+    monkeypatch.setattr(kernels, "GPU_VERIFIED", frozenset())  # a kernel not yet run on a GPU is opt-in
     monkeypatch.setattr(kernels, "_warned", set())
     with pytest.warns(UserWarning, match="not been verified on a GPU"):  # said once, not per layer
         assert lse_kernel_for(cuda, torch.bfloat16, AttnSpec(causal=True, window=4)) == "tiled"
     assert lse_kernel_for(cuda, torch.float64, AttnSpec(causal=True)) == "tiled"
-    monkeypatch.setattr(kernels, "CUDA_FLASH_VERIFIED", True)
+    monkeypatch.setattr(kernels, "GPU_VERIFIED", frozenset({"cuda_flash"}))
     assert lse_kernel_for(cuda, torch.float64, AttnSpec(causal=True)) == "tiled"
-    assert not kernels.FLEX_VERIFIED  # built without a GPU: softcap stays on tiled, said once, flex opt-in
+    assert "flex" not in kernels.GPU_VERIFIED  # built without a GPU: softcap stays on tiled, said once, flex opt-in
     monkeypatch.setattr(kernels, "_warned", set())
     with pytest.warns(UserWarning, match="flex has not been verified on a GPU"):
         assert lse_kernel_for(cuda, torch.float16, AttnSpec(softcap=3.0)) == "tiled"
-    monkeypatch.setattr(kernels, "FLEX_VERIFIED", True)
+    monkeypatch.setattr(kernels, "GPU_VERIFIED", frozenset({"cuda_flash", "flex"}))
     assert lse_kernel_for(cuda, torch.float16, AttnSpec(softcap=3.0)) == "flex"
+    monkeypatch.setenv("SEQPAR_MEASURE_KERNELS", "0")  # unmeasured: the fixed order
     assert lse_kernel_for(cuda, torch.float16, AttnSpec(causal=True, window=4)) == "cuda_flash"  # still first
+    monkeypatch.delenv("SEQPAR_MEASURE_KERNELS")  # measured: both honour the window (test_kernel_choice.py)
+    assert lse_kernel_for(cuda, torch.float16, AttnSpec(causal=True, window=4)) == "fastest"
     assert lse_kernel_for(cuda, torch.float64, AttnSpec(softcap=3.0)) == "tiled"
 
 
 def test_verify_names_the_cuda_kernels_not_yet_run_on_a_gpu(monkeypatch):
     from seqpar.cli.verify import cuda_note
 
+    monkeypatch.setenv("SEQPAR_GPU_RECORD", "/nonexistent/gpu_verified.json")  # no machine's record
     note = cuda_note(1)
     assert "1 CUDA device(s)" in note and "make gpu-check" in note
     assert "opt-in: flex, cuda_cudnn" in note and "cuda_flash" not in note.split("opt-in")[1]
-    monkeypatch.setattr(kernels, "FLEX_VERIFIED", True)
+    monkeypatch.setattr(kernels, "GPU_VERIFIED", frozenset({"cuda_flash", "flex"}))
     assert "opt-in: cuda_cudnn" in cuda_note(1)

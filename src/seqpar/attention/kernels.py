@@ -5,14 +5,14 @@ The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. The re
 =============  =====================================================================================
 ``auto``       the default: per block, ``sdpa`` where its flag says everything the block hides (no
                padding, no documents, no cut window) and nothing needs lse, else the device's varlen
-               lse kernel below -- no code path builds an ``S x S`` mask
+               lse kernel (:func:`lse_kernel_for`) -- no code path builds an ``S x S`` mask
 ``flash_cpu``  fused CPU op per document rectangle, with lse (window, chunk)
 ``cuda_flash`` torch's FlashAttention-2 / memory-efficient CUDA ops per rectangle, with lse
-               (opt-in until verified on a GPU: :data:`CUDA_FLASH_VERIFIED`)
-``cuda_cudnn`` ``cuda_flash`` with cuDNN's fused attention for its unmasked / causal tiles (opt-in:
-               not yet run on a GPU)
-``flex``       FlexAttention, compiled, with a BlockMask from the batch's structure: softcap on
-               CUDA (opt-in until verified on a GPU: :data:`FLEX_VERIFIED`)
+``cuda_cudnn`` ``cuda_flash`` with cuDNN's fused attention for its unmasked / causal tiles
+``flex``       FlexAttention, compiled, with a BlockMask from the batch's structure: softcap on CUDA
+``fastest``    per shape class, the fastest of the above three that are verified on this GPU, measured
+               once per process (:mod:`~seqpar.attention.kernel_choice`): what ``auto`` runs on CUDA
+               where more than one is verified (:data:`GPU_VERIFIED`; the others are opt-in by name)
 ``tiled``      the reference math per tile: every option (softcap), any dtype and device, O(S) memory
 ``sdpa``       torch's SDPA with its causal flag only (any backend, dropout; no lse); a block that
                needs a mask is refused -- use ``auto``, or ``sdpa_dense`` to accept an ``S x S`` mask
@@ -40,6 +40,7 @@ from .blocks import fold_sinks, sinks_grad
 from .cuda import CudaFlashKernel, CudnnKernel
 from .flash_cpu import CpuFlashKernel
 from .flex import FlexKernel
+from .kernel_choice import MEASURE_ENV, FastestKernel, eligible, measuring, recorded_kernels
 from .reference import ReferenceKernel
 from .spec import AttnSpec, Kernel, LocalKernel, LseKernel, MaskInfo, acc_dtype, check_supported
 from .tiled import TiledKernel
@@ -213,6 +214,7 @@ KERNELS: dict[str, Kernel] = {
     "cuda_flash": CudaFlashKernel(),
     "cuda_cudnn": CudnnKernel(),
     "flex": FlexKernel(),
+    "fastest": FastestKernel(lambda name: KERNELS[name], lambda *args: cuda_candidates(*args)),
     "tiled": TiledKernel(),
     "sdpa": SdpaKernel(),
     "sdpa_dense": DenseSdpaKernel(),
@@ -226,40 +228,53 @@ this small. Not Python's once-per-location warning registry: every ``warnings.ca
 (flex's per call, torch's own) resets that, and the warning would come back per layer."""
 
 
-CUDA_FLASH_VERIFIED = True
-"""Whether ``cuda_flash`` has passed its gpu-marked tests on a GPU (``make gpu-check``): it has, on
-an H200 with torch 2.11 (2026-11-30), after a fix to its half-precision backward that only those
-tests could find. ``auto`` picks it only while this holds: a kernel that never ran on the hardware
-is opt-in (``kernel="cuda_flash"``), so it cannot be silently wrong by default."""
+GPU_VERIFIED = frozenset({"cuda_flash"})
+"""The CUDA kernels that have passed their gpu-marked tests on the project's GPU runs
+(``make gpu-check``): ``cuda_flash`` on an H200 with torch 2.11 (2026-11-30), after a fix to its
+half-precision backward that only those tests could find. ``flex`` and ``cuda_cudnn`` have not run
+on a GPU yet; when their tests pass there, add them here. ``auto`` picks only these (and those this
+machine's own ``make gpu-check`` recorded: :func:`verified_kernels`), so a kernel that never ran on
+the hardware is opt-in by name and cannot be silently wrong by default."""
+
+CUDA_ORDER = ("cuda_flash", "flex", "cuda_cudnn")
+"""The CUDA lse kernels in the order ``auto`` prefers them without measuring."""
 
 
-FLEX_VERIFIED = False
-"""Whether ``flex`` has passed its gpu-marked tests on a GPU (``make gpu-check``): not yet -- it
-was built in a session without one, and on the CPU torch gives flex a forward only. Until then
-``auto`` does not pick it (softcap on CUDA runs ``tiled``, said once) and ``kernel="flex"`` opts in."""
+def verified_kernels(device: torch.device) -> frozenset[str]:
+    """The CUDA kernels verified for ``device``: :data:`GPU_VERIFIED` and this machine's record."""
+    return GPU_VERIFIED | recorded_kernels(device)
 
 
-def gpu_verified() -> dict[str, bool]:
-    """Each CUDA kernel: has it passed its gpu-marked tests on a GPU? ``cuda_cudnn`` has not (and
-    ``auto`` does not pick it: once it has, bench_kernels must show it faster than ``cuda_flash``)."""
-    return {"cuda_flash": CUDA_FLASH_VERIFIED, "flex": FLEX_VERIFIED, "cuda_cudnn": False}
+def gpu_verified(device: torch.device | None = None) -> dict[str, bool]:
+    """Each CUDA kernel: has it passed its gpu-marked tests on a GPU (``device``'s, by this
+    machine's record, too)?"""
+    ok = GPU_VERIFIED if device is None else verified_kernels(device)
+    return {name: name in ok for name in CUDA_ORDER}
+
+
+def cuda_candidates(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> list[str]:
+    """The CUDA lse kernels ``auto`` may run for ``spec`` on ``device`` in ``dtype``: verified there
+    and honouring the options, in :data:`CUDA_ORDER`; [] off CUDA or in another dtype."""
+    if device.type != "cuda" or dtype not in _CUDA_DTYPES:
+        return []
+    return eligible(CUDA_ORDER, verified_kernels(device), KERNELS, spec)
 
 
 def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> str:
-    """The varlen lse kernel ``auto`` uses on ``device`` for ``spec``: ``flash_cpu`` (CPU), or on
-    CUDA (float16 / bfloat16 / float32) ``cuda_flash`` (once :data:`CUDA_FLASH_VERIFIED`), else
-    ``flex`` for softcap (once :data:`FLEX_VERIFIED`), where they honour the options (sinks are
-    folded around any lse kernel); else ``tiled`` -- said once."""
+    """The varlen lse kernel ``auto`` uses on ``device`` for ``spec``: ``flash_cpu`` (CPU); on CUDA
+    (float16 / bfloat16 / float32) the verified kernels that honour the options
+    (:func:`cuda_candidates`; sinks are folded around any lse kernel): ``fastest`` -- measured per
+    shape class -- where there are several, unless ``SEQPAR_MEASURE_KERNELS=0`` (then the first),
+    else the one; else ``tiled`` -- said once."""
     options = spec.options() - {"sinks"}
     if device.type == "cpu" and options <= KERNELS["flash_cpu"].supports:
         return "flash_cpu"
+    found = cuda_candidates(device, dtype, spec)
+    if found:
+        return "fastest" if len(found) > 1 and measuring() else found[0]
     cuda = device.type == "cuda" and dtype in _CUDA_DTYPES
     fused = cuda and options <= KERNELS["cuda_flash"].supports
-    if fused and CUDA_FLASH_VERIFIED:
-        return "cuda_flash"
     flex = cuda and not fused and options <= KERNELS["flex"].supports
-    if flex and FLEX_VERIFIED:
-        return "flex"
     if device.type != "cpu" and "tiled" not in _warned:
         _warned.add("tiled")
         why = ("cuda_flash has not been verified on a GPU yet (make gpu-check; kernel='cuda_flash' opts in)" if fused
@@ -268,6 +283,19 @@ def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> 
         warnings.warn(f"{why}: running 'tiled' (exact, O(S) memory, plain PyTorch per tile: slower than a fused "
                       "kernel)", stacklevel=2)
     return "tiled"
+
+
+def describe_kernels(device: torch.device | None = None) -> str:
+    """In words: which CUDA kernels ``auto`` may run (on ``device``: with this machine's record),
+    whether it measures, and per shape class met so far in this process the kernel it chose and
+    the times it chose on (``seqpar`` prints it after a benchmark)."""
+    ok = [name for name, v in gpu_verified(device).items() if v]
+    how = ("measures each shape class once and runs the fastest" if measuring()
+           else f"runs the first that honours the options ({MEASURE_ENV}=0)")
+    lines = [f"auto on CUDA: verified {', '.join(ok) or 'none'}; of several, it {how}"]
+    fastest = KERNELS["fastest"]
+    lines += [f"  {line}" for line in (fastest.describe() if isinstance(fastest, FastestKernel) else [])]
+    return "\n".join(lines)
 
 
 def auto_kernel(q: Tensor, spec: AttnSpec, mask: MaskInfo | None, sk: int | None = None) -> str:

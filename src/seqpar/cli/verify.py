@@ -73,9 +73,12 @@ def is_vlm_checkpoint(model: str) -> bool:
 def cuda_note(devices: int) -> str:
     """What ``seqpar verify`` says on a CUDA host: its checks run on CPU processes, and which CUDA
     kernels have not passed ``make gpu-check`` yet (opt-in until then)."""
+    import torch
+
     from seqpar.attention import kernels
 
-    unverified = [name for name, ok in kernels.gpu_verified().items() if not ok]
+    # the committed set and this GPU's own record (what auto runs here)
+    unverified = [name for name, ok in kernels.gpu_verified(torch.device("cuda")).items() if not ok]
     return (f"seqpar verify: this host has {devices} CUDA device(s), but these checks run on local CPU processes "
             "(gloo, float64); the CUDA kernels are checked by `make gpu-check`"
             + (f" -- not yet passed there, so opt-in: {', '.join(unverified)}" if unverified else ""))

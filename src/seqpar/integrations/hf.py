@@ -229,7 +229,7 @@ def _set_attention(model: nn.Module, implementation: str | None, sub_config: str
 def attention_kernel(model: nn.Module) -> str:
     """Which local attention kernel a parallelized model runs, in words, for its device and dtype
     (``seqpar train`` prints it): the choice of ``kernel="auto"`` made visible."""
-    from ..attention.kernels import lse_kernel_for
+    from ..attention.kernels import cuda_candidates, lse_kernel_for
     from ..attention.spec import AttnSpec
 
     record = state_of(model)
@@ -242,6 +242,9 @@ def attention_kernel(model: nn.Module) -> str:
     config, _ = decoder_config(model.config)
     spec = AttnSpec(softcap=getattr(config, "attn_logit_softcapping", None))
     varlen = lse_kernel_for(param.device, param.dtype, spec)
+    if varlen == "fastest":  # several verified CUDA kernels: auto measures them
+        varlen = (f"the fastest of {' / '.join(cuda_candidates(param.device, param.dtype, spec))} per shape class, "
+                  "measured on first use (seqpar.attention.kernels.describe_kernels())")
     if state.strategy != "ulysses":
         return f"{varlen} (varlen, returns lse; {state.strategy} merges the blocks)"
     if state.original == "sdpa":
