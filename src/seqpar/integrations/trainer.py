@@ -25,6 +25,12 @@ trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public 
     per micro   compute_loss: model(**shard_batch(batch, mesh, num_items_in_batch=N)).loss
                   value: this dp group's share of the step's global token mean     x dp
                   grad:  d(this rank's token losses) * dp * sp / N   (the seqpar loss's own)
+                (in place of TRL's compute_loss: its fused LM head and the entropy / token
+                accuracy it logs from it are not run)
+    images      a VLM collator's (TRL's DataCollatorForVisionLanguageModeling: pixel_values,
+                image_grid_thw, mm_token_type_ids) go to shard_batch whole with the text; the model
+                divides them over the SP ranks (seqpar.integrations.vlm); the SP-group check
+                compares them too, and a key of a mechanism seqpar does not run is a Refused there
     gradients   the Trainer's own DDP over all dp x sp ranks averages, i.e. divides by dp * sp:
                 exactly the gradient of the global token mean (:mod:`seqpar.batch.loss`).
                 accelerate's FSDP2 averages over all processes the same way (not exercised on
@@ -32,7 +38,8 @@ trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public 
     logging     the Trainer logs the mean over all ranks of the values: x dp makes it the global
                 token mean, the loss the same run without seqpar logs
     eval        every rank runs every eval batch (its SP group shards it), the loss is the batch
-                token mean, logits are gathered back to [B, S, V]; no cross-rank gather after
+                token mean, logits are gathered back to [B, S, V]; no cross-rank gather after (an
+                uneven last batch still weighs by its rows, as gather_for_metrics makes it)
     faults      an exception in a step (the forward, the loss, the backward, DDP's all-reduce) or
                 in reading the step's batches is told to every rank (seqpar.comm.faults): the
                 other ranks raise RankFailed naming it instead of waiting for the collective timeout
