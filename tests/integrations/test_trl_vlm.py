@@ -215,7 +215,7 @@ def _trainer(out: str, *, mesh=None, strategy: str = "ulysses", collator=None, o
                      lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                      seed=0, disable_tqdm=True, bf16=False, assistant_only_loss=True)
     trainer = cls(model=net, args=args, train_dataset=_dataset(4 * STEPS, 1), eval_dataset=_dataset(3, 2),
-                         processing_class=processor)
+                  processing_class=processor)
     if collator is not None:
         trainer.data_collator = collator(trainer.data_collator)
     if mesh is not None:
