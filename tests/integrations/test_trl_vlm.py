@@ -7,8 +7,9 @@ SFTTrainer picks for a processor: ``input_ids``, ``labels``, ``attention_mask``,
 ``image_grid_thw``, ``mm_token_type_ids``), assistant-only loss, a tiny random Qwen2-VL in float64,
 plain SGD, gradient accumulation 2 over micro-batches of different lengths and image counts, an
 evaluation at the end (3 rows: an uneven last batch). The workers run it with the one added line
-``parallelize_trainer(trainer, mesh)`` -- sp=2 here, Ulysses and ring; sp=3 (uneven shards, an
-odd number of ranks) under ``-m heavy`` -- and this process runs two references without seqpar:
+``parallelize_trainer(trainer, mesh)`` -- sp=2 on Ulysses here; sp=3 (uneven shards, an odd
+number of ranks) on Ulysses and ring under ``-m heavy`` -- and this process runs two references
+without seqpar:
 
     the script   as is. TRL 1.16 computes its loss with a fused LM head whose log-softmax
                  accumulates in float32 whatever the model's dtype, so it agrees to float32
@@ -287,7 +288,9 @@ def _worker(rank: int, world: int, out: str, strategies: list[str], bad: list[st
 # the tests
 # ---------------------------------------------------------------------------------------------
 
-GRID = {2: ["ulysses", "ring"], 3: ["ulysses", "ring"]}
+# make test: sp=2 on Ulysses (the Trainer integration does not depend on the strategy; ring with images runs
+# in test_vlm.py's P=2 grid); -m heavy: sp=3 on both
+GRID = {2: ["ulysses"], 3: ["ulysses", "ring"]}
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.heavy)], ids=["sp2", "sp3"])
@@ -334,8 +337,7 @@ def _compare(got: dict, ref: dict, where: str, *, loss_tol, grad_tol) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
-def test_equals_the_float64_oracle(runs, strategy):
+def test_equals_the_float64_oracle(runs):
     """Against the oracle (the script, its loss in float64): float64 precision. At P=3 the
     gradients hold to the model's own float32 precision, and so do the losses after the first
     step (the weights they see moved by those gradients): Qwen2-VL's RMSNorm computes in float32,
@@ -353,21 +355,23 @@ def test_equals_the_float64_oracle(runs, strategy):
     def grad_tol(name, g):
         return GRAD_TOL if exact else max(GRAD_TOL, F32_RTOL * _scale(g))
 
-    for rank, res in enumerate(results):
-        _compare(res[strategy], ref, f"P={world} {strategy} rank {rank} vs the oracle", loss_tol=loss_tol,
-                 grad_tol=grad_tol)
+    for strategy in GRID[world]:
+        for rank, res in enumerate(results):
+            _compare(res[strategy], ref, f"P={world} {strategy} rank {rank} vs the oracle", loss_tol=loss_tol,
+                     grad_tol=grad_tol)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
-def test_equals_the_script_to_its_float32_loss(runs, strategy):
+def test_equals_the_script_to_its_float32_loss(runs):
     """Against the script as is: to float32 precision, what TRL's loss carries (its fused LM head
     accumulates the log-softmax in float32, and every gradient flows from it); seqpar's loss is
     float64 on a float64 model."""
     world, results, refs = runs
-    for rank, res in enumerate(results):
-        _compare(res[strategy], refs["script"], f"P={world} {strategy} rank {rank} vs the script",
-                 loss_tol=lambda v, steps_before: F32_RTOL * abs(v), grad_tol=lambda name, g: F32_RTOL * _scale(g))
+    for strategy in GRID[world]:
+        for rank, res in enumerate(results):
+            _compare(res[strategy], refs["script"], f"P={world} {strategy} rank {rank} vs the script",
+                     loss_tol=lambda v, steps_before: F32_RTOL * abs(v),
+                     grad_tol=lambda name, g: F32_RTOL * _scale(g))
 
 
 @pytest.mark.distributed
