@@ -25,6 +25,12 @@ trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public 
     per micro   compute_loss: model(**shard_batch(batch, mesh, num_items_in_batch=N)).loss
                   value: this dp group's share of the step's global token mean     x dp
                   grad:  d(this rank's token losses) * dp * sp / N   (the seqpar loss's own)
+                (in place of TRL's compute_loss: its fused LM head and the entropy / token
+                accuracy it logs from it are not run)
+    images      a VLM collator's (TRL's DataCollatorForVisionLanguageModeling: pixel_values,
+                image_grid_thw, mm_token_type_ids) go to shard_batch whole with the text; the model
+                divides them over the SP ranks (seqpar.integrations.vlm); the SP-group check
+                compares them too, and a key of a mechanism seqpar does not run is a Refused there
     gradients   the Trainer's own DDP over all dp x sp ranks averages, i.e. divides by dp * sp:
                 exactly the gradient of the global token mean (:mod:`seqpar.batch.loss`).
                 accelerate's FSDP2 averages over all processes the same way (not exercised on
@@ -32,7 +38,8 @@ trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public 
     logging     the Trainer logs the mean over all ranks of the values: x dp makes it the global
                 token mean, the loss the same run without seqpar logs
     eval        every rank runs every eval batch (its SP group shards it), the loss is the batch
-                token mean, logits are gathered back to [B, S, V]; no cross-rank gather after
+                token mean, logits are gathered back to [B, S, V]; no cross-rank gather after (an
+                uneven last batch still weighs by its rows, as gather_for_metrics makes it)
     faults      an exception in a step (the forward, the loss, the backward, DDP's all-reduce) or
                 in reading the step's batches is told to every rank (seqpar.comm.faults): the
                 other ranks raise RankFailed naming it instead of waiting for the collective timeout
@@ -44,6 +51,7 @@ boundaries; ``sp_size``: DeepSpeed Ulysses) is refused: it would shard the batch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -56,6 +64,7 @@ from .. import compat
 from ..attention.layout import inverse_permutation
 from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, checksum, count_target_tokens, shard_batch
 from ..batch.targets import CU_SEQLENS_KEYS
+from ..batch.visual import ROUTED_KEYS, fingerprint, refused_key_problem
 from ..comm import faults
 from ..comm.agree import Table, check, share
 from ..comm.gather import gather_seq
@@ -112,8 +121,11 @@ class SeqParTrainerMixin:
     def evaluation_loop(self, *args: Any, **kwargs: Any):
         """The Trainer's, without its gather over the ranks."""
         # every rank already holds every batch's loss, logits and labels: gathering over the
-        # ranks would repeat them (the Trainer resets gather_function itself at the end)
-        self.gather_function = _identity
+        # ranks would repeat them. What gather_for_metrics does besides gathering stays: the Trainer
+        # repeats each batch's loss by the *first* batch's size, and the last batch's copies past
+        # the dataset's end are cut (without it an uneven last batch would weigh as a full one).
+        # The Trainer resets gather_function itself at the end.
+        self.gather_function = functools.partial(_drop_remainder, self.accelerator.gradient_state)
         return super().evaluation_loop(*args, **kwargs)
 
     # ---- one optimizer step -------------------------------------------------------------
@@ -259,8 +271,14 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return base() if callable(base) else model
 
 
-def _identity(x: Any) -> Any:
-    return x
+def _drop_remainder(state: Any, data: Any) -> Any:
+    """accelerate's ``gather_for_metrics`` without the gather: at the end of the loader, ``data``'s
+    rows past the dataset's last sample are dropped (``state``: the accelerator's gradient_state)."""
+    from accelerate.utils import recursively_apply
+
+    if state.end_of_dataloader and state.remainder > 0:
+        return recursively_apply(lambda t: t[:state.remainder], data)
+    return data
 
 
 def _model_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -297,9 +315,11 @@ def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: Devi
 
     One all-gather of a row of facts over all ranks (not only the SP group: a failing group must
     not leave the other dp groups waiting in the gradient all-reduce), then the same verdict on
-    every rank from the same table."""
+    every rank from the same table. A vision-language collator's images (``pixel_values``, grids,
+    ``mm_token_type_ids``: :data:`~seqpar.batch.visual.ROUTED_KEYS`) are compared too; a key of a
+    mechanism seqpar does not run (:data:`~seqpar.batch.visual.REFUSED_KEYS`) is a Refused."""
     facts: dict[str, float] = {"count": float(len(batches))}
-    problem = None
+    problem, refused = None, False
     for m in range(expected):
         b = batches[m] if m < len(batches) else None
         ids = b.get("input_ids") if b is not None else None
@@ -307,15 +327,24 @@ def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: Devi
         facts[f"{m}.batch"] = float(ids.shape[0]) if ok else -1.0
         facts[f"{m}.seq"] = float(ids.shape[1]) if ok else -1.0
         facts[f"{m}.ids"] = checksum(ids) if ok else -1.0
-        unknown = set(b) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - set(DERIVED_KEYS) - {BATCH_KWARG} if b else set()
-        if b is not None and (not ok or unknown) and problem is None:
+        visual = {k: b[k] for k in ROUTED_KEYS if isinstance(b.get(k), Tensor)} if b is not None else {}
+        facts[f"{m}.visual"] = fingerprint(visual)
+        if b is None or problem is not None:
+            continue
+        unknown = set(b) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - set(DERIVED_KEYS) - set(ROUTED_KEYS) - {BATCH_KWARG}
+        mechanism = refused_key_problem(b)
+        if mechanism is not None:  # e.g. Gemma 3's token_type_ids: a refusal, not a malformed batch
+            problem, refused = f"micro-batch {m}: {mechanism}", True
+        elif not ok or unknown:
             problem = (f"micro-batch {m} has no [batch, seq_len] input_ids" if not ok else
                        f"the collator's batch has keys seqpar cannot shard: {sorted(unknown)} (it shards "
-                       f"{list(BATCH_KEYS)} and {list(CU_SEQLENS_KEYS)}); drop them in the collator")
-    table = share(facts, dist.group.WORLD, problem=problem)
+                       f"{list(BATCH_KEYS)}, {list(CU_SEQLENS_KEYS)} and a vision-language processor's "
+                       f"{list(ROUTED_KEYS)}); drop them in the collator")
+    table = share(facts, dist.group.WORLD, problem=problem, refused=refused)
     check(table, what="Trainer batches")  # a malformed batch anywhere: every rank raises
     names = {f"{m}.{k}": f"micro-batch {m}'s {what}" for m in range(expected)
-             for k, what in (("batch", "batch size"), ("seq", "sequence length"), ("ids", "content (input_ids)"))}
+             for k, what in (("batch", "batch size"), ("seq", "sequence length"), ("ids", "content (input_ids)"),
+                             ("visual", f"images (its {list(ROUTED_KEYS)})"))}
     names["count"] = "number of micro-batches in the step"
     for ranks in _sp_groups(mesh):  # every rank checks every group: the same verdict everywhere
         check(Table([table.rows[r] for r in ranks], [None] * len(ranks)),
