@@ -71,7 +71,7 @@ class LocalBatch:
     visual        the whole batch's images / video (:class:`~seqpar.batch.visual.VisualBatch`) or None
     token_types   ``[B, S]`` the whole rows' ``token_type_ids`` (original order) or None: the model's
                   family turns them into the shard's bidirectional span ids before its first layer
-                  (:func:`with_spans`, :mod:`seqpar.integrations.vlm_spans`)
+                  (:func:`seqpar.integrations.vlm_spans.with_spans`)
     positions_given  whether the batch brought its own position_ids (else shard_batch made 0..S-1)
     """
 
@@ -309,19 +309,6 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     info.token_types = batch.get("token_type_ids")  # whole rows: the model's family makes them span ids
     out[BATCH_KWARG] = info
     return out
-
-
-def with_spans(batch: LocalBatch, span_ids: Tensor, device: torch.device) -> None:
-    """Give ``batch``'s shard the bidirectional span ids ``span_ids [B, S]`` of the whole rows
-    (original token order, -1 for none), permuted to the layout as the segments are, on ``device``
-    (where attention runs). Once per batch, before its first attention layer (the shard's plans
-    are made after it)."""
-    shard = batch.shard
-    blocks = span_ids.to(device=device, dtype=torch.int64)
-    if shard.positions is not None:
-        blocks = blocks.index_select(1, shard.positions.to(device))
-    batch.shard = SeqShard(shard.seq_lens, shard.positions, shard.key_keep, shard.segments, shard.state.derived(),
-                           blocks)
 
 
 def count_target_tokens(batches_or_labels: Mapping[str, Any] | Tensor | Sequence[Mapping[str, Any] | Tensor],

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch.sharding import LocalBatch, with_spans
+from ..attention.shard import SeqShard
+from ..batch.sharding import LocalBatch
 from ..errors import Refused
 from .vlm_families import family_of
 
@@ -38,6 +39,21 @@ def prefix(token_types: Tensor) -> Tensor:
 
 SPAN_RULES: dict[str, Callable[[Tensor], Tensor]] = {"images": image_runs, "prefix": prefix}
 """How a family's token types become span ids (:attr:`~seqpar.integrations.vlm_families.Family.spans`)."""
+
+
+def with_spans(batch: LocalBatch, span_ids: Tensor, device: torch.device) -> None:
+    """Give ``batch``'s shard the bidirectional span ids ``span_ids [B, S]`` of the whole rows
+    (original token order, -1 for none), permuted to the layout as the segments are, on ``device``
+    (where attention runs). Once per batch, before its first attention layer (the shard's plans
+    are made after it). Rows without a span leave the shard as it is: its fast paths stay."""
+    if not bool((span_ids >= 0).any()):
+        return
+    shard = batch.shard
+    blocks = span_ids.to(device=device, dtype=torch.int64)
+    if shard.positions is not None:
+        blocks = blocks.index_select(1, shard.positions.to(device))
+    batch.shard = SeqShard(shard.seq_lens, shard.positions, shard.key_keep, shard.segments, shard.state.derived(),
+                           blocks)
 
 
 def spans_problem(model: nn.Module) -> str | None:
