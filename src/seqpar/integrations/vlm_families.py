@@ -35,9 +35,9 @@ SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE, DEEPSTACK, PER_ROW_PIXE
                        SPANS_PREFIX, ONE_BASED_POSITIONS})
 
 # mechanisms seqpar cannot run exactly yet (each one a candidate for the next step)
-BIDIRECTIONAL = ("bidirectional attention inside images on some layers only (Gemma 4: sliding layers OR a span, full "
-                 "layers causal) or over every image token of a row from mm_token_type_ids (Molmo 2): a mask seqpar's "
-                 "spans, the same on every layer, do not express yet")
+BIDIRECTIONAL = ("bidirectional attention seqpar's spans (the same on every layer, from token_type_ids) do not "
+                 "express yet: Gemma 4 ORs each image's span into its sliding layers only (full layers causal), "
+                 "Molmo 2 one span of every image token from mm_token_type_ids, DiffusionGemma block diffusion")
 CROSS_ATTENTION = "cross-attention from the text to image states (no placeholder tokens)"
 ENCODER_DECODER = "an encoder-decoder (the text is decoded against an encoder's states)"
 NO_PLACEHOLDERS = "image embeddings prepended or placed without placeholder tokens (GIT, BLIP-2 queries, Kosmos-2)"
@@ -95,10 +95,11 @@ FAMILIES: dict[str, Family] = {
     "ernie4_5_vl_moe": Family((PLACEHOLDER, MROPE, MODALITY_EXPERTS)),
     "ovis2": Family((PLACEHOLDER, EXTRA_OUTPUTS)),
     # masks, extra paths and layouts seqpar does not run yet
-    "gemma3": Family((PLACEHOLDER, POSITIONS_1D, SPANS_IMAGES), spans="images"),
+    # ShieldGemma 2's image-text-to-text class is Gemma3ForConditionalGeneration
+    **dict.fromkeys(["gemma3", "shieldgemma2"], Family((PLACEHOLDER, POSITIONS_1D, SPANS_IMAGES), spans="images")),
     "paligemma": Family((PLACEHOLDER, POSITIONS_1D, SPANS_PREFIX, ONE_BASED_POSITIONS), spans="prefix",
                         one_based=True, causal_mask=True),
-    **dict.fromkeys(["shieldgemma2", "gemma4", "gemma4_unified", "molmo2", "diffusion_gemma"],
+    **dict.fromkeys(["gemma4", "gemma4_unified", "molmo2", "diffusion_gemma"],
                     Family((PLACEHOLDER, BIDIRECTIONAL))),
     **dict.fromkeys(["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker", "cosmos3_omni"],
                     Family((PLACEHOLDER, MROPE, DEEPSTACK), frames_apart=True)),
