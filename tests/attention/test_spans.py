@@ -165,21 +165,23 @@ QUICK = (
 
 
 def _heavy_cases() -> list[AttnCase]:
+    """Every strategy, layout and CPU kernel with both kinds of spans, window or not, on every mask."""
+    ring_ways = [("reference", {"layout": "contiguous"}), ("reference", {"layout": "zigzag"}),
+                 ("flash_cpu", {"layout": "zigzag", "comm": "p2p"}),
+                 ("flash_cpu", {"layout": "contiguous", "comm": "allgather"}), ("tiled", {"layout": "zigzag"})]
     cases = []
-    masks, spans = ("none", "pad", "packed"), ("images", "prefix")
-    for seq in (7, 37, 129):
-        for m in masks:
-            for sp in spans:
+    for seq in (7, 37):
+        for m in ("none", "pad", "packed"):
+            for sp in ("images", "prefix"):
                 for w in (None, 5):
                     cases += [_c("ulysses", k, sp, m, seq=seq, window=w, heads=(6, 1))
                               for k in ("reference", "auto", "flash_cpu", "tiled", "sdpa_dense")]
-                    for strat in ("ring", "hybrid"):
-                        cases += [_c(strat, k, sp, m, seq=seq, window=w, heads=(8, 2),
-                                     options={"layout": lay, "comm": comm})
-                                  for k in ("reference", "flash_cpu", "tiled") for lay in ("contiguous", "zigzag")
-                                  for comm in ("p2p", "allgather") if k == "flash_cpu" or comm == "p2p"]
-                    cases += [_c(f"{st}:doc-zigzag", k, sp, m, seq=seq, window=w, heads=(6, 1))
-                              for st in ("ulysses", "ring", "hybrid") for k in ("reference", "flash_cpu")]
+                    cases += [_c(st, k, sp, m, seq=seq, window=w, options=o) for st in ("ring", "hybrid")
+                              for k, o in ring_ways]
+                    cases += [_c(f"{st}:doc-zigzag", "flash_cpu", sp, m, seq=seq, window=w, heads=(6, 1))
+                              for st in ("ulysses", "ring", "hybrid")]
+    cases += [_c(st, "flash_cpu", sp, m, seq=129, options={"layout": "zigzag"} if st != "ulysses" else {})
+              for st in ("ulysses", "ring", "hybrid") for sp in ("images", "prefix") for m in ("pad", "packed")]
     cases += [_c("ring", "tiled", "images", "pad", chunk=8, sinks=True, softcap=2.0, options={"layout": "zigzag"}),
               _c("ulysses", "tiled", "prefix", "packed", chunk=8, sinks=True, softcap=2.0),
               _c("hybrid", "flash_cpu", "images", "packed", chunk=8, sinks=True, v_head_dim=5)]
@@ -209,3 +211,22 @@ def test_every_strategy_layout_kernel_with_spans(p):
     rows = run_distributed(_worker, p, cases, timeout=1800)[0]
     assert len(rows) == len(cases)
     assert not bad_rows(rows, TOL), bad_rows(rows, TOL)
+
+
+def test_quick_grid_has_spans_straddling_shards():
+    """The quick grid's image spans cross a shard boundary of the contiguous split at every P > 1
+    (and so a ring block boundary: a "future" block some span makes visible)."""
+    from seqpar.attention.layout import layout_seq_lens
+
+    for p in (2, 3, 4):
+        crossing = 0
+        for case in QUICK:
+            if case.spans != "images":
+                continue
+            blk = case_inputs(case)["block_ids"]
+            bounds = torch.tensor(layout_seq_lens(case.seq, p)).cumsum(0)[:-1]
+            for row in blk:
+                for span in row[row >= 0].unique():
+                    where = (row == span).nonzero().flatten()
+                    crossing += int(((bounds > where.min()) & (bounds <= where.max())).any())
+        assert crossing > 0, p

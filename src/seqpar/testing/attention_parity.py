@@ -96,9 +96,10 @@ def case_inputs(case: AttnCase) -> dict[str, Tensor | None]:
 
 
 def case_spans(case: AttnCase, seg: Tensor | None, g: torch.Generator) -> Tensor | None:
-    """``[B, S]`` span ids of a case (-1: none), or None: ``"images"`` puts up to three runs of
-    random length (one id each, numbered in order as Gemma 3 does) at random places, so they
-    straddle shard and document boundaries; ``"prefix"`` gives id 0 to the first ~third of every
+    """``[B, S]`` span ids of a case (-1: none), or None: ``"images"`` puts a run over
+    ``[S/4, S/2 + 2)`` (it straddles the shard boundaries of P = 2, 3, 4) and up to two more runs
+    of random length at random places (one id each), so they straddle shard and document
+    boundaries; ``"prefix"`` gives id 0 to the first ~third of every
     document (PaliGemma's prefix block, one id for the row)."""
     b, s = case.batch, case.seq
     if case.spans == "none":
@@ -106,8 +107,9 @@ def case_spans(case: AttnCase, seg: Tensor | None, g: torch.Generator) -> Tensor
     blk = torch.full((b, s), -1, dtype=torch.int64)
     if case.spans == "images":
         for row in range(b):
-            starts = sorted(torch.randint(0, max(s, 1), (3,), generator=g).tolist())
-            for i, a in enumerate(starts):
+            blk[row, s // 4:s // 2 + 2] = 0
+            starts = sorted(torch.randint(0, max(s, 1), (2,), generator=g).tolist())
+            for i, a in enumerate(starts, start=1):
                 blk[row, a:a + 1 + int(torch.randint(0, max(s // 4, 1), (1,), generator=g))] = i
     elif case.spans == "prefix":
         for row in range(b):
