@@ -230,3 +230,72 @@ def test_quick_grid_has_spans_straddling_shards():
                     where = (row == span).nonzero().flatten()
                     crossing += int(((bounds > where.min()) & (bounds <= where.max())).any())
         assert crossing > 0, p
+
+
+def test_cuda_span_tiles_plumbing_on_meta_tensors():
+    """No GPU needed: a span tile of the CUDA kernels goes to the memory-efficient op with the
+    tile's span-aware bias (the aten meta kernels check every argument), forward and backward."""
+    from seqpar.attention.cuda import CudaFlashKernel, CudnnKernel, uses_flash
+
+    pos = torch.arange(37, device="meta")
+    blk = (torch.zeros(37, dtype=torch.long, device="meta"),) * 2
+    assert not uses_flash("positions", torch.bfloat16, 16)  # span tiles are "positions" tiles
+    for kern, dtype in ((CudaFlashKernel(), torch.bfloat16), (CudnnKernel(), torch.float16),
+                        (CudaFlashKernel(), torch.float32)):
+        q = torch.empty(2, 4, 37, 12, device="meta", dtype=dtype)
+        k = torch.empty(2, 2, 37, 12, device="meta", dtype=dtype)
+        spec = AttnSpec(causal=True, window=4)
+        out, lse = kern.tile_forward(q, k, k, spec, "positions", pos, pos, blk)
+        assert out.shape == q.shape and lse.shape == (2, 4, 37)
+        grads = kern.tile_backward(out, q, k, k, out, lse, spec, "positions", pos, pos, blk)
+        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["cuda_flash", "cuda_cudnn", "tiled", "flex"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_kernels_honour_spans(name, dtype):
+    """On a GPU: each kernel with spans (padding, documents, a permuted layout, a window) against
+    the float64 oracle, within twice torch's own SDPA with the dense mask in the same dtype plus
+    float32 merge rounding -- the dtype's floor, measured (as test_lse_kernels' GPU test)."""
+    if name == "cuda_cudnn" and dtype == torch.float32:
+        pytest.skip("cuDNN takes half-precision tiles only")
+    from seqpar.attention.layout import layout_permutation
+
+    g = torch.Generator().manual_seed(0)
+    s = 300
+    q, k, v = (torch.randn(2, h, s, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    seg = torch.sort(torch.randint(0, 3, (2, s), generator=g), dim=1).values
+    keep = torch.ones(2, s, dtype=torch.bool)
+    keep[1, -37:] = False
+    pos = layout_permutation(s, 3, "zigzag")
+    blk = torch.full((2, s), -1, dtype=torch.long)
+    blk[:, 40:180], blk[0, 200:260], blk[1, 5:9] = 0, 1, 2  # in layout order: spans cut by the permutation
+    failures = []
+    for spec, mask in ((AttnSpec(causal=True), MaskInfo(q_pos=pos, k_pos=pos, key_keep=keep, q_seg=seg, k_seg=seg,
+                                                        q_blk=blk, k_blk=blk)),
+                       (AttnSpec(causal=True, window=41), MaskInfo(q_blk=blk, k_blk=blk))):
+        ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        want, want_lse = math_attention(*ref_in, spec, mask)
+        dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        want.backward(dout)
+        cuda = MaskInfo(**{f: None if t is None else t.cuda() for f, t in zip(
+            ("q_pos", "k_pos", "key_keep", "q_seg", "k_seg", "q_blk", "k_blk"), mask.tensors(), strict=True)})
+        qc, kc, vc, dc = (t.to("cuda", dtype) for t in (q, k, v, dout))
+        kern = KERNELS[name]
+        out, lse = kern.forward(qc, kc, vc, spec, cuda)
+        grads = kern.backward(dc, qc, kc, vc, out, lse, spec, cuda)
+        ins = [t.detach().clone().requires_grad_(True) for t in (qc, kc, vc)]
+        allowed = dense_mask(spec, cuda, s, s, qc.device)
+        seen = allowed.any(-1, keepdim=True)
+        peer = torch.nn.functional.scaled_dot_product_attention(*ins, attn_mask=allowed | ~seen, enable_gqa=True)
+        peer = peer * seen
+        peer_grads = torch.autograd.grad(peer, ins, dc)
+        for what, ours, theirs, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), (peer, *peer_grads),
+                                           (want, *(t.grad for t in ref_in)), strict=True):
+            e_ours = float((ours.double().cpu() - ref).abs().max())
+            e_peer = float((theirs.double().cpu() - ref).abs().max())
+            if e_ours > 2 * e_peer + 8 * torch.finfo(torch.float32).eps * float(ref.abs().max()):
+                failures.append((name, spec, what, e_ours, e_peer))
+    assert not failures, failures
