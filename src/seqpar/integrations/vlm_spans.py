@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..attention.shard import SeqShard
 from ..batch.sharding import LocalBatch
 from ..errors import Refused
-from .vlm_families import family_of, family_problem
+from .vlm_families import FAMILIES, family_of, family_problem
 
 
 def image_runs(token_types: Tensor) -> Tensor:
@@ -61,8 +61,9 @@ def spans_problem(model: nn.Module) -> str | None:
     family = family_of(model)
     if family.spans is None:
         name = getattr(model.config, "model_type", "?")
-        return family_problem(model) or (f"{type(model).__name__} (model_type {name!r}) has no bidirectional spans "
-                                         "seqpar builds from token_type_ids: drop token_type_ids from the batch")
+        refused = family_problem(model) if name in FAMILIES else None  # a family refused by its mechanism: name it
+        return refused or (f"{type(model).__name__} (model_type {name!r}) has no bidirectional spans seqpar builds "
+                           "from token_type_ids: drop token_type_ids from the batch")
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if family.spans == "prefix" and getattr(text, "sliding_window", None) is not None:
         # create_sliding_window_causal_mask ORs the span after the window: the prefix is seen whole on
