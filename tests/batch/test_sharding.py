@@ -83,7 +83,8 @@ Z = torch.zeros(2, 4, dtype=torch.long)
     ({"input_ids": torch.zeros(8, dtype=torch.long)}, "input_ids must be"),
     ({"input_ids": Z, "pixel_valuez": torch.zeros(1)}, "does not know"),
     ({"input_ids": Z, "image_grid_thw": torch.tensor([[1, 2, 2]])}, "without pixel_values"),
-    ({"input_ids": Z, "token_type_ids": Z}, "bidirectional attention inside each image"),
+    ({"input_ids": Z, "token_type_ids": Z[:, :3]}, "token_type_ids must be an integer tensor [batch, seq_len]"),
+    ({"input_ids": Z, "token_type_ids": Z}, None),  # kept whole: the model's family makes spans of them
     ({"input_ids": Z, "labels": torch.zeros(2, 5, dtype=torch.long)}, "labels must have"),
     ({"input_ids": Z, "attention_mask": torch.ones(2, 1, 4, 4)}, "attention_mask must be"),
     ({"input_ids": Z, "position_ids": torch.zeros(3, 4, dtype=torch.long)}, "position_ids must be"),

@@ -8,7 +8,14 @@ import torch
 
 import seqpar
 from seqpar.batch.sharding import BATCH_KWARG
-from seqpar.batch.visual import REFUSED_KEYS, ROUTED_KEYS, fingerprint, refused_key_problem, visual_problem
+from seqpar.batch.visual import (
+    REFUSED_KEYS,
+    ROUTED_KEYS,
+    SPAN_KEYS,
+    fingerprint,
+    refused_key_problem,
+    visual_problem,
+)
 from seqpar.comm.launch import run_distributed
 from seqpar.errors import Refused
 
@@ -52,8 +59,10 @@ def test_images_need_input_ids():
 def test_refused_keys_name_their_mechanism():
     assert refused_key_problem({"input_ids": IDS}) is None
     assert not set(REFUSED_KEYS) & set(ROUTED_KEYS)
-    why = refused_key_problem({"input_ids": IDS, "token_type_ids": IDS})
-    assert "token_type_ids" in why and "bidirectional attention inside each image" in why
+    # token types are bidirectional spans now: shard_batch keeps them whole (SPAN_KEYS), not refused
+    assert refused_key_problem({"input_ids": IDS, "token_type_ids": IDS}) is None and "token_type_ids" in SPAN_KEYS
+    why = refused_key_problem({"input_ids": IDS, "pixel_mask": IDS})
+    assert "pixel_mask" in why and "a pixel mask per image" in why
     assert "local crops" in refused_key_problem({"pixel_values_local": IDS})
     # images batched per row (Idefics, SmolVLM) are routed now, their pixel mask with them
     assert refused_key_problem({"pixel_attention_mask": IDS}) is None and "pixel_attention_mask" in ROUTED_KEYS
@@ -65,6 +74,11 @@ def test_fingerprint_tells_images_apart():
     assert fingerprint(a) != fingerprint({**a, "pixel_values": a["pixel_values"].flip(0)})
     assert fingerprint(a) != fingerprint({**a, "image_grid_thw": GRID.flip(0)})
     assert fingerprint({}) == -1.0
+
+
+def local_types(local, types):
+    batch = local[BATCH_KWARG]
+    return "token_type_ids" not in local and torch.equal(batch.token_types, types) and batch.shard.blocks is None
 
 
 def _worker(rank, world):
@@ -83,7 +97,8 @@ def _worker(rank, world):
     out["piece"] = visual.pieces[rank].tolist()
     out["given"] = visual.positions_given
     out["text only"] = seqpar.shard_batch({"input_ids": ids}, mesh)[BATCH_KWARG].visual
-    for name, bad in (("refused", {**batch, "token_type_ids": torch.zeros_like(ids)}),
+    out["token types"] = local_types(seqpar.shard_batch({**batch, "token_type_ids": ids % 2}, mesh), ids % 2)
+    for name, bad in (("refused", {**batch, "pixel_mask": torch.zeros_like(ids)}),
                       ("one rank's images", {**batch, "pixel_values": batch["pixel_values"] + (rank == 1)})):
         try:
             seqpar.shard_batch(bad, mesh)
@@ -102,7 +117,8 @@ def test_shard_batch_keeps_the_images_whole_and_refuses_on_every_rank():
         assert out["whole"] and out["given"] is False and out["text only"] is None
         assert out["piece"] == list(range(5 * rank, 5 + 4 * rank))
         kind, msg = out["refused"]
-        assert kind == Refused.__name__ and "token_type_ids" in msg and "bidirectional" in msg
+        assert kind == Refused.__name__ and "pixel_mask" in msg and "a pixel mask per image" in msg
+        assert out["token types"]  # kept whole, for the model's family to make span ids of
         kind, msg = out["one rank's images"]
         assert kind == "ValueError" and "the images / video" in msg and "differs across ranks" in msg
     assert outs[0]["refused"] == outs[1]["refused"]

@@ -2,8 +2,9 @@
 gradient, vision tower included, against the same model unsharded (float64), Ulysses and ring,
 images straddling shard boundaries, a video, a padded row; the vision work divided over the ranks
 (each encodes its share, one all-to-all forward and one backward carry the features); and the
-misuse that used to be silently wrong or hang: Gemma 3's token_type_ids (dropped: a plausible
-loss) and pixel_values passed to the model directly (one rank raised, the other waited until the
+misuse that used to be silently wrong or hang: Gemma 3's token_type_ids passed to the model
+(dropped: a plausible loss; through shard_batch they are bidirectional spans now, exact in the grid)
+and pixel_values passed to the model directly (one rank raised, the other waited until the
 process-group timeout). P = 2 here; P = 3 and every family seqpar runs with images in `make verify`."""
 
 import copy
@@ -33,10 +34,12 @@ TEXT_MODEL_REFUSED = {"mistral_large4", "hy_v4_vl", "dots3_note", "qwen4_exp"}
 # Qwen2.5-VL), 1-D positions (LLaVA), anyres crops and a video tensor (LLaVA-OneVision) -- and one family of
 # every other mechanism once, the strategy alternating: VQ image codes (Apertus 1.5), deepstack with M-RoPE
 # (Qwen3-VL) and with 1-D positions (Granite 4 Vision), images batched per row (Idefics 3), recurrent
-# mixers in state passing beside the images (Qwen3.5); P = 3 (make verify): every family seqpar runs with
+# mixers in state passing beside the images (Qwen3.5), bidirectional spans inside each image (Gemma 3, on the
+# ring: an image straddles the ring's blocks) and over the prefix with one-based positions (PaliGemma);
+# P = 3 (make verify): every family seqpar runs with
 # images, both strategies (make test's time budget does not hold all of them)
 _BOTH = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision")
-_ONCE = ("apertus1p5", "qwen3_vl", "granite4_vision", "idefics3", "qwen3_5")
+_ONCE = ("apertus1p5", "qwen3_vl", "granite4_vision", "idefics3", "qwen3_5", "gemma3", "paligemma")
 GRID_P2 = [(f, ("ulysses", "ring")) for f in _BOTH] + [(f, (("ulysses", "ring")[i % 2],))
                                                       for i, f in enumerate(_ONCE)]
 GRID_P3 = [(f, ("ulysses", "ring")) for f in RUNS_WITH_IMAGES]
@@ -84,9 +87,12 @@ def _misuse(rank, world):
     whole = batch["token_type_ids"]
     for name, tt in (("whole", whole), ("sliced", whole[:, start:start + mine[rank]])):
         out[f"gemma3 token_type_ids {name} to the model"] = _attempt(lambda tt=tt: gemma(**local, token_type_ids=tt))
-    out["gemma3 token_type_ids to shard_batch"] = _attempt(lambda: seqpar.shard_batch(batch, mesh))
+    out["gemma3 token_type_ids to shard_batch"] = _attempt(lambda: gemma(**seqpar.shard_batch(batch, mesh)))
     without = {k: v for k, v in batch.items() if k != "token_type_ids"}
     out["gemma3 images"] = _attempt(lambda: gemma(**seqpar.shard_batch(without, mesh)))
+    # the spans are not a no-op on this batch: the unsharded model's loss moves without them
+    plain = build_tiny_vlm("gemma3")
+    out["gemma3 spans move the loss"] = abs(float(vlm_reference(plain, batch)[0] - vlm_reference(plain, without)[0]))
     # deepstack runs now (Qwen3-VL in the zoo grid); Ovis2's visual indicators are still refused
     ovis = build_tiny_vlm("ovis2")
     seqpar.parallelize(ovis, mesh)
@@ -96,6 +102,9 @@ def _misuse(rank, world):
     with_images = {**text, "input_ids": text["input_ids"] % 64, "labels": text["labels"].clamp(max=63),
                    "pixel_values": pixels["pixel_values"]}
     out["images into a text model"] = _attempt(lambda: llama(**seqpar.shard_batch(with_images, mesh)))
+    with_types = {**text, "input_ids": text["input_ids"] % 64, "labels": text["labels"].clamp(max=63),
+                  "token_type_ids": whole}
+    out["token types into a text model"] = _attempt(lambda: llama(**seqpar.shard_batch(with_types, mesh)))
     return out
 
 
@@ -224,7 +233,7 @@ def test_images_are_exact(results):
         assert r.loss_diff <= LOSS_TOL and r.grad_max <= GRAD_TOL and r.f32_rel <= 1e-5, r
     assert {r.strategy for r in rows} == {"ulysses", "ring"} and all(r.p == p for r in rows)
     # images whose placeholder tokens cross a shard boundary are among them
-    assert all(r.straddling > 0 for r in rows if r.family in ("qwen2_vl", "qwen2_5_vl", "llava")), rows
+    assert all(r.straddling > 0 for r in rows if r.family in ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3")), rows
 
 
 def test_pixels_passed_to_the_model_are_an_error_on_every_rank(results):
@@ -238,18 +247,24 @@ def test_pixels_passed_to_the_model_are_an_error_on_every_rank(results):
         assert all("shard_batch" in g[1] and "pixel_values" in g[1] for g in got), got
 
 
-def test_gemma3_token_type_ids_are_refused_not_dropped(results):
+def test_gemma3_token_type_ids_become_spans_not_dropped(results):
     p, outs = results
     if p != 2:
         pytest.skip("the misuse cases run at P = 2")
-    for name in ("whole", "sliced"):  # today both returned the loss of the model without them
+    for name in ("whole", "sliced"):  # once both returned the loss of the model without them
         got = [out["misuse"][f"gemma3 token_type_ids {name} to the model"] for out in outs]
         assert all(g is not None and g[0] == Refused.__name__ for g in got), got
-        assert all("token_type_ids" in g[1] and "bidirectional attention inside each image" in g[1] for g in got)
-    got = [out["misuse"]["gemma3 token_type_ids to shard_batch"] for out in outs]
-    assert all(g[0] == Refused.__name__ and "token_type_ids" in g[1] for g in got), got
-    # Gemma 3's images are refused by their mechanism even without token_type_ids, and so are Ovis2's
-    for name, words in (("gemma3 images", "bidirectional attention"), ("ovis2 images", "encoder outputs beside")):
+        assert all("token_type_ids" in g[1] and "bidirectional attention inside each image" in g[1]
+                   and "shard_batch" in g[1] for g in got)
+    # through shard_batch they are the spans of seqpar's mask (exact: Gemma 3 in the grid), and without
+    # them Gemma 3's images run causal only, as the unsharded model does without them
+    assert all(out["misuse"]["gemma3 token_type_ids to shard_batch"] is None for out in outs)
+    assert all(out["misuse"]["gemma3 images"] is None for out in outs)
+    assert all(out["misuse"]["gemma3 spans move the loss"] > 1e-4 for out in outs)
+    got = [out["misuse"]["token types into a text model"] for out in outs]
+    assert all(g is not None and g[0] == Refused.__name__ and "no bidirectional spans" in g[1] for g in got), got
+    # Ovis2's visual indicators are still refused by their mechanism
+    for name, words in (("ovis2 images", "encoder outputs beside"),):
         got = [out["misuse"][name] for out in outs]
         assert all(g is not None and g[0] == Refused.__name__ and words in g[1] for g in got), (name, got)
     got = [out["misuse"]["images into a text model"] for out in outs]

@@ -74,3 +74,19 @@ def test_every_buildable_family_runs_unsharded():
     assert claimed <= runs, sorted(claimed - runs)
     unverified = {f for f, fam in FAMILIES.items() if UNVERIFIED in fam.mechanisms}
     assert not unverified & runs, sorted(unverified & runs)  # it runs now: check it and classify it
+
+
+def test_span_rules_are_the_models_own():
+    """Token types become span ids exactly as the families' modeling files number them (Gemma 3's
+    ``get_block_sequence_ids_for_mask``, PaliGemma's prefix), and the families say which rule."""
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    from seqpar.integrations.vlm_spans import SPAN_RULES, image_runs, prefix
+
+    g = torch.Generator().manual_seed(0)
+    types = (torch.rand(3, 29, generator=g) < 0.5).long()
+    assert torch.equal(image_runs(types), get_block_sequence_ids_for_mask(types))
+    assert torch.equal(prefix(types), torch.where(types == 0, 0, -1))
+    assert FAMILIES["gemma3"].spans == "images" and FAMILIES["paligemma"].spans == "prefix"
+    assert FAMILIES["paligemma"].one_based and FAMILIES["paligemma"].causal_mask
+    assert {f.spans for f in FAMILIES.values()} == {None, *SPAN_RULES}

@@ -57,44 +57,79 @@ def _visible_range(spec: AttnSpec, pos: Tensor, as_key: bool) -> tuple[Tensor, T
     return lo, hi
 
 
-def plan_block(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> BlockPlan | None:
+def span_reach(q_pos: Tensor, k_pos: Tensor, q_blk: Tensor, k_blk: Tensor) -> tuple[Tensor, Tensor]:
+    """Which tokens of a block a bidirectional span may make visible beyond causal: ``(rows [Sq],
+    cols [Sk])`` bool -- queries with a *later* key of their span (same id >= 0, same batch row)
+    and keys with an *earlier* query of theirs, in any row. From ``q_pos [Sq]``, ``k_pos [Sk]``
+    (global positions) and ``q_blk [B, Sq]``, ``k_blk [B, Sk]`` (span ids, -1: none). A superset of
+    the span pairs' rows and columns (window, chunk, documents and padding not looked at), so a
+    plan widened by it never hides a visible pair. O((Sq + Sk) log), no ``[Sq, Sk]`` mask."""
+    b = q_blk.shape[0]
+    rows_q = torch.arange(b).repeat_interleave(q_blk.shape[1])
+    rows_k = torch.arange(b).repeat_interleave(k_blk.shape[1])
+    ids = torch.cat([torch.stack([rows_q, q_blk.reshape(-1).cpu()]), torch.stack([rows_k, k_blk.reshape(-1).cpu()])],
+                    dim=1)  # [2, B*Sq + B*Sk]: (row, span id) of every token
+    _, inv = torch.unique(ids, dim=1, return_inverse=True)
+    inv_q, inv_k = inv[:rows_q.numel()], inv[rows_q.numel():]
+    n = int(inv.max()) + 1 if inv.numel() else 0
+    qp, kp = q_pos.cpu().repeat(b), k_pos.cpu().repeat(b)
+    first_q = torch.full((n,), _FAR, dtype=torch.long).scatter_reduce(0, inv_q, qp, "amin")  # earliest query
+    last_k = torch.full((n,), -_FAR, dtype=torch.long).scatter_reduce(0, inv_k, kp, "amax")  # latest key
+    q_in, k_in = q_blk.reshape(-1).cpu() >= 0, k_blk.reshape(-1).cpu() >= 0
+    rows = (q_in & (qp < last_k[inv_q])).view(b, -1).any(dim=0)
+    cols = (k_in & (kp > first_q[inv_k])).view(b, -1).any(dim=0)
+    return rows, cols
+
+
+def plan_block(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor, spans: tuple[Tensor, Tensor] | None = None
+               ) -> BlockPlan | None:
     """What to compute of one block, from the global positions ``q_pos [Sq]``, ``k_pos [Sk]``; None
-    when causal/window/chunk hide every pair (skip it). O((Sq + Sk) log) -- no [Sq, Sk] mask is built."""
+    when causal/window/chunk hide every pair (skip it). O((Sq + Sk) log) -- no [Sq, Sk] mask is built.
+    ``spans``: :func:`span_reach` of the block (causal specs): its rows and columns join the
+    bounding box, so a span that makes "future" keys visible is neither skipped nor trimmed away;
+    ``visible`` still counts the pairs causal/window/chunk allow (a span only adds pairs, so a
+    plan whose every pair is visible stays so)."""
     nq, nk = q_pos.numel(), k_pos.numel()
     if nq == 0 or nk == 0:
         return None
     if not spec.causal and spec.window is None and spec.chunk is None:
         return BlockPlan((0, nq), (0, nk), nq * nk)
+    extra = spans is not None and spec.causal and bool(spans[0].any()) and bool(spans[1].any())
     q_cnt = _count_in(k_pos.sort().values, *_visible_range(spec, q_pos, as_key=False))
     total = int(q_cnt.sum())
-    if total == 0:
+    if total == 0 and not extra:
         return None
     k_cnt = _count_in(q_pos.sort().values, *_visible_range(spec, k_pos, as_key=True))
-    return BlockPlan(_span(q_cnt > 0), _span(k_cnt > 0), total)
+    rows, cols = q_cnt > 0, k_cnt > 0
+    if extra:
+        rows, cols = rows | spans[0].to(rows.device), cols | spans[1].to(cols.device)
+    return BlockPlan(_span(rows), _span(cols), total)
 
 
-def fused_kind(spec: AttnSpec, plan: BlockPlan, q_pos: Tensor, k_pos: Tensor) -> str | None:
+def fused_kind(spec: AttnSpec, plan: BlockPlan, q_pos: Tensor, k_pos: Tensor, spans: bool = False) -> str | None:
     """How a fused op's own flag computes ``plan``'s trimmed block of a batch without padding or
     documents, from its global positions ``q_pos [nr]``, ``k_pos [nc]`` (the plan's rows and
     columns, on the host): ``"full"`` when causal/window/chunk hide none of its pairs, ``"causal"``
     when it is the aligned diagonal (same strictly increasing positions on both sides, causal
-    alone: a zigzag rank's own block), else None. Pure: once per batch, with the plans."""
+    alone: a zigzag rank's own block), else None. ``spans``: a bidirectional span may add pairs to
+    the block (:func:`span_reach`): only ``"full"`` stays exact. Pure: once per batch, with the plans."""
     (_, nr), (_, nc) = plan.rows, plan.cols
     if plan.visible == nr * nc:
         return "full"
-    diagonal = (spec.causal and spec.window is None and spec.chunk is None and nr == nc
+    diagonal = (not spans and spec.causal and spec.window is None and spec.chunk is None and nr == nc
                 and torch.equal(q_pos, k_pos) and bool((q_pos[1:] > q_pos[:-1]).all()))
     return "causal" if diagonal else None
 
 
-def fused_plan(spec: AttnSpec, plan: BlockPlan | None, q_pos: Tensor, k_pos: Tensor) -> BlockPlan | None:
+def fused_plan(spec: AttnSpec, plan: BlockPlan | None, q_pos: Tensor, k_pos: Tensor, spans: bool = False
+               ) -> BlockPlan | None:
     """``plan`` with :attr:`BlockPlan.fused` set from the block's untrimmed positions ``q_pos``,
     ``k_pos`` (host tensors) -- for a batch without padding or documents only (the caller's
-    check: those blocks need the kernel's rectangles)."""
+    check: those blocks need the kernel's rectangles); ``spans`` as :func:`fused_kind`."""
     if plan is None:
         return None
     (r0, nr), (c0, nc) = plan.rows, plan.cols
-    return replace(plan, fused=fused_kind(spec, plan, q_pos[r0:r0 + nr], k_pos[c0:c0 + nc]))
+    return replace(plan, fused=fused_kind(spec, plan, q_pos[r0:r0 + nr], k_pos[c0:c0 + nc], spans))
 
 
 def merge_partials(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:

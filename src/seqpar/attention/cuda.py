@@ -95,7 +95,7 @@ class CudaFlashKernel(RectKernel):
                 dim)
 
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
-                     k_pos: Tensor) -> tuple[Tensor, Tensor]:
+                     k_pos: Tensor, blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         qp, kp, vp, dim = self._prepare(q, k, v, how)
         scale, nq = spec.scale_for(q.shape[-1]), q.shape[2]
         causal = how == "causal"
@@ -103,7 +103,7 @@ class CudaFlashKernel(RectKernel):
             out, lse = compat.cuda_flash_attention(qp, kp, vp, 0.0, causal, False,
                                                                            scale=scale)[:2]
             return out[..., :v.shape[-1]], lse
-        bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype)
+        bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype, blk)
         if bias is not None:  # a row that sees no key would be NaN: let it see all, drop it below
             bias = _aligned_bias(bias.masked_fill(~seen[:, None], 0.0), (*qp.shape[:2], nq, kp.shape[2]))
         out, lse = compat.cuda_efficient_attention(qp, kp, vp, bias, True, 0.0, causal,
@@ -114,7 +114,8 @@ class CudaFlashKernel(RectKernel):
         return out[..., :v.shape[-1]], lse
 
     def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor,
+                      blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         d, dv_dim, n_kv = q.shape[-1], v.shape[-1], k.shape[1]
         qp, kp, vp, dim = self._prepare(q, k, v, how)
         dop, outp = pad_head_dim(dout, dim).contiguous(), pad_head_dim(out, dim).contiguous()
@@ -127,7 +128,7 @@ class CudaFlashKernel(RectKernel):
             dq, dk, dv = compat.cuda_flash_attention_backward(
                 dop, qp, kp, vp, outp, lse, None, None, nq, nk, 0.0, causal, *no_rng, scale=scale)
         else:
-            bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype)
+            bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype, blk)
             if bias is not None:  # rows that see nothing: q = 0 (scores 0) and dout = 0 -> no gradient
                 bias = _aligned_bias(bias.masked_fill(~seen[:, None], 0.0), (*qp.shape[:2], nq, kp.shape[2]))
                 qp, dop = qp * seen[:, None], dop * seen[:, None]
@@ -156,18 +157,19 @@ class CudnnKernel(CudaFlashKernel):
     name = "cuda_cudnn"
 
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
-                     k_pos: Tensor) -> tuple[Tensor, Tensor]:
+                     k_pos: Tensor, blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         if not _uses_cudnn(how, q, v):
-            return super().tile_forward(q, k, v, spec, how, q_pos, k_pos)
+            return super().tile_forward(q, k, v, spec, how, q_pos, k_pos, blk)
         qp, kp, vp, _ = self._prepare(q, k, v)
         out, lse = compat.cudnn_attention(
             qp, kp, vp, None, True, 0.0, how == "causal", False, scale=spec.scale_for(q.shape[-1]))[:2]
         return out[..., :v.shape[-1]], lse.reshape(q.shape[:3]).float()  # cuDNN's lse: [B, H, Sq, 1]
 
     def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor,
+                      blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         if not _uses_cudnn(how, q, v):
-            return super().tile_backward(dout, q, k, v, out, lse, spec, how, q_pos, k_pos)
+            return super().tile_backward(dout, q, k, v, out, lse, spec, how, q_pos, k_pos, blk)
         d, dv_dim, n_kv = q.shape[-1], v.shape[-1], k.shape[1]
         qp, kp, vp, dim = self._prepare(q, k, v)
         dop, outp = pad_head_dim(dout, dim), pad_head_dim(out, dim)

@@ -2,7 +2,8 @@
 
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward) computes one tile of the
 rectangle loop of :class:`~seqpar.attention.rect_kernel.RectKernel`: with the op's causal flag, no
-mask, or an additive mask of the tile's own size (never the block's).
+mask, or an additive mask of the tile's own size (never the block's) -- which carries bidirectional
+spans too.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class CpuFlashKernel(RectKernel):
     fused_op = True
 
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
-                     k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype)
+                     k_pos: Tensor, blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        bias, seen = tile_bias(spec, how, q_pos, k_pos, q.dtype, blk)
         dim = max(q.shape[-1], v.shape[-1])
         out, lse = compat.cpu_flash_attention(
             pad_head_dim(q, dim), pad_head_dim(k, dim), pad_head_dim(v, dim), 0.0, how == "causal",
@@ -38,8 +39,9 @@ class CpuFlashKernel(RectKernel):
         return out[..., :v.shape[-1]], lse
 
     def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        bias, _ = tile_bias(spec, how, q_pos, k_pos, q.dtype)
+                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor,
+                      blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        bias, _ = tile_bias(spec, how, q_pos, k_pos, q.dtype, blk)
         d, dv_dim = q.shape[-1], v.shape[-1]
         dim = max(d, dv_dim)
         dq, dk, dv = compat.cpu_flash_attention_backward(

@@ -9,8 +9,9 @@ already carries, never as an ``S x S`` tensor:
   tile's range of positions, document ids and padding -- ``O((S / block)^2)`` booleans, planned
   once per batch. A tile is called empty or full only when the ranges prove it, so the
   classification is conservative: a doubtful tile is partial, and partial tiles are exact;
-* a ``mask_mod`` (:func:`mask_mod`): the per-pair rule (causal, window, chunk on global positions;
-  same document; real key) that flex evaluates on partial tiles only.
+* a ``mask_mod`` (:func:`mask_mod`): the per-pair rule (causal OR same bidirectional span, window,
+  chunk on global positions; same document; real key) that flex evaluates on partial tiles only.
+  A tile where spans may add pairs is partial (both sides hold span tokens).
 
 Softcap is a ``score_mod``; GQA is flex's own (``enable_gqa``). The forward returns flex's lse.
 Flex has no backward that takes a given (merged) ``out`` and ``lse``, so the backward recomputes
@@ -71,7 +72,7 @@ def flex_blocks(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: 
     provable facts of each tile's ranges are used (see the module doc)."""
     mask = mask or MaskInfo()
     device = device if device is not None else next(
-        (t.device for t in (mask.q_pos, mask.k_pos, mask.key_keep, mask.q_seg, mask.k_seg) if t is not None),
+        (t.device for t in mask.tensors() if t is not None),
         torch.device("cpu"))
     q_pos, k_pos = (p.to(device, torch.long) for p in mask.positions(sq, sk, device))
     (qlo, qhi), (klo, khi) = _ranges(q_pos, sq, block), _ranges(k_pos, sk, block)  # [nq], [nk]
@@ -99,6 +100,10 @@ def flex_blocks(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: 
         kept_lo, kept_hi = _ranges(keep, sk, block)  # tail: min ignores it (big), max ignores it (-big)
         some = some & (kept_hi == 1)[:, None]
         every = every & (kept_lo == 1)[:, None]
+    if spec.causal and mask.spans:  # a span adds pairs causal hides: a tile both sides of which hold span tokens
+        (_, qb), (_, kb) = (_ranges(blk.to(device, torch.long), n, block) for blk, n in ((mask.q_blk, sq),
+                                                                                          (mask.k_blk, sk)))
+        some = some | ((qb >= 0)[:, :, None] & (kb >= 0)[:, None])  # [B, nq, nk]; partial tiles are exact
     return some & ~every, every
 
 
@@ -118,6 +123,7 @@ def mask_mod(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int
     if span is None and spec.chunk is None and mask.q_seg is None and mask.key_keep is None:
         return None
     lo, hi = span if span is not None else (-_BIG, _BIG)
+    spans = spec.causal and mask.spans  # spans widen causal (q - k >= 0) only
     # filled on the device (no host-to-device copy, which would synchronize)
     lo, hi, chunk = (torch.full((), x, dtype=torch.long, device=device) for x in (lo, hi, spec.chunk or _BIG))
     # a tile at the end of a length that is no multiple of BLOCK may ask for indices past it (flex
@@ -130,11 +136,13 @@ def mask_mod(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, batch: int
         return _tail(t.to(device, torch.long)).expand(batch, -1).contiguous()
 
     q_seg, k_seg, keep = rows(mask.q_seg, sq, 0), rows(mask.k_seg, sk, 0), rows(mask.key_keep, sk, 1)
+    q_blk, k_blk = rows(mask.q_blk if spans else None, sq, -1), rows(mask.k_blk if spans else None, sk, -1)
 
     def visible(b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
         qp, kp = q_pos[qi], k_pos[ki]
-        return ((qp - kp >= lo) & (qp - kp <= hi) & (qp // chunk == kp // chunk)
-                & (q_seg[b, qi] == k_seg[b, ki]) & (keep[b, ki] == 1))
+        qb = q_blk[b, qi]
+        return (((qp - kp >= lo) | ((qb == k_blk[b, ki]) & (qb >= 0))) & (qp - kp <= hi)
+                & (qp // chunk == kp // chunk) & (q_seg[b, qi] == k_seg[b, ki]) & (keep[b, ki] == 1))
 
     return visible
 

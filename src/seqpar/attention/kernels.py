@@ -60,7 +60,8 @@ class SdpaKernel(LocalKernel):
         causal = mask_flag(spec, mask, q.shape[2], k.shape[2], q.device)
         if causal is None:
             raise Refused("kernel='sdpa' would need a dense [B, 1, S, S] mask for this block (padding, packed "
-                          "documents, a window or chunk, or a permuted causal layout): use kernel='auto' (a varlen "
+                          "documents, bidirectional spans, a window or chunk, or a permuted causal layout): use "
+                          "kernel='auto' (a varlen "
                           "kernel, O(S) memory) or kernel='sdpa_dense' to accept the S x S mask")
         return F.scaled_dot_product_attention(q, k, v, dropout_p=spec.dropout, is_causal=causal,
                                               scale=spec.scale_for(q.shape[-1]), enable_gqa=q.shape[1] != k.shape[1])

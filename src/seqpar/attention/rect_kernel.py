@@ -29,13 +29,14 @@ def pad_head_dim(x: Tensor, n: int) -> Tensor:
     return x if x.shape[-1] == n else F.pad(x, (0, n - x.shape[-1]))
 
 
-def tile_bias(spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype
-              ) -> tuple[Tensor | None, Tensor | None]:
+def tile_bias(spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor, dtype: torch.dtype,
+              blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor | None, Tensor | None]:
     """A ``"positions"`` tile's additive mask ``[nq, nk]`` (0 / -inf) and its rows that see a key
-    ``[nq]``; ``(None, None)`` for the other kinds of tile."""
+    ``[nq]``; ``(None, None)`` for the other kinds of tile. ``blk``: the tile's span ids
+    ``(q_blk [nq], k_blk [nk])`` (:attr:`Rect.spans`), OR-ed with its causal part."""
     if how != "positions":
         return None, None
-    allowed = position_mask(spec, q_pos, k_pos)
+    allowed = position_mask(spec, q_pos, k_pos, blk)
     bias = torch.zeros(allowed.shape, dtype=dtype, device=q_pos.device).masked_fill(~allowed, float("-inf"))
     return bias, allowed.any(dim=-1)
 
@@ -48,6 +49,14 @@ def _rows(rect: Rect) -> slice:
     return slice(None) if rect.row is None else slice(rect.row, rect.row + 1)
 
 
+def _blk(rect: Rect, mask: MaskInfo, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """A span rectangle's span ids ``(q_blk [nq], k_blk [nk])`` on ``device``; None for the others."""
+    if not rect.spans:
+        return None
+    (q0, nq), (k0, nk) = rect.q, rect.k
+    return mask.q_blk[rect.row, q0:q0 + nq].to(device), mask.k_blk[rect.row, k0:k0 + nk].to(device)
+
+
 class RectKernel(LseKernel):
     """Base of the varlen lse kernels: the rectangle loop; subclasses give the tile op and ``tile``."""
 
@@ -58,14 +67,16 @@ class RectKernel(LseKernel):
 
     @abstractmethod
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
-                     k_pos: Tensor) -> tuple[Tensor, Tensor]:
+                     k_pos: Tensor, blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """One rectangle: ``q [b, H, nq, D]``, ``k [b, H_kv, nk, D]``, ``v [b, H_kv, nk, Dv]``, its
         tokens' global positions ``q_pos [nq]``, ``k_pos [nk]`` (on q's device) -> ``(out, lse)``,
-        lse in the accumulation dtype and ``-inf`` on rows that see no key of the rectangle."""
+        lse in the accumulation dtype and ``-inf`` on rows that see no key of the rectangle.
+        ``blk``: the span ids of a ``"positions"`` rectangle with spans (:func:`tile_bias` reads them)."""
 
     @abstractmethod
     def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor,
+                      blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """One rectangle's ``(dq, dk, dv)`` from the whole row's ``out`` and ``lse`` (``lse`` finite:
         rows that see no key anywhere carry 0 and ``dout``'s share of them is 0)."""
 
@@ -107,7 +118,7 @@ class RectKernel(LseKernel):
             (q0, nq), (k0, nk), rows_of = rect.q, rect.k, _rows(rect)
             o_r, l_r = self.tile_forward(q[rows_of, :, q0:q0 + nq], k[rows_of, :, k0:k0 + nk],
                                          v[rows_of, :, k0:k0 + nk], spec, rect.how, q_pos[q0:q0 + nq],
-                                         k_pos[k0:k0 + nk])
+                                         k_pos[k0:k0 + nk], _blk(rect, mask, q.device))
             rows = (rows_of, slice(None), slice(q0, q0 + nq))
             merge_into(out[rows], lse[rows], o_r, l_r.to(acc))  # in place: views of the rows
         return out.to(q.dtype), lse
@@ -129,7 +140,7 @@ class RectKernel(LseKernel):
             qs = (rows_of, slice(None), slice(q0, q0 + nq))
             ks = (rows_of, slice(None), slice(k0, k0 + nk))
             g = self.tile_backward(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs], spec, rect.how,
-                                   q_pos[q0:q0 + nq], k_pos[k0:k0 + nk])
+                                   q_pos[q0:q0 + nq], k_pos[k0:k0 + nk], _blk(rect, mask, q.device))
             dq[qs] += g[0]
             dk[ks] += g[1]
             dv[ks] += g[2]

@@ -106,7 +106,7 @@ def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
     window: int | None = None, softcap: float | None = None, chunk: int | None = None,
     sinks: Tensor | None = None, key_padding_mask: Tensor | None = None,
-    segment_ids: Tensor | None = None, positions: Tensor | None = None,
+    segment_ids: Tensor | None = None, positions: Tensor | None = None, block_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of the whole sequence, differentiable, any dtype (use float64 as the oracle).
 
@@ -114,11 +114,13 @@ def reference_attention(
     ``H % H_kv == 0``); ``key_padding_mask [B, S]`` (True = real token), ``segment_ids [B, S]``
     (packed documents: a query sees only keys of its own segment), ``positions [S]`` (original
     index of each token, for causal/window/chunk on permuted layouts), ``sinks [H]`` (attention
-    sinks, differentiable). Other options as :class:`AttnSpec`. Returns ``out [B, S, H, Dv]`` and
-    ``lse [B, H, S]`` (``-inf`` and ``out = 0`` where a query sees no key and there is no sink).
+    sinks, differentiable), ``block_ids [B, S]`` (bidirectional spans, -1 for none: a query sees
+    every key of its span too, as transformers' ``blockwise_overlay`` OR-ed with causal). Other
+    options as :class:`AttnSpec`. Returns ``out [B, S, H, Dv]`` and ``lse [B, H, S]`` (``-inf``
+    and ``out = 0`` where a query sees no key and there is no sink).
     """
     spec = AttnSpec(causal=causal, scale=scale, window=window, softcap=softcap, chunk=chunk, sinks=sinks)
     info = MaskInfo(q_pos=positions, k_pos=positions, key_keep=key_padding_mask, q_seg=segment_ids,
-                    k_seg=segment_ids)
+                    k_seg=segment_ids, q_blk=block_ids, k_blk=block_ids)
     out, lse = math_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec, info)
     return out.transpose(1, 2), lse

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.guard import Guard, guarded
-from .blocks import BlockPlan, RingStats, fold_sinks, fused_plan, merge_into, plan_block, sinks_grad
+from .blocks import BlockPlan, RingStats, fold_sinks, fused_plan, merge_into, plan_block, sinks_grad, span_reach
 from .ring_comm import COMMS, Grads, RingComm
 from .shard import SeqShard
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype
@@ -92,11 +92,24 @@ def block_plans(shard: SeqShard, spec: AttnSpec, me: int) -> list[BlockPlan | No
         host = shard if shard.positions is None else SeqShard(shard.seq_lens, shard.positions.cpu(),
                                                               state=shard.state)
         q_pos = host.positions_of(me)
-        plans = [plan_block(spec, q_pos, host.positions_of(r)) for r in range(len(shard.seq_lens))]
+        reach = [_span_reach(shard, spec, me, r) for r in range(len(shard.seq_lens))]
+        plans = [plan_block(spec, q_pos, host.positions_of(r), reach[r]) for r in range(len(shard.seq_lens))]
         if shard.key_keep is None and shard.segments is None:
-            plans = [fused_plan(spec, p, q_pos, host.positions_of(r)) for r, p in enumerate(plans)]
+            plans = [fused_plan(spec, p, q_pos, host.positions_of(r), reach[r] is not None)
+                     for r, p in enumerate(plans)]
         shard.cache[key] = plans
     return shard.cache[key]
+
+
+def _span_reach(shard: SeqShard, spec: AttnSpec, me: int, owner: int) -> tuple[Tensor, Tensor] | None:
+    """:func:`~seqpar.attention.blocks.span_reach` of rank ``me``'s queries against ``owner``'s
+    keys (None: no span adds a pair there -- no spans, not causal, or none shared)."""
+    if shard.blocks is None or not spec.causal:
+        return None
+    (a, n), (c, m) = shard.local_range(me), shard.local_range(owner)
+    rows, cols = span_reach(shard.positions_of(me).cpu(), shard.positions_of(owner).cpu(),
+                            shard.blocks[:, a:a + n], shard.blocks[:, c:c + m])
+    return (rows, cols) if bool(rows.any()) and bool(cols.any()) else None
 
 
 def make_ring(*, group: dist.ProcessGroup, spec: AttnSpec, kernel: LseKernel, shard: SeqShard, comm: str,

@@ -47,7 +47,7 @@ class BatchState:
         self.cache: dict[Hashable, Any] = {}
         self.failures = failures if failures is not None else FailureRecord()
         self.mesh = mesh
-        self.facts: tuple[tuple[int, ...], Tensor | None, Tensor | None, Tensor | None] | None = None
+        self.facts: tuple[tuple[int, ...], Tensor | None, Tensor | None, Tensor | None, Tensor | None] | None = None
         self.serial = next(_serials)
         _LIVE[self.serial] = self
         self._handle: Callable[[], Tensor | None] = lambda: None
@@ -82,7 +82,8 @@ class BatchState:
     def shard(self) -> SeqShard:
         """The SeqShard this state belongs to (its facts, this state)."""
         assert self.facts is not None, "a BatchState outside a SeqShard"
-        return SeqShard(*self.facts, state=self)
+        seq_lens, positions, keep, segments, blocks = self.facts
+        return SeqShard(seq_lens, positions, keep, segments, state=self, blocks=blocks)
 
 
 def batch_state(handle: Tensor) -> BatchState:
@@ -103,6 +104,10 @@ class SeqShard:
                identity, i.e. a contiguous split). Causal masks and windows compare these.
     key_keep   [B, S] bool in layout order, False marks padding (None: no padding).
     segments   [B, S] long in layout order, packed-document id of each token (None: one document).
+    blocks     [B, S] long in layout order, bidirectional span id of each token, -1 for none (None:
+               no spans): a query and a key of one span see each other whatever their order
+               (:class:`~seqpar.attention.spec.MaskInfo`'s ``q_blk``); ids are the whole row's,
+               so a span may straddle shards.
     state      what the batch's layers share (:class:`BatchState`): plans and the failure record;
                one per batch (a SeqShard given a state describes that state's batch).
     handle     the state's handle (:meth:`BatchState.handle`), kept as long as the shard.
@@ -117,15 +122,16 @@ class SeqShard:
     key_keep: Tensor | None = None
     segments: Tensor | None = None
     state: BatchState = field(default_factory=BatchState, compare=False, repr=False)
+    blocks: Tensor | None = None
     handle: Tensor = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.state.facts is None:  # the state's first shard is the batch it describes
-            self.state.facts = (self.seq_lens, self.positions, self.key_keep, self.segments)
+            self.state.facts = (self.seq_lens, self.positions, self.key_keep, self.segments, self.blocks)
         object.__setattr__(self, "handle", self.state.handle())
 
     def __reduce__(self) -> tuple:
-        return SeqShard, (self.seq_lens, self.positions, self.key_keep, self.segments)
+        return _rebuild, (self.seq_lens, self.positions, self.key_keep, self.segments, self.blocks)
 
     @property
     def cache(self) -> dict[Hashable, Any]:
@@ -164,7 +170,8 @@ class SeqShard:
 
             self.cache[key] = MaskInfo(q_pos=positions(rows), k_pos=positions(cols), key_keep=cut(self.key_keep, cols),
                                        q_seg=cut(self.segments, rows), k_seg=cut(self.segments, cols),
-                                       plans=self.state.part(key))
+                                       plans=self.state.part(key), q_blk=cut(self.blocks, rows),
+                                       k_blk=cut(self.blocks, cols))
         return self.cache[key]
 
     def regrouped(self, seq_lens: tuple[int, ...]) -> SeqShard:
@@ -175,8 +182,15 @@ class SeqShard:
             return self
         key = ("regrouped", seq_lens)
         if key not in self.cache:
-            self.cache[key] = SeqShard(seq_lens, self.positions, self.key_keep, self.segments, self.state.derived())
+            self.cache[key] = SeqShard(seq_lens, self.positions, self.key_keep, self.segments, self.state.derived(),
+                                       self.blocks)
         return self.cache[key]
+
+
+def _rebuild(seq_lens: tuple[int, ...], positions: Tensor | None, key_keep: Tensor | None, segments: Tensor | None,
+             blocks: Tensor | None) -> SeqShard:
+    """A pickled :class:`SeqShard` (the same batch, a fresh state: see ``BatchState.__reduce__``)."""
+    return SeqShard(seq_lens, positions, key_keep, segments, blocks=blocks)
 
 
 def shard_cache(shard: SeqShard) -> dict[Hashable, Any]:
@@ -247,7 +261,8 @@ def with_global_masks(shard: SeqShard, key_padding_mask: Tensor | None, segment_
     if key_padding_mask is None and segment_ids is None:
         return shard
     keep, seg = gather_global_masks(key_padding_mask, segment_ids, [(group, shard.seq_lens)], device)
-    return SeqShard(shard.seq_lens, shard.positions, keep, seg, BatchState(shard.state.mesh, shard.state.failures))
+    return SeqShard(shard.seq_lens, shard.positions, keep, seg, BatchState(shard.state.mesh, shard.state.failures),
+                    shard.blocks)
 
 
 def chunked_documents(shard: SeqShard, chunk: int) -> SeqShard:
@@ -271,6 +286,7 @@ def chunked_documents(shard: SeqShard, chunk: int) -> SeqShard:
         piece = (idx - start_of) // chunk  # [B, S] chunk index inside the document
         finer = orig * (s // chunk + 2) + piece
         finer = finer if perm is None else finer.index_select(1, perm)
-        cache[key] = SeqShard(shard.seq_lens, shard.positions, shard.key_keep, finer, shard.state.derived())
+        cache[key] = SeqShard(shard.seq_lens, shard.positions, shard.key_keep, finer, shard.state.derived(),
+                              shard.blocks)
     return cache[key]
 

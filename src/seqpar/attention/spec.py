@@ -2,9 +2,10 @@
 
 Which keys a query may see is described by an :class:`AttnSpec` (causal, window, chunk, softcap,
 scale, sinks) and a :class:`MaskInfo` (global token positions, key padding, packed-document segment
-ids), so the same kernel serves a whole sequence (Ulysses) and one block of a ring whose tokens are permuted
-(zigzag). Kernels work in the torch layout ``q, k [B, H(_kv), S, D]``, ``v [B, H_kv, Sk, Dv]``
-(``H % H_kv == 0``, KV heads not repeated; ``Dv`` may differ from ``D``, as in MLA). There are two kinds:
+ids, bidirectional span ids), so the same kernel serves a whole sequence (Ulysses) and one block of
+a ring whose tokens are permuted (zigzag). Kernels work in the torch layout ``q, k [B, H(_kv), S, D]``,
+``v [B, H_kv, Sk, Dv]`` (``H % H_kv == 0``, KV heads not repeated; ``Dv`` may differ from ``D``, as
+in MLA). There are two kinds:
 
 * :class:`LseKernel` -- ``forward(q, k, v, spec, mask) -> (out [B, H, Sq, Dv], lse [B, H, Sq])``
   with lse in :func:`acc_dtype` (``-inf`` and ``out = 0`` on rows that see no key), and
@@ -82,6 +83,12 @@ class MaskInfo:
     key_keep [B, Sk]        bool: False marks a padding key.
     q_seg [B, Sq], k_seg [B, Sk]  long: document id of each token in a packed row; a query sees
                                   only keys of its own document.
+    q_blk [B, Sq], k_blk [B, Sk]  long: bidirectional span (block) id of each token, -1 for none
+                                  (an image of Gemma 3, PaliGemma's prefix): a query and a key of
+                                  the same span (id >= 0) see each other whatever their order --
+                                  OR-ed with causal only, as transformers' ``blockwise_overlay``:
+                                  padding, documents, window and chunk still hide (see
+                                  :func:`dense_mask`). Spans need not be contiguous.
     plans                         where kernels keep what they plan from these tensors (document
                                   rectangles, flags, block masks): the part of the batch's
                                   :class:`~seqpar.attention.shard.BatchState` this block is, so the
@@ -94,9 +101,16 @@ class MaskInfo:
     q_seg: Tensor | None = None
     k_seg: Tensor | None = None
     plans: dict | None = field(default=None, compare=False, repr=False)
+    q_blk: Tensor | None = None
+    k_blk: Tensor | None = None
 
     def tensors(self) -> tuple[Tensor | None, ...]:
-        return self.q_pos, self.k_pos, self.key_keep, self.q_seg, self.k_seg
+        return self.q_pos, self.k_pos, self.key_keep, self.q_seg, self.k_seg, self.q_blk, self.k_blk
+
+    @property
+    def spans(self) -> bool:
+        """Whether bidirectional span ids are given (both sides, or :func:`dense_mask` raises)."""
+        return self.q_blk is not None or self.k_blk is not None
 
     def in_token_order(self, inverse: Tensor, plans: dict | None = None) -> MaskInfo:
         """This mask of a permuted self-attention block (``q_pos is k_pos``, a layout permutation)
@@ -105,11 +119,11 @@ class MaskInfo:
         def order(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.index_select(1, inverse.to(t.device))
 
-        seg = order(self.q_seg)
-        return MaskInfo(key_keep=order(self.key_keep), q_seg=seg, k_seg=seg, plans=plans)
+        seg, blk = order(self.q_seg), order(self.q_blk)
+        return MaskInfo(key_keep=order(self.key_keep), q_seg=seg, k_seg=seg, plans=plans, q_blk=blk, k_blk=blk)
 
     def is_trivial(self) -> bool:
-        return self.key_keep is None and self.q_seg is None and self.k_seg is None
+        return self.key_keep is None and self.q_seg is None and self.k_seg is None and not self.spans
 
     def positions(self, sq: int, sk: int, device: torch.device) -> tuple[Tensor, Tensor]:
         q_pos = self.q_pos if self.q_pos is not None else torch.arange(sq, device=device)
@@ -117,14 +131,23 @@ class MaskInfo:
         return q_pos, k_pos
 
 
-def position_mask(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-    """The causal / window / chunk part of the mask, ``[Sq, Sk]`` bool (True = visible), or None."""
+def same_span(q_blk: Tensor, k_blk: Tensor) -> Tensor:
+    """``[..., Sq, Sk]`` bool: query and key in the same bidirectional span (id >= 0), from
+    ``q_blk [..., Sq]``, ``k_blk [..., Sk]``."""
+    return (q_blk[..., :, None] == k_blk[..., None, :]) & (q_blk[..., :, None] >= 0)
+
+
+def position_mask(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor, blk: tuple[Tensor, Tensor] | None = None
+                  ) -> Tensor | None:
+    """The causal / window / chunk part of the mask, ``[Sq, Sk]`` bool (True = visible), or None.
+    ``blk``: span ids ``(q_blk [..., Sq], k_blk [..., Sk])``: the causal part becomes ``causal OR
+    same span`` (``[..., Sq, Sk]``), window and chunk stay AND-ed (Gemma 3's sliding layers)."""
     if not spec.causal and spec.window is None and spec.chunk is None:
         return None
     diff = q_pos[:, None] - k_pos[None, :]  # [Sq, Sk]
     allowed = torch.ones_like(diff, dtype=torch.bool)
     if spec.causal:
-        allowed &= diff >= 0
+        allowed = allowed & ((diff >= 0) if blk is None else (diff >= 0) | same_span(*blk))
     if spec.window is not None:
         allowed &= (diff < spec.window) if spec.causal else (diff.abs() < spec.window)
     if spec.chunk is not None:
@@ -136,8 +159,13 @@ def dense_mask(spec: AttnSpec, mask: MaskInfo | None, sq: int, sk: int, device: 
     """Everything that hides keys, as one bool ``[B or 1, 1, Sq, Sk]`` (True = visible), or None."""
     mask = mask or MaskInfo()
     q_pos, k_pos = mask.positions(sq, sk, device)
-    out = position_mask(spec, q_pos, k_pos)
-    out = None if out is None else out[None, None]
+    blk = None
+    if mask.spans:
+        if mask.q_blk is None or mask.k_blk is None:
+            raise ValueError("bidirectional spans need span ids for both queries and keys")
+        blk = (mask.q_blk, mask.k_blk)
+    out = position_mask(spec, q_pos, k_pos, blk)  # [Sq, Sk] or [B, Sq, Sk]
+    out = None if out is None else (out[None, None] if out.dim() == 2 else out[:, None])
     if mask.key_keep is not None:
         keep = mask.key_keep[:, None, None, :]  # [B, 1, 1, Sk]
         out = keep if out is None else out & keep

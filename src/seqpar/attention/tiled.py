@@ -29,16 +29,20 @@ class TiledKernel(RectKernel):
     tile = TILE
 
     @staticmethod
-    def _tile_mask(how: str, q_pos: Tensor, k_pos: Tensor) -> MaskInfo | None:
-        return None if how == "none" else MaskInfo(q_pos=q_pos, k_pos=k_pos)
+    def _tile_mask(how: str, q_pos: Tensor, k_pos: Tensor, blk: tuple[Tensor, Tensor] | None) -> MaskInfo | None:
+        if how == "none":
+            return None
+        q_blk, k_blk = (None, None) if blk is None else (blk[0][None], blk[1][None])  # one batch row: [1, n]
+        return MaskInfo(q_pos=q_pos, k_pos=k_pos, q_blk=q_blk, k_blk=k_blk)
 
     def tile_forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, how: str, q_pos: Tensor,
-                     k_pos: Tensor) -> tuple[Tensor, Tensor]:
+                     k_pos: Tensor, blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         # "none": every pair visible, so causal / window / chunk are dropped for the tile
         tile_spec = spec if how != "none" else AttnSpec(scale=spec.scale, softcap=spec.softcap)
-        return _REF.forward(q, k, v, tile_spec, self._tile_mask(how, q_pos, k_pos))
+        return _REF.forward(q, k, v, tile_spec, self._tile_mask(how, q_pos, k_pos, blk))
 
     def tile_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                      spec: AttnSpec, how: str, q_pos: Tensor, k_pos: Tensor,
+                      blk: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         tile_spec = spec if how != "none" else AttnSpec(scale=spec.scale, softcap=spec.softcap)
-        return _REF.backward(dout, q, k, v, out, lse, tile_spec, self._tile_mask(how, q_pos, k_pos))
+        return _REF.backward(dout, q, k, v, out, lse, tile_spec, self._tile_mask(how, q_pos, k_pos, blk))

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from .blocks import plan_block
+from .blocks import plan_block, span_reach
 from .spec import AttnSpec, MaskInfo, dense_mask
 
 T = TypeVar("T")
@@ -44,12 +44,15 @@ class Rect:
     documents), query rows ``q = (start, n)`` and key columns ``k = (start, n)`` in the block's own
     token order, and how to mask it: ``"none"`` (all visible),
     ``"causal"`` (the kernel's causal flag: same positions on both sides, increasing) or
-    ``"positions"`` (a ``[n_q, n_k]`` mask from the positions)."""
+    ``"positions"`` (a ``[n_q, n_k]`` mask from the positions). ``spans``: a bidirectional span
+    may make pairs of it visible that causal hides (:func:`~seqpar.attention.blocks.span_reach`):
+    its ``"positions"`` mask reads the row's span ids too."""
 
     row: int | None
     q: tuple[int, int]
     k: tuple[int, int]
     how: str
+    spans: bool = False
 
 
 def _runs(ids: Tensor, pos: Tensor | None = None) -> list[tuple[int, int, int]]:
@@ -82,19 +85,24 @@ def _how(spec: AttnSpec, q_pos: Tensor, k_pos: Tensor, visible: int) -> str:
 
 
 def _tiles(spec: AttnSpec, row: int | None, q_pos: Tensor, k_pos: Tensor, q0: int, nq: int, k0: int, nk: int,
-           tile: int) -> list[Rect]:
-    """The visible tiles of one run-by-run rectangle, each trimmed to what its queries see."""
+           tile: int, blk: tuple[Tensor, Tensor] | None = None) -> list[Rect]:
+    """The visible tiles of one run-by-run rectangle, each trimmed to what its queries see;
+    ``blk``: the row's span ids ``(q_blk [Sq], k_blk [Sk])`` (causal specs with spans only)."""
     out = []
     for a in range(q0, q0 + nq, tile):
         na = min(tile, q0 + nq - a)
         for c in range(k0, k0 + nk, tile):
             nc_ = min(tile, k0 + nk - c)
-            plan = plan_block(spec, q_pos[a:a + na], k_pos[c:c + nc_])
+            reach = None if blk is None else span_reach(q_pos[a:a + na], k_pos[c:c + nc_], blk[0][None, a:a + na],
+                                                        blk[1][None, c:c + nc_])
+            spans = reach is not None and bool(reach[0].any()) and bool(reach[1].any())
+            plan = plan_block(spec, q_pos[a:a + na], k_pos[c:c + nc_], reach if spans else None)
             if plan is None:
                 continue
             (r0, nr), (c0, nc) = plan.rows, plan.cols
             how = _how(spec, q_pos[a + r0:a + r0 + nr], k_pos[c + c0:c + c0 + nc], plan.visible)
-            out.append(Rect(row, (a + r0, nr), (c + c0, nc), how))
+            spans = spans and how != "none"  # every pair visible already: nothing for a span to add
+            out.append(Rect(row, (a + r0, nr), (c + c0, nc), "positions" if spans else how, spans))
     return out
 
 
@@ -145,12 +153,15 @@ def _document_rects(spec: AttnSpec, mask: MaskInfo, sq: int, sk: int, batch: int
         k_doc = mask.k_seg[row].to(cpu) if mask.k_seg is not None else torch.zeros(sk, dtype=torch.long)
         if mask.key_keep is not None:  # a padding key is in no document
             k_doc = torch.where(mask.key_keep[row].to(cpu), k_doc, torch.full_like(k_doc, -(1 << 40)))
+        blk = None
+        if spec.causal and mask.spans and row is not None:  # spans widen causal only
+            blk = (mask.q_blk[row].to(cpu), mask.k_blk[row].to(cpu))
         key_runs: dict[int, list[tuple[int, int]]] = {}
         for doc, start, n in _runs(k_doc, k_cut):
             key_runs.setdefault(doc, []).append((start, n))
         for doc, q0, nq in _runs(q_doc, q_cut):
             for k0, nk in key_runs.get(doc, ()):
-                out += _tiles(spec, row, q_pos, k_pos, q0, nq, k0, nk, tile)
+                out += _tiles(spec, row, q_pos, k_pos, q0, nq, k0, nk, tile, blk)
     return out
 
 

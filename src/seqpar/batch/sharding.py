@@ -36,7 +36,15 @@ from ..comm.collectives import comm_device
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, dp_size, has_axis
 from ..errors import Refused
 from .targets import CU_SEQLENS_KEYS, IGNORE_INDEX, cu_seqlens_problem, prepare_batch, target_count
-from .visual import ROUTED_KEYS, VisualBatch, fingerprint, refused_key_problem, visual_batch, visual_problem
+from .visual import (
+    ROUTED_KEYS,
+    SPAN_KEYS,
+    VisualBatch,
+    fingerprint,
+    refused_key_problem,
+    visual_batch,
+    visual_problem,
+)
 
 BATCH_KWARG = "seqpar_batch"
 """The key under which a sharded batch carries its :class:`LocalBatch` into ``model(**local)``."""
@@ -61,10 +69,14 @@ class LocalBatch:
                   :func:`seqpar.sync_gradients` take is the exact gradient (see :mod:`seqpar.batch.loss`)
     loss_weights  [B, S_local] per-target weights (shifted with the labels) or None
     visual        the whole batch's images / video (:class:`~seqpar.batch.visual.VisualBatch`) or None
+    token_types   ``[B, S]`` the whole rows' ``token_type_ids`` (original order) or None: the model's
+                  family turns them into the shard's bidirectional span ids before its first layer
+                  (:func:`seqpar.integrations.vlm_spans.with_spans`)
+    positions_given  whether the batch brought its own position_ids (else shard_batch made 0..S-1)
     """
 
     __slots__ = ("shard", "sp_rank", "sp_size", "dp_size", "denominator", "grad_scale", "num_items_in_batch",
-                 "loss_weights", "attention_calls", "visual")
+                 "loss_weights", "attention_calls", "visual", "token_types", "positions_given")
 
     def __init__(self, shard: SeqShard, *, sp_rank: int, sp_size: int, dp_size: int, denominator: float,
                  num_items_in_batch: float | None, loss_weights: Tensor | None) -> None:
@@ -81,6 +93,8 @@ class LocalBatch:
         self.loss_weights = loss_weights
         self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)
         self.visual: VisualBatch | None = None  # set by shard_batch for a batch with images
+        self.token_types: Tensor | None = None  # set by shard_batch for a batch with token_type_ids
+        self.positions_given = False
 
     @property
     def local_len(self) -> int:
@@ -110,9 +124,9 @@ def _local_problem(batch: Mapping[str, Any]) -> tuple[str | None, int, int]:
     refused = refused_key_problem(batch)
     if refused is not None:
         return refused, b, s
-    if set(batch) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - {"use_cache"} - set(ROUTED_KEYS):
+    if set(batch) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - {"use_cache"} - set(ROUTED_KEYS) - set(SPAN_KEYS):
         return (f"the batch has keys shard_batch does not know: use only {list(BATCH_KEYS)} (and the "
-                f"{list(CU_SEQLENS_KEYS)} of DataCollatorWithFlattening, the {list(ROUTED_KEYS)} of a "
+                f"{list(CU_SEQLENS_KEYS)} of DataCollatorWithFlattening, the {list(ROUTED_KEYS + SPAN_KEYS)} of a "
                 "vision-language processor)"), b, s
     labels, mask, pos, w = (batch.get(k) for k in ("labels", "attention_mask", "position_ids", "loss_weights"))
     if labels is not None and tuple(labels.shape) != (b, s):
@@ -142,7 +156,7 @@ _SAME = {
     "labels": "the label content", "mask": "the attention_mask content",
     "pos": "the position_ids content",
     "weights": "whether loss_weights are given", "layout": "layout", "items": "num_items_in_batch",
-    "visual": f"the images / video (the batch's {list(ROUTED_KEYS)})",
+    "visual": f"the images / video (the batch's {list(ROUTED_KEYS + SPAN_KEYS)})",
     "generation": "the batch number (how many batches the rank sharded before: a rank skipped or repeated one, "
                   "e.g. an exception caught and ignored on some ranks; seqpar.comm.faults)",
 }
@@ -178,7 +192,8 @@ def _validate(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str, n
         "weights": 1.0 if ok and batch.get("loss_weights") is not None else 0.0,
         "layout": float(LAYOUTS.index(layout)) if layout in LAYOUTS else MISSING,
         "items": MISSING if num_items is None else float(num_items),
-        "visual": fingerprint({k: batch[k] for k in ROUTED_KEYS if batch.get(k) is not None}) if ok else MISSING,
+        "visual": fingerprint({k: batch[k] for k in ROUTED_KEYS + SPAN_KEYS if batch.get(k) is not None})
+        if ok else MISSING,
         "refused": float(problem is not None and problem == refused_key_problem(batch)),
         "generation": float(generation),  # no batch pairs with another batch's collectives
     }
@@ -290,6 +305,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     out["use_cache"] = False
     positions_given = batch.get("position_ids") is not None or batch.get("cu_seq_lens_q") is not None
     info.visual = visual_batch(batch, pieces, positions_given, prep.segments)  # the model encodes and routes it
+    info.positions_given = positions_given
+    info.token_types = batch.get("token_type_ids")  # whole rows: the model's family makes them span ids
     out[BATCH_KWARG] = info
     return out
 

@@ -32,10 +32,13 @@ patches]`` of SigLIP-2 towers, ``pixel_attention_mask [B, images, H, W]`` beside
 the modality of every token (``mm_token_type_ids [B, S]``: 0 text, 1 image, 2 video), and
 Qwen2.5-VL's video timing."""
 
-_BIDIRECTIONAL = ("bidirectional attention inside each image (Gemma 3's token_type_ids, PaliGemma's prefix): "
-                  "seqpar cannot express that mask under sequence parallelism yet")
+SPAN_KEYS = ("token_type_ids",)
+"""Token types a model turns into bidirectional spans of its attention mask (Gemma 3: each run of
+image tokens; PaliGemma: the prefix): :func:`seqpar.shard_batch` keeps them whole (the spans are
+the whole row's, so one may straddle shards), and the model's family says how they become span
+ids (:mod:`seqpar.integrations.vlm_spans`)."""
+
 REFUSED_KEYS: dict[str, str] = {
-    "token_type_ids": _BIDIRECTIONAL,
     "pixel_mask": "a pixel mask per image (Aria)",
     "image_patches": "Fuyu's raw image patches",
     "image_patches_indices": "Fuyu's raw image patches",
@@ -97,6 +100,10 @@ def refused_key_problem(batch: Mapping[str, Any]) -> str | None:
 def visual_problem(batch: Mapping[str, Any], b: int, s: int) -> str | None:
     """What is wrong with the visual keys of a ``[b, s]`` batch, in ways that hold for every model
     (the model checks its own layout when it encodes), or None."""
+    for key in SPAN_KEYS:
+        t = batch.get(key)
+        if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != (b, s) or t.is_floating_point()):
+            return f"{key} must be an integer tensor [batch, seq_len] = [{b}, {s}] like input_ids"
     present = {k: batch[k] for k in ROUTED_KEYS if batch.get(k) is not None}
     if not present:
         return None

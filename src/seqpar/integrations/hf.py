@@ -60,6 +60,7 @@ from .peft import unwrap_peft
 from .published import publish_forward_errors
 from .state import ParallelState, ensure_state, set_loss_function, state_of, undo
 from .vlm import install_vision
+from .vlm_families import family_of
 
 _names = itertools.count()
 
@@ -73,8 +74,10 @@ class _LastBatch:
 
 
 def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str, config: Any,
-                    last: _LastBatch) -> Callable[..., Any]:
-    """The attention function registered with transformers, bound to ``mesh`` by closure."""
+                    last: _LastBatch, causal_mask: bool = False) -> Callable[..., Any]:
+    """The attention function registered with transformers, bound to ``mesh`` by closure.
+    ``causal_mask``: the model's own mask is causal whatever its layers' ``is_causal`` says
+    (:attr:`~seqpar.integrations.vlm_families.Family.causal_mask`)."""
     import torch.distributed as dist
     from transformers import AttentionInterface
 
@@ -108,7 +111,7 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
                              f"{me}, but the model runs over sp={p} with {query.shape[2]}: shard the batch with "
                              "the mesh the model was parallelized with")
         causal = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+        causal = bool(getattr(module, "is_causal", True) if causal is None else causal) or causal_mask
         opts = layer_options(module, config, kwargs)
         shard, chunk = batch.shard, opts.chunk
         if chunk is not None and shard.segments is not None:
@@ -184,7 +187,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
                       "support: load it with attn_implementation='eager' (or pass kernel='auto')")
     name = f"seqpar_{strategy}_{next(_names)}"  # no "flash" in it: transformers would fetch a Hub kernel
     last = _LastBatch()
-    AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last))
+    AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last,
+                                                      family_of(model).causal_mask))
     model.set_attn_implementation(name if sub is None else {sub: name})
     if compat.attn_implementation(config) != name:
         AttentionInterface.register(name, _released)

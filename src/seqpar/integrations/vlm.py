@@ -18,9 +18,11 @@
 Gradients of the vision tower flow back through the all-to-all to the rank that encoded each
 image; summing parameter gradients over the SP ranks (sync_gradients, FSDP2) completes them.
 
-Never silently wrong, never a hang: which families run is declared by mechanism in
-:mod:`.vlm_families`; a family with a mechanism seqpar cannot run exactly (bidirectional image
-masks, cross-attention, encoder-decoders...) is refused by that mechanism's name; pixels or other
+Bidirectional spans (Gemma 3's images, PaliGemma's prefix) come from the batch's whole-row
+``token_type_ids`` (:mod:`.vlm_spans`), put in the batch's SeqShard by the same hook before the
+first layer. Never silently wrong, never a hang: which families run is declared by mechanism in
+:mod:`.vlm_families`; a family with a mechanism seqpar cannot run exactly (Gemma 4's per-layer
+image masks, cross-attention, encoder-decoders...) is refused by that mechanism's name; pixels or other
 multimodal inputs passed to the model directly (not through shard_batch) are a ValueError. All of
 it raised before the hook's first collective, from facts every rank shares (the checked batch).
 """
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..batch.sharding import BATCH_KWARG, LocalBatch
-from ..batch.visual import REFUSED_KEYS, ROUTED_KEYS, VisualBatch
+from ..batch.visual import REFUSED_KEYS, ROUTED_KEYS, SPAN_KEYS, VisualBatch
 from ..comm.agree import MISSING, share
 from ..comm.mesh import Axis, axis_group
 from ..comm.route import route_rows
@@ -44,6 +46,7 @@ from .vision import MODALITIES, PIXELS, RoutePlan, assign, merge_inputs, route_p
 from .vlm_families import family_problem, frames_apart, per_row, placeholder_token
 from .vlm_features import FeatureLayout, encoder_output, encoder_rows
 from .vlm_positions import mrope_positions
+from .vlm_spans import apply_spans
 
 
 def is_vision_language(model: nn.Module) -> bool:
@@ -61,6 +64,11 @@ def direct_input_problem(model: nn.Module, kwargs: dict[str, Any]) -> tuple[str,
     for key, why in REFUSED_KEYS.items():
         if kwargs.get(key) is not None:
             return f"seqpar does not run {key!r} under sequence parallelism: {why}", True
+    for key in SPAN_KEYS:  # the model would build a dense mask of the local shard from them
+        if kwargs.get(key) is not None:
+            return (f"seqpar does not run {key!r} passed to a sequence-parallel model directly (bidirectional "
+                    "attention inside each image or prefix needs the whole rows' token types): put them in the "
+                    "batch given to seqpar.shard_batch, which makes them spans of seqpar's mask"), True
     direct = [k for k in ROUTED_KEYS if kwargs.get(k) is not None]
     if direct:
         return (f"{direct} passed to a sequence-parallel model directly: each rank would encode every image and "
@@ -201,8 +209,11 @@ def install_vision(model: nn.Module, mesh: DeviceMesh) -> Any:
             why, refused = found
             raise (Refused if refused else ValueError)(f"seqpar: {why}")
         batch = kwargs.get(BATCH_KWARG)
-        if not isinstance(batch, LocalBatch) or batch.visual is None:
+        if not isinstance(batch, LocalBatch):
             return None
+        apply_spans(module, batch, kwargs, module.get_input_embeddings().weight.device)
+        if batch.visual is None:
+            return args, kwargs
         if not is_vision_language(module):
             raise ValueError(f"seqpar: the batch has images ({batch.visual}) but {type(module).__name__} takes none")
         kwargs.update(route_visual(module, batch, group))

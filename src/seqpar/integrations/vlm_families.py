@@ -24,20 +24,26 @@ PER_ROW_PIXELS = ("images batched per row (pixel_values [B, images, ...] with a 
                   "images pad the rows: each real image is a unit of vision work)")
 VQ_TOKENS = ("image codes from a VQ tokenizer embedded as text tokens (each image tokenized alone; no gradient "
              "reaches the tokenizer)")
+SPANS_IMAGES = ("bidirectional attention inside each image (token_type_ids: each run of image tokens one span of "
+                "seqpar's structural mask, OR-ed with causal on every layer, window AND-ed)")
+SPANS_PREFIX = ("bidirectional attention over the prefix (token_type_ids == 0: image and prompt one span of seqpar's "
+                "structural mask, OR-ed with causal)")
+ONE_BASED_POSITIONS = ("positions counted from 1 (the model adds 1 to the position ids it computes: seqpar gives it "
+                       "those positions when the batch brings none)")
 # the supported set
-SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE, DEEPSTACK, PER_ROW_PIXELS, VQ_TOKENS})
+SUPPORTED = frozenset({PLACEHOLDER, POSITIONS_1D, MROPE, DEEPSTACK, PER_ROW_PIXELS, VQ_TOKENS, SPANS_IMAGES,
+                       SPANS_PREFIX, ONE_BASED_POSITIONS})
 
 # mechanisms seqpar cannot run exactly yet (each one a candidate for the next step)
-BIDIRECTIONAL = ("bidirectional attention inside each image or prefix (a mask the model builds from token_type_ids "
-                 "/ mm_token_type_ids: Gemma 3, Gemma 4, PaliGemma, Molmo 2)")
+BIDIRECTIONAL = ("bidirectional attention seqpar's spans (the same on every layer, from token_type_ids) do not "
+                 "express yet: Gemma 4 ORs each image's span into its sliding layers only (full layers causal), "
+                 "Molmo 2 one span of every image token from mm_token_type_ids, DiffusionGemma block diffusion")
 CROSS_ATTENTION = "cross-attention from the text to image states (no placeholder tokens)"
 ENCODER_DECODER = "an encoder-decoder (the text is decoded against an encoder's states)"
 NO_PLACEHOLDERS = "image embeddings prepended or placed without placeholder tokens (GIT, BLIP-2 queries, Kosmos-2)"
 OWN_INPUTS = "visual inputs of the family's own (crop sizes, merge sizes, raw patches) that seqpar does not route"
 MODALITY_EXPERTS = "experts routed by modality (moe_mm_token_type_ids)"
 EXTRA_OUTPUTS = "encoder outputs beside the image features that the model reads (Ovis2's visual indicators)"
-ONE_BASED_POSITIONS = ("positions counted from 1 (the model adds 1 to the position ids it computes; under RoPE only "
-                       "the float32 rounding of its tables differs)")
 VIDEO_SPANS = ("video placeholders that are image tokens told apart by their enclosing video start / end tokens "
                "(a count over the whole row, which a shard cannot see)")
 TILE_MASK = ("per-row tiles marked by a tile mask (pixel_attention_mask [B, tiles], Granite-Docling), which seqpar "
@@ -53,12 +59,20 @@ class Family:
     """A family's mechanisms with images. ``frames_apart``: its vision tower attends inside each
     video frame only (``get_vision_cu_seqlens``' default), so a video may be encoded frame by frame;
     ``video_token``: which placeholder a video's features fill (GLM-4V: the image token);
-    ``per_row``: its pixels come per row (``[B, images, C, H, W]``, Idefics)."""
+    ``per_row``: its pixels come per row (``[B, images, C, H, W]``, Idefics); ``spans``: how its
+    ``token_type_ids`` become bidirectional span ids (:data:`seqpar.integrations.vlm_spans.SPAN_RULES`:
+    ``"images"``, ``"prefix"``) or None (it has no such mask); ``one_based``: it adds 1 to the
+    positions it computes itself; ``causal_mask``: its text layers say ``is_causal=False`` but the
+    model always builds them a causal mask (PaliGemma sets ``use_bidirectional_attention`` so
+    that SDPA reads its prefix mask), so seqpar's attention is causal there."""
 
     mechanisms: tuple[str, ...]
     frames_apart: bool = False
     video_token: str = "video"
     per_row: bool = False
+    spans: str | None = None
+    one_based: bool = False
+    causal_mask: bool = False
 
 
 _1D = Family((PLACEHOLDER, POSITIONS_1D))
@@ -81,9 +95,12 @@ FAMILIES: dict[str, Family] = {
     "ernie4_5_vl_moe": Family((PLACEHOLDER, MROPE, MODALITY_EXPERTS)),
     "ovis2": Family((PLACEHOLDER, EXTRA_OUTPUTS)),
     # masks, extra paths and layouts seqpar does not run yet
-    **dict.fromkeys(["gemma3", "shieldgemma2", "gemma4", "gemma4_unified", "molmo2", "diffusion_gemma"],
+    # ShieldGemma 2's image-text-to-text class is Gemma3ForConditionalGeneration
+    **dict.fromkeys(["gemma3", "shieldgemma2"], Family((PLACEHOLDER, POSITIONS_1D, SPANS_IMAGES), spans="images")),
+    "paligemma": Family((PLACEHOLDER, POSITIONS_1D, SPANS_PREFIX, ONE_BASED_POSITIONS), spans="prefix",
+                        one_based=True, causal_mask=True),
+    **dict.fromkeys(["gemma4", "gemma4_unified", "molmo2", "diffusion_gemma"],
                     Family((PLACEHOLDER, BIDIRECTIONAL))),
-    "paligemma": Family((PLACEHOLDER, BIDIRECTIONAL, ONE_BASED_POSITIONS)),
     **dict.fromkeys(["qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker", "cosmos3_omni"],
                     Family((PLACEHOLDER, MROPE, DEEPSTACK), frames_apart=True)),
     "cohere_compass": Family((PLACEHOLDER, MROPE, DEEPSTACK), frames_apart=True),

@@ -34,6 +34,8 @@ class AttnCase:
     kv_heads: int
     causal: bool = False
     mask: str = "none"  # "none" | "pad" (row 0 right-padded, row 1 left-padded) | "packed"
+    spans: str = "none"  # bidirectional spans: "none" | "images" (runs, one id each) | "prefix" (id 0 on
+    # each document's first tokens: PaliGemma's one block, not contiguous on packed rows)
     head_dim: int = 8
     batch: int = 2
     window: int | None = None
@@ -53,6 +55,7 @@ class AttnCase:
                                                      ("scale", self.scale), ("chunk", self.chunk),
                                                      ("Dv", self.v_head_dim)) if v is not None)
         extra += " sinks" if self.sinks else ""
+        extra += f" spans={self.spans}" if self.spans != "none" else ""
         opts = "".join(f" {k}={v}" for k, v in self.options.items())
         return (f"{self.strategy}/{self.kernel} S={self.seq} H={self.heads}/{self.kv_heads} "
                 f"causal={int(self.causal)} mask={self.mask}{extra}{opts}")
@@ -88,7 +91,35 @@ def case_inputs(case: AttnCase) -> dict[str, Tensor | None]:
         out["segment_ids"] = seg
     elif case.mask != "none":
         raise ValueError(f"unknown mask kind {case.mask!r}")
+    out["block_ids"] = case_spans(case, out["segment_ids"], g)
     return out
+
+
+def case_spans(case: AttnCase, seg: Tensor | None, g: torch.Generator) -> Tensor | None:
+    """``[B, S]`` span ids of a case (-1: none), or None: ``"images"`` puts a run over
+    ``[S/4, S/2 + 2)`` (it straddles the shard boundaries of P = 2, 3, 4) and up to two more runs
+    of random length at random places (one id each), so they straddle shard and document
+    boundaries; ``"prefix"`` gives id 0 to the first ~third of every
+    document (PaliGemma's prefix block, one id for the row)."""
+    b, s = case.batch, case.seq
+    if case.spans == "none":
+        return None
+    blk = torch.full((b, s), -1, dtype=torch.int64)
+    if case.spans == "images":
+        for row in range(b):
+            blk[row, s // 4:s // 2 + 2] = 0
+            starts = sorted(torch.randint(0, max(s, 1), (2,), generator=g).tolist())
+            for i, a in enumerate(starts, start=1):
+                blk[row, a:a + 1 + int(torch.randint(0, max(s // 4, 1), (1,), generator=g))] = i
+    elif case.spans == "prefix":
+        for row in range(b):
+            docs = seg[row] if seg is not None else torch.zeros(s, dtype=torch.int64)
+            for d in docs.unique().tolist():
+                where = (docs == d).nonzero().flatten()
+                blk[row, where[: max(1, where.numel() // 3)]] = 0
+    else:
+        raise ValueError(f"unknown spans kind {case.spans!r}")
+    return blk
 
 
 # strategy name -> fn(inputs, case, group) -> (inputs, local token index, run)
@@ -163,26 +194,34 @@ def _hybrid_path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tupl
     return inputs, idx, run
 
 
-def _doc_zigzag_path(strategy: str) -> AttentionPath:
-    """``strategy``'s path with ``layout="doc-zigzag"``: the permutation follows the case's documents
-    and padding, so the global masks travel in a SeqShard, as shard_batch builds it."""
+def shard_path(strategy: str, layout: str | None = None) -> AttentionPath:
+    """``strategy``'s path with the global masks (padding, documents, span ids) in a SeqShard, as
+    shard_batch builds it, on ``layout`` (None: the case's ``layout`` option, else contiguous);
+    ``"doc-zigzag"`` follows the case's documents and padding."""
     base = ATTENTION_PATHS[strategy]
 
     def path(inputs: dict, case: AttnCase, group: dist.ProcessGroup) -> tuple[dict, Tensor, Callable]:
         p, r = dist.get_world_size(group), dist.get_rank(group)
-        keep, seg = inputs["key_padding_mask"], inputs["segment_ids"]
-        ulysses = case.options.get("ulysses", (2 if p % 2 == 0 else 1) if strategy == "hybrid" else 1)
-        parts = layout_indices(case.seq, p, "doc-zigzag", ulysses, document_cuts(seg, keep))
+        keep, seg, blk = inputs["key_padding_mask"], inputs["segment_ids"], inputs.get("block_ids")
+        opts = dict(case.options)
+        how = layout or opts.pop("layout", "contiguous")
+        ulysses = opts.get("ulysses", (2 if p % 2 == 0 else 1) if strategy == "hybrid" else 1)
+        cuts = document_cuts(seg, keep) if how == "doc-zigzag" else None
+        parts = layout_indices(case.seq, p, how, ulysses, cuts)
         perm = torch.cat(parts)
-        shard = SeqShard(tuple(len(t) for t in parts), perm, None if keep is None else keep[:, perm],
-                         None if seg is None else seg[:, perm])
-        _, _, run = base(inputs, replace(case, strategy=strategy, options={**case.options, "shard": shard}), group)
+
+        def permuted(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[:, perm]
+
+        shard = SeqShard(tuple(len(t) for t in parts), None if how == "contiguous" else perm, permuted(keep),
+                         permuted(seg), blocks=permuted(blk))
+        _, _, run = base(inputs, replace(case, strategy=strategy, options={**opts, "shard": shard}), group)
         return inputs, parts[r], lambda q, k, v, mask, seg_ids, sinks: run(q, k, v, None, None, sinks)
     return path
 
 
 for _name in ("ulysses", "ring", "hybrid"):
-    register_path(f"{_name}:doc-zigzag")(_doc_zigzag_path(_name))
+    register_path(f"{_name}:doc-zigzag")(shard_path(_name, "doc-zigzag"))
 
 
 def doc_zigzag_cases(strategy: str, quick: bool = False) -> list[AttnCase]:
@@ -260,10 +299,14 @@ def run_case(case: AttnCase, group: dist.ProcessGroup) -> dict[str, float]:
     ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_sinks = None if sinks is None else sinks.clone().requires_grad_(True)
     ref_out, _ = reference_attention(*ref_in, **spec_kwargs(case), sinks=ref_sinks,
-                                     key_padding_mask=inputs["key_padding_mask"], segment_ids=inputs["segment_ids"])
+                                     key_padding_mask=inputs["key_padding_mask"], segment_ids=inputs["segment_ids"],
+                                     block_ids=inputs["block_ids"])
     ref_out.backward(grad)
 
-    _, idx, run = ATTENTION_PATHS[case.strategy](inputs, case, group)
+    path = ATTENTION_PATHS[case.strategy]
+    if case.spans != "none" and ":" not in case.strategy:  # span ids travel in the batch's SeqShard
+        path = shard_path(case.strategy)
+    _, idx, run = path(inputs, case, group)
     local = [t[:, idx].clone().requires_grad_(True) for t in (q, k, v)]
     local_sinks = None if sinks is None else sinks.clone().requires_grad_(True)
     mask = inputs["key_padding_mask"][:, idx] if inputs["key_padding_mask"] is not None else None

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..batch.targets import IGNORE_INDEX
+from ..integrations.vlm_families import family_of
 
 IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8), (1, 8, 4))
 """Patch grids of the three images (multiples of a spatial merge of 2)."""
@@ -235,11 +236,22 @@ def vlm_batch(model: nn.Module, seed: int = 0, lead: int = 0) -> dict[str, Tenso
     if "mm_token_type_ids" in fwd:
         batch["mm_token_type_ids"] = is_img.long() + 2 * is_vid.long()
     if "token_type_ids" in fwd:
-        batch["token_type_ids"] = is_img.long()
+        batch["token_type_ids"] = _token_types(model, is_img, mask)
     labels = ids.clone()
     labels[is_img | is_vid | (mask == 0)] = IGNORE_INDEX
     batch["labels"] = labels
     return batch
+
+
+def _token_types(model: nn.Module, is_img: Tensor, mask: Tensor) -> Tensor:
+    """``token_type_ids`` as the family's processor makes them: 1 on image tokens (Gemma 3), or 0 on
+    the prefix -- through two tokens past the row's last image -- and 1 on the suffix, padding 0
+    (PaliGemma: the prefix is one bidirectional span, and not contiguous with right padding)."""
+    if family_of(model).spans != "prefix":
+        return is_img.long()
+    idx = torch.arange(is_img.shape[1]).expand_as(is_img)
+    last = torch.where(is_img, idx, -1).amax(dim=1, keepdim=True)  # [B, 1]
+    return ((idx > last + 2) & (mask == 1)).long()
 
 
 def packed_batch(batch: dict[str, Tensor], tail: int = PAD) -> dict[str, Tensor]:
