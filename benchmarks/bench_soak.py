@@ -13,10 +13,14 @@ least-squares line to each series and prints the slope per 100 steps, per rank, 
     flat      the fitted growth over the whole measured window is within the noise bound below
     growing   it is not: something is kept per step (find it before shipping)
 
-Bounds (per rank, over the measured window): RSS < 2 MiB; Python blocks < 500; step time < 20% of
-the median step. The allocator returns freed pages lazily, so RSS moves by a few hundred KiB either
-way without a leak; a leak of one tensor of the tiny model's activations per step would add tens of
-MiB over 2,000 steps.
+Bounds (per rank): the fitted RSS growth over the measured window < 2 MiB; Python blocks < 500 per
+100 steps; the fitted step-time change over the window < 20% of the median step. The allocator
+returns freed pages lazily, so RSS moves by a few hundred KiB either way without a leak; a leak of
+one tensor of the tiny model's activations per step would add tens of MiB over 2,000 steps. The
+blocks bound sits above torch's own: the same model in a plain torch + transformers loop (no
+seqpar) keeps about 3 blocks per step (measured 2026-12-02: KV-cache and module-list allocations
+inside transformers); a Python object seqpar kept per layer and step would add dozens. Bounded
+caches fill during the warm-up (the tiled MLP's deque of 256 tile sizes, for one).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import tempfile
 import time
 
 RSS_BOUND_MIB = 2.0
-BLOCKS_BOUND = 500
+BLOCKS_BOUND = 500  # per 100 steps
 TIME_BOUND = 0.2  # of the median step
 
 
@@ -89,7 +93,7 @@ def analyse(result: dict, warmup: int) -> dict:
     median = statistics.median(times) if times else 0.0
     return {"rss_mib": samples[-1][1] if samples else 0.0, "rss_slope": rss, "blocks_slope": blocks,
             "median_s": median, "time_slope": t,
-            "rss_flat": abs(rss) * span / 100 < RSS_BOUND_MIB, "blocks_flat": abs(blocks) * span / 100 < BLOCKS_BOUND,
+            "rss_flat": abs(rss) * span / 100 < RSS_BOUND_MIB, "blocks_flat": abs(blocks) < BLOCKS_BOUND,
             "time_flat": abs(t) * len(times) / 100 < TIME_BOUND * median}
 
 

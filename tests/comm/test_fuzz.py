@@ -9,7 +9,8 @@ turns one into a failure), no other exception. A failure names its seed:
 
 import pytest
 
-from seqpar.testing.fuzz import FuzzCase, Outcome, draw, problems, run_fuzz, verdict
+from seqpar.testing.fuzz import problems, run_fuzz, verdict
+from seqpar.testing.fuzz_cases import FuzzCase, Outcome, draw
 
 pytestmark = pytest.mark.distributed  # every test here starts gloo worker processes
 

@@ -1,4 +1,5 @@
-"""The model half of the fuzz (:mod:`seqpar.testing.fuzz`): a drawn full batch and its reference.
+"""The model half of the seeded fuzz (:mod:`seqpar.testing.fuzz`): a float64 tiny-llama under
+``parallelize`` + ``shard_batch`` on a drawn full batch, against the same model unsharded.
 
 The batch follows the rules the reference needs to agree with seqpar's target rules
 (:mod:`seqpar.batch.targets`) by a plain shift: labels are the ignore index at padding, at the first
@@ -9,13 +10,17 @@ transformers' handling of padding masks (an all-padding row) or packing.
 
 from __future__ import annotations
 
-from typing import Any
+import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..batch.targets import IGNORE_INDEX
+from .fuzz_cases import FuzzCase, Outcome
+from .model_parity import ModelCase, compare_models, make_model, precision_floor
 
 ODD_DOC_RATE = 0.2  # a new packed document at about one token in five
 
@@ -51,9 +56,9 @@ def _positions(mask: str, b: int, s: int, g: torch.Generator) -> Tensor:
     return pos
 
 
-def fuzz_batch(case: Any, vocab: int, rank: int) -> tuple[dict[str, Tensor], float | None]:
-    """``(full batch, num_items_in_batch or None)`` of a model case as ``rank`` sees it (``case``: a
-    :class:`~seqpar.testing.fuzz.FuzzCase`; its ``odd_rank`` gets its ``odd`` disagreement)."""
+def fuzz_batch(case: FuzzCase, vocab: int, rank: int) -> tuple[dict[str, Tensor], float | None]:
+    """``(full batch, num_items_in_batch or None)`` of a model case as ``rank`` sees it (the case's
+    ``odd_rank`` gets its ``odd`` disagreement)."""
     g = torch.Generator().manual_seed(case.seed)
     b, s = case.batch, case.seq
     ids = torch.randint(0, vocab, (b, s), generator=g)
@@ -144,3 +149,36 @@ def fuzz_reference(model: nn.Module, batch: dict[str, Tensor] | None, scale: int
     grads = {name: None if p.grad is None else p.grad / scale for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return float(total.detach()) / n, grads
+
+_MODELS: dict[tuple[int, int], tuple] = {}
+
+
+def _model(heads: int, kv_heads: int) -> tuple:
+    """``(float64 tiny-llama, its precision floor)`` for a head count, built once per process."""
+    if (heads, kv_heads) not in _MODELS:
+        model = make_model(ModelCase(heads=heads, kv_heads=kv_heads))
+        vocab = model.config.vocab_size
+        packed = fuzz_batch(FuzzCase(0, 1, "model", "ulysses", 2, 17, heads, kv_heads, 8, True, None, "packed",
+                                     "float64", "contiguous", "ok", None, 0), vocab, 0)[0]
+        _MODELS[(heads, kv_heads)] = (model, precision_floor(model, packed))
+    return _MODELS[(heads, kv_heads)]
+
+
+def run_model(case: FuzzCase, meshes: dict[str, DeviceMesh]) -> Outcome:
+    """A float64 tiny-llama under ``parallelize`` + ``shard_batch`` against the same model unsharded."""
+    rank = dist.get_rank()
+    model, floor = _model(case.heads, case.kv_heads)
+    vocab = model.config.vocab_size
+    batch, items = fuzz_batch(case, vocab, rank)
+    layout = case.layout
+    if case.odd == "layout" and rank == case.odd_rank:
+        layout = "zigzag" if layout != "zigzag" else "contiguous"
+    strategy = case.strategy
+    mesh = meshes["hybrid" if strategy == "hybrid" else "flat"]
+    reference = fuzz_reference(model, batch if case.invalid is None else None, case.world)
+    row = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=reference, floor=floor,
+                         layout=layout, num_items=items)
+    if case.invalid is not None:
+        return Outcome("inexact", f"rank {rank} ran through {case.invalid}")
+    return Outcome("exact" if row["ok"] else "inexact",
+                   f"loss diff {row['loss_diff']:.3g}, grad diff {row['grad_max']:.3g} ({row['worst_param']})")
