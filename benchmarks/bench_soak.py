@@ -7,14 +7,17 @@ Every rank runs ``seqpar train``'s own step (:class:`seqpar.train.loop.Trainer`:
 shard_batch, forward, backward, sync_gradients, the global norm, AdamW) on packed rows of a generated
 text file, and samples at every ``--every``-th step, after a ``gc.collect()``: its resident memory
 (VmRSS), the blocks CPython's allocator holds (``sys.getallocatedblocks``: a Python object kept per
-step shows there first) and the step's wall time (every step). After ``--warmup`` steps it fits a
-least-squares line to each series and prints the slope per 100 steps, per rank, and a verdict:
+step shows there first) and, every step, the step's wall time and the process's CPU time (the
+verdict uses the CPU time: on a shared machine the wall time follows the other jobs' load). After
+``--warmup`` steps it fits a least-squares line to each series and prints the slope per 100 steps,
+per rank, and a verdict:
 
     flat      the fitted growth over the whole measured window is within the noise bound below
     growing   it is not: something is kept per step (find it before shipping)
 
-Bounds (per rank): the fitted RSS growth over the measured window < 2 MiB; Python blocks < 500 per
-100 steps; the fitted step-time change over the window < 20% of the median step. The allocator
+Bounds (per rank): the fitted RSS growth over the measured window < 2 MiB (over the whole window or
+its second half); Python blocks < 500 per 100 steps; the fitted change of the step's CPU time over
+the window < 20% of its median. The allocator
 returns freed pages lazily, so RSS moves by a few hundred KiB either way without a leak; a leak of
 one tensor of the tiny model's activations per step would add tens of MiB over 2,000 steps. The
 blocks bound sits above torch's own: the same model in a plain torch + transformers loop (no
@@ -60,16 +63,18 @@ def _soak(rank: int, world: int, cfg_kw: dict, steps: int, every: int) -> dict:
     torch.set_num_threads(1)
     trainer = Trainer(prepare_job(TrainConfig(**cfg_kw), world))
     times: list[float] = []
+    cpu: list[float] = []
     samples: list[tuple[int, float, int]] = []  # (step, RSS MiB, allocated blocks)
     for step in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.forward_backward(trainer.step)
         trainer.optimizer_step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if (step + 1) % every == 0:
             gc.collect()
             samples.append((step + 1, rss_mib(), sys.getallocatedblocks()))
-    return {"times": times, "samples": samples}
+    return {"times": times, "cpu": cpu, "samples": samples}
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -82,28 +87,37 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 
 def analyse(result: dict, warmup: int) -> dict:
-    """One rank's slopes per 100 steps after ``warmup`` and its verdicts."""
+    """One rank's slopes per 100 steps after ``warmup`` (RSS also over the window's second half:
+    an allocator settling flattens there, a leak does not) and its verdicts."""
     samples = [s for s in result["samples"] if s[0] > warmup]
     steps = [float(s[0]) for s in samples]
-    times = result["times"][warmup:]
+    half = samples[len(samples) // 2:]
     span = (steps[-1] - steps[0]) if len(steps) > 1 else 0.0
     rss = slope(steps, [s[1] for s in samples]) * 100
+    rss_late = slope([float(s[0]) for s in half], [s[1] for s in half]) * 100
     blocks = slope(steps, [float(s[2]) for s in samples]) * 100
-    t = slope([float(warmup + i + 1) for i in range(len(times))], times) * 100
-    median = statistics.median(times) if times else 0.0
-    return {"rss_mib": samples[-1][1] if samples else 0.0, "rss_slope": rss, "blocks_slope": blocks,
-            "median_s": median, "time_slope": t,
-            "rss_flat": abs(rss) * span / 100 < RSS_BOUND_MIB, "blocks_flat": abs(blocks) < BLOCKS_BOUND,
-            "time_flat": abs(t) * len(times) / 100 < TIME_BOUND * median}
+    xs = [float(warmup + i + 1) for i in range(len(result["times"]) - warmup)]
+    t = slope(xs, result["times"][warmup:]) * 100
+    c = slope(xs, result["cpu"][warmup:]) * 100
+    median = statistics.median(result["times"][warmup:]) if xs else 0.0
+    median_cpu = statistics.median(result["cpu"][warmup:]) if xs else 0.0
+    return {"rss_mib": samples[-1][1] if samples else 0.0, "rss_slope": rss, "rss_late": rss_late,
+            "blocks_slope": blocks, "median_s": median, "time_slope": t, "median_cpu_s": median_cpu, "cpu_slope": c,
+            "rss_flat": min(abs(rss), abs(rss_late)) * span / 100 < RSS_BOUND_MIB,
+            "blocks_flat": abs(blocks) < BLOCKS_BOUND,
+            "time_flat": abs(c) * len(xs) / 100 < TIME_BOUND * median_cpu}
 
 
 def table(rows: list[dict], steps: int, warmup: int) -> str:
     lines = [f"soak: {steps} steps, slopes per 100 steps after {warmup} warm-up steps (least squares)",
-             f"{'rank':>4} {'RSS MiB':>8} {'RSS MiB/100':>12} {'blocks/100':>11} {'step ms':>8} {'step ms/100':>12}"]
+             f"{'rank':>4} {'RSS MiB':>8} {'RSS MiB/100':>12} {'2nd half':>9} {'blocks/100':>11} {'step ms':>8} "
+             f"{'ms/100':>8} {'CPU ms':>7} {'CPU ms/100':>11}"]
     for r, row in enumerate(rows):
-        lines.append(f"{r:>4} {row['rss_mib']:>8.1f} {row['rss_slope']:>12.4f} {row['blocks_slope']:>11.1f} "
-                     f"{row['median_s'] * 1e3:>8.2f} {row['time_slope'] * 1e3:>12.4f}")
-    for what, key in (("memory (RSS)", "rss_flat"), ("Python allocations", "blocks_flat"), ("step time", "time_flat")):
+        lines.append(f"{r:>4} {row['rss_mib']:>8.1f} {row['rss_slope']:>12.4f} {row['rss_late']:>9.4f} "
+                     f"{row['blocks_slope']:>11.1f} {row['median_s'] * 1e3:>8.2f} {row['time_slope'] * 1e3:>8.3f} "
+                     f"{row['median_cpu_s'] * 1e3:>7.2f} {row['cpu_slope'] * 1e3:>11.4f}")
+    for what, key in (("memory (RSS)", "rss_flat"), ("Python allocations", "blocks_flat"),
+                      ("step time (CPU)", "time_flat")):
         lines.append(f"verdict {what}: {'flat' if all(r[key] for r in rows) else 'growing'}")
     return "\n".join(lines)
 
