@@ -15,6 +15,9 @@ from .fuzz_cases import FuzzCase, Outcome
 
 ATTN_TOL = 1e-10  # float64 against float64: rounding only (as tests/attention)
 F32_ULPS = 8  # float32: twice the unsharded float32 reference's error plus 8 ulp (tests/attention/test_lse_kernels)
+# plus 2 ulp per rank: the sharded path merges P partial outputs (out, lse) and sums each K/V block's
+# gradient over P partials, in float32 -- a rounding of the running value per rank the unsharded kernel
+# does not have (measured: hybrid P=4, dk 3.0e-7 against 2.8e-7 for 8 ulp; seed 212)
 
 
 def attention_masks(case: FuzzCase, g: torch.Generator) -> tuple[Tensor | None, Tensor | None]:
@@ -57,7 +60,7 @@ def run_attention(case: FuzzCase, meshes: dict[str, DeviceMesh]) -> Outcome:
         low = [t.to(dt).requires_grad_(True) for t in (q, k, v)]
         low_out, _ = reference_attention(*low, **spec, key_padding_mask=keep, segment_ids=seg)
         low_out.backward(grad.to(dt))
-        floor = [2 * _err(x, y) + F32_ULPS * torch.finfo(dt).eps * float(y.detach().abs().max())
+        floor = [2 * _err(x, y) + (F32_ULPS + 2 * case.world) * torch.finfo(dt).eps * float(y.detach().abs().max())
                  for x, y in zip((low_out, *(t.grad for t in low)), (ref_out, *(t.grad for t in ref_in)), strict=True)]
 
     strategy, layout = case.strategy, case.layout
