@@ -1,6 +1,7 @@
 """``make bench``: every benchmark of the repository, one after the other, each printing its ratios.
 
-    python benchmarks/run_all.py            # strategies, vs DeepSpeed-Ulysses, the guard's cost, seqpar bench,
+    python benchmarks/run_all.py            # strategies, vs DeepSpeed-Ulysses, the guard's cost, the fault channel's
+                                            # cost, the seeded fuzz's counts, the soak's slopes, seqpar bench,
                                             # seqpar bench --packing (plain vs packed rows), issue 11's goals
                                             # (memory switches: peak, step time, seqpar bench --max-seq),
                                             # a ring step vs SDPA alone, one rank of P (issue 27)
@@ -64,6 +65,9 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_guard.py"), *(["--seq", "1024,2048"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_faults.py"),
          *(["--seq", "1024", "--repeats", "5"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_fuzz.py"), "--cases", "50" if args.quick else "200"],
+        [sys.executable, os.path.join(HERE, "bench_soak.py"),
+         *(["--steps", "400", "--warmup", "100"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_mixers.py"), *(["--seq", "1024"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_vision.py"), *(["--repeats", "2"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_kernels.py"), *_kernel_args(args.quick)],

@@ -39,7 +39,7 @@ from .layout import layout_permutation, layout_seq_lens
 from .ring_comm import COMMS
 from .shard import SeqShard, deferred_check, gather_global_masks
 from .spec import AttnSpec, Kernel, MaskInfo, check_supported
-from .validate import check_attention_inputs, check_grid_inputs
+from .validate import check_attention_inputs, check_grid_inputs, plan_code
 
 
 class AttnOptions(TypedDict, total=False):
@@ -209,7 +209,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, groups: Groups, options: Mapping[st
                                       " of this mesh"}[groups.strategy])
     if o.get("validate", True):
         kw = dict(spec=spec, key_padding_mask=mask, segment_ids=seg,
-                  shard_len=None if shard is None else shard.seq_lens[r * n_u + u])
+                  shard_len=None if shard is None else shard.seq_lens[r * n_u + u],
+                  how=plan_code(groups.strategy, o.get("layout"), comm if ring else None))
         seq_lens = (check_grid_inputs(q, k, v, groups.ulysses, groups.ring, **kw) if groups.strategy == "hybrid"
                     else check_attention_inputs(q, k, v, group=groups.stages[0], **kw))
     else:

@@ -21,17 +21,24 @@ _ATTN_NAMES = {
     "dropout": "dropout", "chunk": "chunk (attention_chunk_size)", "sinks.ndim": "whether sinks are given",
     "sinks.0": "number of sinks", "sinks.dtype": "dtype of sinks", "mask.ndim": "whether a key padding mask is given",
     "seg.ndim": "whether segment ids are given", "shard": "whether a SeqShard is given",
+    "how": "the strategy, layout or ring comm (each rank must run the same: strategy=, layout=, comm=)",
 }
+
+
+def plan_code(*names: str | None) -> float:
+    """One number for the choices that decide which collectives run (strategy, layout, ring comm),
+    exact in float64: ranks that chose differently would pair different collectives and hang."""
+    return float(sum(ord(c) * 131 ** i for i, c in enumerate("/".join(n or "-" for n in names))) % 2**52)
 
 
 def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, spec: AttnSpec,
                            key_padding_mask: Tensor | None = None, segment_ids: Tensor | None = None,
-                           shard_len: int | None = None) -> tuple[int, ...]:
+                           shard_len: int | None = None, how: float = 0.0) -> tuple[int, ...]:
     """Validate sequence-parallel attention inputs on every rank at once (one all-gather).
 
     Layouts: ``q [B, S_local, H, D]``, ``k [B, S_local, H_kv, D]``, ``v [B, S_local, H_kv, Dv]``,
     optional ``key_padding_mask`` / ``segment_ids [B, S_local]`` and ``spec.sinks [H]``. Returns
-    every rank's local length.
+    every rank's local length. ``how``: the call's :func:`plan_code` (the same on every rank).
     Raises the same ValueError on every rank if any rank's input is malformed or the ranks disagree.
     """
     def opt(x: float | None) -> float:
@@ -42,7 +49,7 @@ def check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, *, group: dist.Proce
              **shape_facts("sinks", spec.sinks, 2), "chunk": opt(spec.chunk),
              "causal": float(spec.causal), "scale": opt(spec.scale), "window": opt(spec.window),
              "softcap": opt(spec.softcap), "dropout": float(spec.dropout),
-             "shard": 0.0 if shard_len is None else 1.0, "shard_len": opt(shard_len)}
+             "shard": 0.0 if shard_len is None else 1.0, "shard_len": opt(shard_len), "how": how}
     table = share(facts, group, problem=_problem(facts), device=q.device)
     check(table, same=list(_ATTN_NAMES), what="attention input", describe=lambda n: _ATTN_NAMES[n])
     return tuple(int(row["q.1"]) for row in table.rows)
@@ -83,7 +90,7 @@ def _problem(f: dict[str, float]) -> str | None:
 
 def check_grid_inputs(q: Tensor, k: Tensor, v: Tensor, ulysses_group: dist.ProcessGroup,
                       ring_group: dist.ProcessGroup, *, spec: AttnSpec, key_padding_mask: Tensor | None,
-                      segment_ids: Tensor | None, shard_len: int | None) -> tuple[int, ...]:
+                      segment_ids: Tensor | None, shard_len: int | None, how: float = 0.0) -> tuple[int, ...]:
     """Validate over a whole ``ring x ulysses`` grid so every rank raises the same ValueError.
 
     1. Each ulysses group checks its ranks' inputs (one all-gather); an error is kept, not raised.
@@ -92,7 +99,7 @@ def check_grid_inputs(q: Tensor, k: Tensor, v: Tensor, ulysses_group: dist.Proce
     3. All inputs are well-formed now; the ring group checks that the groups agree (same heads,
        dtype, options), which every ring group sees alike. Returns all sp ranks' local lengths.
     """
-    kw = dict(spec=spec, key_padding_mask=key_padding_mask, segment_ids=segment_ids, shard_len=shard_len)
+    kw = dict(spec=spec, key_padding_mask=key_padding_mask, segment_ids=segment_ids, shard_len=shard_len, how=how)
     n_u = dist.get_world_size(ulysses_group)
     try:
         lens, err = check_attention_inputs(q, k, v, group=ulysses_group, **kw), None

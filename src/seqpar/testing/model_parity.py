@@ -250,7 +250,8 @@ def sp_loss_scale(mesh: DeviceMesh) -> int:
 
 def compare_models(sp_model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMesh, *, strategy: str,
                    reference: tuple[float, dict[str, Tensor | None]], floor: Floor = Floor(),
-                   layout: str = "contiguous", mixer_mode: str | None = None) -> dict[str, Any]:
+                   layout: str = "contiguous", mixer_mode: str | None = None,
+                   num_items: float | None = None) -> dict[str, Any]:
     """Run ``sp_model`` (a copy of the reference model, parallelized here and restored after) on
     its shard of ``batch``; compare its loss and synced gradients with ``reference``
     (:func:`reference_grads`), where the model is float32-exact only by its own code
@@ -258,13 +259,13 @@ def compare_models(sp_model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMe
     mode of hybrid token mixers (:func:`seqpar.integrations.mixers.set_mixer_mode`; None: seqpar
     chooses). Returns ``{loss_ref, loss_diff, loss_tol, grad_diff: {group: max}, grad_max,
     worst_param, f32_params, f32_rel, ok, mixer_modes}`` (``mixer_modes``: token-mixer class -> the
-    mode it ran in)."""
+    mode it ran in). ``num_items``: shard_batch's ``num_items_in_batch`` (None: the batch's targets)."""
     ref_loss, ref_grads = reference
     parallelize(sp_model, mesh, strategy=strategy)
     try:
         if mixer_mode is not None:
             set_mixer_mode(sp_model, mixer_mode)
-        local = shard_batch(batch, mesh, layout=layout)
+        local = shard_batch(batch, mesh, layout=layout, num_items_in_batch=num_items)
         loss = sp_model(**local).loss
         loss.backward()
         sync_gradients(sp_model, mesh)

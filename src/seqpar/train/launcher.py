@@ -66,6 +66,26 @@ def run_local(job: Job, *, stop_after: int | None = None) -> RunSummary:
     return results[0]
 
 
+def restart_store(timeout: timedelta) -> dict:
+    """``init_process_group`` keywords for a group torchrun's agent restarted (``--max-restarts``):
+    the agent's store under a prefix of its own per attempt; none on the first attempt.
+
+    The agent keeps one store across restarts (torch 2.13, static and c10d rendezvous alike) and
+    the workers use it without a prefix per attempt, so a restarted rank can read the addresses
+    the killed attempt's ranks published and fail connecting to a dead port (gloo, measured: about
+    every other restart), and seqpar's fault channel would read the killed attempt's faults."""
+    env = os.environ
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    import torch.distributed as dist
+
+    world = int(env["WORLD_SIZE"])
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"seqpar/attempt_{attempt}", store), "rank": int(env["RANK"]),
+            "world_size": world}
+
+
 def run_torchrun(cfg: TrainConfig) -> RunSummary | None:
     """Run as one rank of a torchrun job: NCCL and one GPU per rank when CUDA is there, else gloo.
     Options are checked before the process group starts (a ValueError is the same on every rank).
@@ -85,6 +105,7 @@ def run_torchrun(cfg: TrainConfig) -> RunSummary | None:
     else:
         torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     timeout = collective_timeout(cfg, "cuda" if backend == "nccl" else "cpu")  # NCCL's watchdog too
+    kw.update(restart_store(timedelta(seconds=timeout)))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kw)
     # no destroy_process_group on the way out of a failure: while a peer still waits in a collective
     # it hangs (gloo, measured); the exception ends this process, which frees the peer
