@@ -60,11 +60,13 @@ def _counts(rank, world):
             batch = case_batch(ModelCase(batch="padded", seq=16), model.config.vocab_size)
             with count_collectives() as c_shard:
                 local = seqpar.shard_batch(batch, mesh)
+            with count_collectives() as c_first, torch.no_grad():
+                model(**local)  # a model's first forward also checks that every rank chose the same strategy
             with count_collectives() as c_fwd:
                 loss = model(**local).loss
             with count_collectives() as c_bwd:
                 loss.backward()
-            out[(p, layers)] = (dict(c_shard), dict(c_fwd), dict(c_bwd))
+            out[(p, layers)] = (dict(c_shard), dict(c_fwd), dict(c_bwd), dict(c_first))
     return out
 
 
@@ -115,6 +117,9 @@ def _misuse(rank, world):
     attempt("parallelized twice", lambda: seqpar.parallelize(model, mesh))
     attempt("unsharded batch into a parallel model", lambda: model(**batch))
     attempt("unknown strategy", lambda: seqpar.parallelize(make_model(ModelCase()), mesh, strategy="nope"))
+    # the fuzz's finding: ranks on different strategies paired different collectives (a hang or a gloo abort)
+    other_strategy = seqpar.parallelize(make_model(ModelCase()), mesh, strategy="ring" if rank == 1 else "ulysses")
+    attempt("strategies differ across ranks", lambda: other_strategy(**local))
     attn = AttentionInterface()[model.config._attn_implementation]  # seqpar's function, as layers call it
     module = model.model.layers[0].self_attn
     q = torch.randn(2, 4, local["input_ids"].shape[1], 8, dtype=torch.float64)
@@ -209,11 +214,13 @@ def test_collectives_per_forward(results):
     # (batched point-to-point transfers) and the loss's one all-reduce (which also carries the
     # batch's attention failures: a failure on one rank is raised on every rank, see
     # seqpar.comm.guard); backward: the same per layer, and the batch's failure check when it ends
-    # (one tiny all-gather per backward, not per layer). Nothing else.
+    # (one tiny all-gather per backward, not per layer). Nothing else. A model's first forward adds
+    # one tiny all-gather: every rank parallelized it with the same strategy.
     for res in results:
-        for (p, layers), (shard, fwd, bwd) in res["counts"].items():
+        for (p, layers), (shard, fwd, bwd, first) in res["counts"].items():
             assert shard == {"all_gather_flat": 1}, (p, layers, shard)
             per_layer = {"batch_isend_irecv": 2 * layers}
+            assert first == {**per_layer, "all_reduce": 1, "all_gather_flat": 1}, (p, layers, first)
             assert fwd == {**per_layer, "all_reduce": 1}, (p, layers, fwd)
             assert bwd == {**per_layer, "all_gather_flat": 1}, (p, layers, bwd)
 
@@ -234,6 +241,7 @@ MISUSE = {
     "parallelized twice": "already parallelized",
     "unsharded batch into a parallel model": "shard_batch",
     "unknown strategy": "unknown strategy 'nope'",
+    "strategies differ across ranks": "the strategy differs across ranks: ['2', '1', '2', '2']",
     "the model's own mask": "passes its own attention mask",
 }
 

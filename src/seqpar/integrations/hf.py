@@ -49,6 +49,7 @@ from ..attention.kernels import KernelArg
 from ..attention.shard import chunked_documents
 from ..batch.loss import make_loss_function
 from ..batch.sharding import BATCH_KWARG, LocalBatch
+from ..comm.agree import check, share
 from ..comm.mesh import Axis, as_mesh, axis_group
 from ..errors import Refused
 from .fsdp import check_gradient_reduction
@@ -195,8 +196,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         raise Refused(f"{type(model).__name__} does not route its attention through transformers' "
                       "AttentionInterface, so seqpar cannot wrap it (its attention would stay local)")
 
+    agreed = []
+
     def catch_batch(_module: nn.Module, _args: Any, kwargs: dict[str, Any]) -> None:
         last.batch = kwargs.get(BATCH_KWARG)
+        if not agreed and not torch.compiler.is_compiling():  # once per parallelize, before any layer's collective
+            check_same_strategy(mesh, strategy)
+            agreed.append(True)
         # a step that will have gradients: are they reduced over every rank? (Eager calls only: the
         # check reads process groups and wrapper state, which would break a compiled graph at its
         # first line; so a forward traced by torch.compile skips it: a known limit, README)
@@ -224,6 +230,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         undo(model, "parallel")  # nothing half-installed stays behind
         raise
     return outer
+
+
+def check_same_strategy(mesh: DeviceMesh, strategy: str) -> None:
+    """Raise the same ValueError on every rank of the sp group unless every rank parallelized its
+    model with the same strategy: the layers' attention skips per-call validation (shard_batch
+    checked the batch), and ranks on different strategies would pair different collectives -- a
+    hang, or gloo aborting the process. One tiny all-gather, at a model's first forward."""
+    names = sorted(STRATEGIES)
+    table = share({"strategy": float(names.index(strategy))}, axis_group(mesh, Axis.SP.value))
+    check(table, what="parallelized model", same=("strategy",), describe=lambda _: "the strategy",
+          hint=f"({', '.join(f'{i} = {n}' for i, n in enumerate(names))}): call seqpar.parallelize(model, mesh, "
+               "strategy=...) with the same strategy on every rank")
 
 
 def _set_attention(model: nn.Module, implementation: str | None, sub_config: str | None) -> None:
