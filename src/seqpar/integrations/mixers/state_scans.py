@@ -90,14 +90,14 @@ class DeltaRule:
     out_dim = 1
 
     def local(self, call: KernelCall) -> Local:
-        v = call["value"]  # [n, T, H, V]
-        n, t, h, dv = v.shape
-        dk = call["key"].shape[-1]
-        dtype = _state_dtype(v)
-        wide = torch.cat([v, v.new_zeros(n, t, h, dk)], -1)  # [n, T, H, V + K]
-        eye = torch.eye(dk, dtype=dtype, device=v.device).expand(n, h, dk, dk)
-        init = torch.cat([eye.new_zeros(n, h, dk, dv), eye], -1)  # [n, H, K, V + K]
-        out, final = call.replace(value=wide, initial_state=init, output_final_state=True)()
+        dv = call["value"].shape[-1]
+        names = [name for name in self.token_dims if call[name] is not None]
+        inputs = [call[name] for name in names]
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+            # recomputed in backward: the kernel's intermediates are not kept (see the module doc)
+            out, final = checkpoint(_widened, call, names, *inputs, use_reentrant=False)
+        else:
+            out, final = _widened(call, names, *inputs)
         # out [n, T, H, V + K] = [out0 | Q'];  final [n, H, K, V + K] = [B | M]. Q' kept as its own
         # tensor (the correction saves it for backward), so that `out` dies with the layer's forward
         return Local(out[..., :dv], final[..., dv:], final[..., :dv], aux=out[..., dv:].contiguous())
@@ -112,6 +112,19 @@ class DeltaRule:
     def result(self, out: Tensor, call: KernelCall) -> Any:
         assert not call["output_final_state"], "a cached call does not run sequence-parallel"
         return out, None
+
+
+def _widened(call: KernelCall, names: list[str], *inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel on ``inputs`` (the token arguments ``names``) with ``K`` more value columns, all
+    zero, whose initial state is the identity: ``[out0 | Q']``, ``[B | M]``."""
+    call = call.replace(**dict(zip(names, inputs, strict=True)))
+    v = call["value"]  # [n, T, H, V]
+    n, t, h, dv = v.shape
+    dk = call["key"].shape[-1]
+    wide = torch.cat([v, v.new_zeros(n, t, h, dk)], -1)  # [n, T, H, V + K]
+    eye = torch.eye(dk, dtype=_state_dtype(v), device=v.device).expand(n, h, dk, dk)
+    init = torch.cat([eye.new_zeros(n, h, dk, dv), eye], -1)  # [n, H, K, V + K]
+    return call.replace(value=wide, initial_state=init, output_final_state=True)()
 
 
 class Mamba2:
