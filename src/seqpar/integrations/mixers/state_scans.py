@@ -16,6 +16,13 @@ never mix, so the kernel runs ONCE with ``K`` more value columns, all zero, whos
 the identity: ``v' = [v | 0]``, ``S0' = [0 | I]``. Their final state is ``M [K, K]``, their output
 ``Q'`` (``q`` carried through the piece's transitions), and ``o = out0 + Q' S``. Kernel work grows
 by ``(V + K) / V``; the kernel does all of it (fla's on a GPU, transformers' torch code on a CPU).
+That widened call is checkpointed (:func:`torch.utils.checkpoint.checkpoint`, non-reentrant): the
+forward keeps its inputs and ``Q'``, not the kernel's intermediates, which the backward recomputes
+-- one more kernel forward per layer and step, the same kernel on the same inputs. Kept, the widened
+kernel's intermediates would be ``(V + K) / V`` times the unsharded layer's for every value-width
+tensor (transformers' torch code: the padded values, the triangular solve's result, each chunk's
+corrected values and states), so that a rank at P = 4 held more than a quarter of P = 1's
+activations; recomputed, the layer keeps less per token than it does unsharded.
 
 ``Mamba2`` -- SSD (``mamba2_chunk_scan``): state ``h [H, P, N]``, ``h <- exp(dt A) h + dt B x^T``,
 ``y = C^T h + D x``. The decay is one scalar per head and step, so one extra zero input column
