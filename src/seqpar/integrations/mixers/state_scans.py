@@ -16,6 +16,13 @@ never mix, so the kernel runs ONCE with ``K`` more value columns, all zero, whos
 the identity: ``v' = [v | 0]``, ``S0' = [0 | I]``. Their final state is ``M [K, K]``, their output
 ``Q'`` (``q`` carried through the piece's transitions), and ``o = out0 + Q' S``. Kernel work grows
 by ``(V + K) / V``; the kernel does all of it (fla's on a GPU, transformers' torch code on a CPU).
+That widened call is checkpointed (:func:`torch.utils.checkpoint.checkpoint`, non-reentrant): the
+forward keeps its inputs and ``Q'``, not the kernel's intermediates, which the backward recomputes
+-- one more kernel forward per layer and step, the same kernel on the same inputs. Kept, the widened
+kernel's intermediates would be ``(V + K) / V`` times the unsharded layer's for every value-width
+tensor (transformers' torch code: the padded values, the triangular solve's result, each chunk's
+corrected values and states), so that a rank at P = 4 held more than a quarter of P = 1's
+activations; recomputed, the layer keeps less per token than it does unsharded.
 
 ``Mamba2`` -- SSD (``mamba2_chunk_scan``): state ``h [H, P, N]``, ``h <- exp(dt A) h + dt B x^T``,
 ``y = C^T h + D x``. The decay is one scalar per head and step, so one extra zero input column
@@ -90,14 +97,14 @@ class DeltaRule:
     out_dim = 1
 
     def local(self, call: KernelCall) -> Local:
-        v = call["value"]  # [n, T, H, V]
-        n, t, h, dv = v.shape
-        dk = call["key"].shape[-1]
-        dtype = _state_dtype(v)
-        wide = torch.cat([v, v.new_zeros(n, t, h, dk)], -1)  # [n, T, H, V + K]
-        eye = torch.eye(dk, dtype=dtype, device=v.device).expand(n, h, dk, dk)
-        init = torch.cat([eye.new_zeros(n, h, dk, dv), eye], -1)  # [n, H, K, V + K]
-        out, final = call.replace(value=wide, initial_state=init, output_final_state=True)()
+        dv = call["value"].shape[-1]
+        names = [name for name in self.token_dims if call[name] is not None]
+        inputs = [call[name] for name in names]
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+            # recomputed in backward: the kernel's intermediates are not kept (see the module doc)
+            out, final = checkpoint(_widened, call, names, *inputs, use_reentrant=False)
+        else:
+            out, final = _widened(call, names, *inputs)
         # out [n, T, H, V + K] = [out0 | Q'];  final [n, H, K, V + K] = [B | M]. Q' kept as its own
         # tensor (the correction saves it for backward), so that `out` dies with the layer's forward
         return Local(out[..., :dv], final[..., dv:], final[..., :dv], aux=out[..., dv:].contiguous())
@@ -112,6 +119,19 @@ class DeltaRule:
     def result(self, out: Tensor, call: KernelCall) -> Any:
         assert not call["output_final_state"], "a cached call does not run sequence-parallel"
         return out, None
+
+
+def _widened(call: KernelCall, names: list[str], *inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel on ``inputs`` (the token arguments ``names``) with ``K`` more value columns, all
+    zero, whose initial state is the identity: ``[out0 | Q']``, ``[B | M]``."""
+    call = call.replace(**dict(zip(names, inputs, strict=True)))
+    v = call["value"]  # [n, T, H, V]
+    n, t, h, dv = v.shape
+    dk = call["key"].shape[-1]
+    wide = torch.cat([v, v.new_zeros(n, t, h, dk)], -1)  # [n, T, H, V + K]
+    eye = torch.eye(dk, dtype=_state_dtype(v), device=v.device).expand(n, h, dk, dk)
+    init = torch.cat([eye.new_zeros(n, h, dk, dv), eye], -1)  # [n, H, K, V + K]
+    return call.replace(value=wide, initial_state=init, output_final_state=True)()
 
 
 class Mamba2:
