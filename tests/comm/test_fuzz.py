@@ -19,6 +19,8 @@ WORLD = 4  # make test: one spawn, at the size that also draws the hybrid strate
 REGRESSIONS = {  # seeds at WORLD whose cases found a bug (fixed), run first
     35: "rank 1 ran ring, the others ulysses: the ranks hung in different collectives (now: a ValueError); "
         "found at P=2 by an earlier draw",
+    80: "rank 3 parallelized the model with ring, the others with ulysses: a hang or a gloo abort (now: a "
+        "ValueError at the model's first forward)",
 }
 
 
@@ -47,7 +49,8 @@ def test_verdict_holds_every_case_to_exact_or_valueerror_everywhere():
 
 
 def test_fuzz_small():
-    assert draw(35, WORLD).odd == "strategy"  # the regression is still what the seed draws
+    assert draw(35, WORLD).odd == "strategy"  # the regressions are still what their seeds draw
+    assert (draw(80, WORLD).target, draw(80, WORLD).odd, draw(80, WORLD).strategy) == ("model", "strategy", "ulysses")
     counts, bad = _run(WORLD, [*REGRESSIONS, *range(1000, 1012)])
     assert not bad, "\n".join(bad)
     assert counts.get("exact", 0) > 0 and any(k.startswith("ValueError[odd") for k in counts), counts

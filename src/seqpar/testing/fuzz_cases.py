@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 ATTN_ODD = ("dtype", "heads", "head_dim", "batch", "mask-given", "mask-shape", "causal", "window", "strategy",
             "seq-k", "layout")
-# Known limits, not drawn (each ends in a timeout on every rank, within the process-group timeout, not a
-# ValueError): one rank running hybrid attention while the others run ulysses or ring (its first
-# collectives are over its ulysses sub-group, theirs over the whole sp group: nothing to agree over), and
-# ranks that parallelize a model with different strategies (the model's attention runs validate=False,
-# on shard_batch's agreement, which does not know the model).
-MODEL_ODD = ("ids", "seq", "layout", "mask-given", "items", "labels")
+# A known limit, not drawn (it ends in a timeout on every rank, within the process-group timeout, not a
+# ValueError): one rank calling sp_attention with hybrid while the others run ulysses or ring (its first
+# collectives are over its ulysses sub-group, theirs over the whole sp group: nothing to agree over).
+# Ranks that parallelize a model with different strategies get a ValueError at its first forward.
+MODEL_ODD = ("ids", "seq", "layout", "mask-given", "items", "labels", "strategy")
 
 
 @dataclass(frozen=True)
