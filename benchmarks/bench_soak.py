@@ -69,8 +69,10 @@ def _soak(rank: int, world: int, cfg_kw: dict, steps: int, every: int) -> dict:
 
     torch.set_num_threads(1)
     trainer = Trainer(prepare_job(TrainConfig(**cfg_kw), world))
+    control = _plain_control(trainer.model.config, cfg_kw["seq_len"])
     times: list[float] = []
     cpu: list[float] = []
+    control_cpu: list[tuple[int, float]] = []  # (step, CPU s of one plain forward + backward)
     samples: list[tuple[int, float, int]] = []  # (step, RSS MiB, allocated blocks)
     for step in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -81,7 +83,31 @@ def _soak(rank: int, world: int, cfg_kw: dict, steps: int, every: int) -> dict:
         if (step + 1) % every == 0:
             gc.collect()
             samples.append((step + 1, rss_mib(), sys.getallocatedblocks()))
-    return {"times": times, "cpu": cpu, "samples": samples}
+            c0 = time.process_time()
+            control()
+            control_cpu.append((step + 1, time.process_time() - c0))
+    return {"times": times, "cpu": cpu, "samples": samples, "control": control_cpu}
+
+
+def _plain_control(config, seq_len: int):
+    """The control: one forward + backward of the same model built by transformers alone (no seqpar,
+    no collectives, fixed tokens, no optimizer), which every sample times. Its CPU time drifts only with
+    the machine (the other jobs' load on the shared cores), so a step time that drifts with it is not ours."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    ids = torch.randint(0, config.vocab_size, (1, seq_len))  # [1, S]: the unsharded row
+
+    def run() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -108,23 +134,33 @@ def analyse(result: dict, warmup: int) -> dict:
     c = slope(xs, result["cpu"][warmup:]) * 100
     median = statistics.median(result["times"][warmup:]) if xs else 0.0
     median_cpu = statistics.median(result["cpu"][warmup:]) if xs else 0.0
+    ctrl = [(float(k), v) for k, v in result.get("control", []) if k > warmup]
+    ctrl_median = statistics.median([v for _, v in ctrl]) if ctrl else 0.0
+    ctrl_slope = slope([k for k, _ in ctrl], [v for _, v in ctrl]) * 100
+    # the step's relative drift over the window less the plain control's: what the machine does not explain
+    excess = ((c / median_cpu if median_cpu else 0.0) - (ctrl_slope / ctrl_median if ctrl_median else 0.0)) \
+        * len(xs) / 100
     return {"rss_mib": samples[-1][1] if samples else 0.0, "rss_slope": rss, "rss_late": rss_late,
             "blocks_slope": blocks, "median_s": median, "time_slope": t, "median_cpu_s": median_cpu, "cpu_slope": c,
+            "control_s": ctrl_median, "control_slope": ctrl_slope, "excess": excess,
             "rss_flat": min(abs(rss), abs(rss_late)) * span / 100 < RSS_BOUND_MIB,
             "blocks_flat": abs(blocks) < BLOCKS_BOUND,
-            "time_flat": abs(c) * len(xs) / 100 < TIME_BOUND * median_cpu}
+            "time_flat": abs(c) * len(xs) / 100 < TIME_BOUND * median_cpu,
+            "excess_flat": abs(excess) < TIME_BOUND}
 
 
 def table(rows: list[dict], steps: int, warmup: int) -> str:
     lines = [f"soak: {steps} steps, slopes per 100 steps after {warmup} warm-up steps (least squares)",
              f"{'rank':>4} {'RSS MiB':>8} {'RSS MiB/100':>12} {'2nd half':>9} {'blocks/100':>11} {'step ms':>8} "
-             f"{'ms/100':>8} {'CPU ms':>7} {'CPU ms/100':>11}"]
+             f"{'ms/100':>8} {'CPU ms':>7} {'CPU ms/100':>11} {'plain ms':>9} {'plain ms/100':>13} {'excess':>7}"]
     for r, row in enumerate(rows):
         lines.append(f"{r:>4} {row['rss_mib']:>8.1f} {row['rss_slope']:>12.4f} {row['rss_late']:>9.4f} "
                      f"{row['blocks_slope']:>11.1f} {row['median_s'] * 1e3:>8.2f} {row['time_slope'] * 1e3:>8.3f} "
-                     f"{row['median_cpu_s'] * 1e3:>7.2f} {row['cpu_slope'] * 1e3:>11.4f}")
+                     f"{row['median_cpu_s'] * 1e3:>7.2f} {row['cpu_slope'] * 1e3:>11.4f} "
+                     f"{row['control_s'] * 1e3:>9.2f} {row['control_slope'] * 1e3:>13.4f} {row['excess']:>7.1%}")
     for what, key in (("memory (RSS)", "rss_flat"), ("Python allocations", "blocks_flat"),
-                      ("step time (CPU)", "time_flat")):
+                      ("step time (CPU)", "time_flat"), ("step time (CPU) beyond the plain control's drift",
+                                                         "excess_flat")):
         lines.append(f"verdict {what}: {'flat' if all(r[key] for r in rows) else 'growing'}")
     return "\n".join(lines)
 
