@@ -1,5 +1,6 @@
 """benchmarks/bench_soak.py at a smoke size: the soak runs seqpar train's step on 4 gloo ranks and
-prints its table of slopes and verdicts (the figures themselves are the benchmark's, not asserted)."""
+prints its table of slopes and verdicts, with the plain-model control (the figures themselves are the
+benchmark's, not asserted)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def test_slope_is_least_squares(bench):
     assert bench.slope([5.0], [1.0]) == 0.0
 
 
+def test_a_drift_the_plain_control_shares_is_the_machines(bench):
+    # the step and the control both get 50% slower over the window: growing by the raw bound, flat beyond
+    # the control's drift; a step that alone slows is growing by both
+    steps, every, warmup = 400, 10, 100
+    cpu = [0.070 * (1 + 0.5 * i / steps) for i in range(steps)]
+    control = [(k, 0.014 * (1 + 0.5 * k / steps)) for k in range(every, steps + 1, every)]
+    result = {"times": cpu, "cpu": cpu, "samples": [(k, 300.0, 1000) for k in range(every, steps + 1, every)],
+              "control": control}
+    shared = bench.analyse(result, warmup)
+    assert not shared["time_flat"] and shared["excess_flat"], shared
+    assert abs(shared["excess"]) < 0.05, shared
+    alone = bench.analyse({**result, "control": [(k, 0.014) for k, _ in control]}, warmup)
+    assert not alone["time_flat"] and not alone["excess_flat"], alone
+
+
 @pytest.mark.distributed
 def test_soak_runs_and_prints_its_table():
     # its own process, as make bench runs it: the workers unpickle the bench's function from __main__
@@ -39,6 +55,7 @@ def test_soak_runs_and_prints_its_table():
     assert "seqpar soak: 4 ranks (sp=2, ulysses)" in out and "soak: 24 steps" in out, out
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"], out  # one row per rank, every column a number
-    assert all(len(r) == 9 and all(float(x) == float(x) for x in r[1:]) for r in rows), out
-    for what in ("memory (RSS)", "Python allocations", "step time (CPU)"):
+    assert all(len(r) == 12 and all(float(x.rstrip("%")) == float(x.rstrip("%")) for x in r[1:]) for r in rows), out
+    for what in ("memory (RSS)", "Python allocations", "step time (CPU)",
+                 "step time (CPU) beyond the plain control's drift"):
         assert f"verdict {what}: flat" in out or f"verdict {what}: growing" in out, out
