@@ -21,6 +21,9 @@ REGRESSIONS = {  # seeds at WORLD whose cases found a bug (fixed), run first
         "found at P=2 by an earlier draw",
     80: "rank 3 parallelized the model with ring, the others with ulysses: a hang or a gloo abort (now: a "
         "ValueError at the model's first forward)",
+    265: "rank 1 ran ring on the hybrid mesh, the others hybrid: hybrid validated over its ulysses sub-group, "
+         "ring over the whole sp group -- a timeout on every rank (now: hybrid agrees over the mesh's sp group, "
+         "a ValueError)",
 }
 
 
@@ -51,6 +54,7 @@ def test_verdict_holds_every_case_to_exact_or_valueerror_everywhere():
 def test_fuzz_small():
     assert draw(35, WORLD).odd == "strategy"  # the regressions are still what their seeds draw
     assert (draw(80, WORLD).target, draw(80, WORLD).odd, draw(80, WORLD).strategy) == ("model", "strategy", "ulysses")
+    assert (draw(265, WORLD).strategy, draw(265, WORLD).odd) == ("hybrid", "strategy")
     counts, bad = _run(WORLD, [*REGRESSIONS, *range(1000, 1012)])
     assert not bad, "\n".join(bad)
     assert counts.get("exact", 0) > 0 and any(k.startswith("ValueError[odd") for k in counts), counts

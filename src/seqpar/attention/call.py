@@ -98,13 +98,17 @@ class Groups:
     (``sp_rank = ring_rank * U + ulysses_rank``). ``ring_grad``: a second group over the ring's
     ranks for the backward's dK/dV hops. ``mesh`` and ``axes`` (the mesh axis of each group):
     where the groups come from when a mesh gave them (:func:`seqpar.sp_attention`) -- what a call
-    inside ``torch.compile`` needs to find them again (:mod:`seqpar.attention.ops`)."""
+    inside ``torch.compile`` needs to find them again (:mod:`seqpar.attention.ops`). ``sp``: the
+    whole grid's group when the mesh has one (hybrid only): the call's validation agrees over it,
+    the group a rank that chose Ulysses or ring on the same mesh checks over, so a strategy
+    disagreement is one ValueError on every rank, not collectives paired over different groups."""
 
     ulysses: dist.ProcessGroup | None = None
     ring: dist.ProcessGroup | None = None
     ring_grad: dist.ProcessGroup | None = None
     mesh: DeviceMesh | None = None
     axes: tuple[str | None, str | None] = (None, None)
+    sp: dist.ProcessGroup | None = None
 
     @property
     def strategy(self) -> str:
@@ -211,8 +215,10 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, groups: Groups, options: Mapping[st
         kw = dict(spec=spec, key_padding_mask=mask, segment_ids=seg,
                   shard_len=None if shard is None else shard.seq_lens[r * n_u + u],
                   how=plan_code(groups.strategy, o.get("layout"), comm if ring else None))
-        seq_lens = (check_grid_inputs(q, k, v, groups.ulysses, groups.ring, **kw) if groups.strategy == "hybrid"
-                    else check_attention_inputs(q, k, v, group=groups.stages[0], **kw))
+        if groups.strategy == "hybrid" and groups.sp is None:  # two bare groups: agree over each in turn
+            seq_lens = check_grid_inputs(q, k, v, groups.ulysses, groups.ring, **kw)
+        else:  # a hybrid's sp group lists its ranks ring-major, as the grid does
+            seq_lens = check_attention_inputs(q, k, v, group=groups.sp or groups.stages[0], **kw)
     else:
         seq_lens = shard.seq_lens if shard is not None else (q.shape[1],) * (n_u * n_r)
     check_supported(kern, spec)  # after the cross-rank check: the spec is now known to be the same everywhere

@@ -39,7 +39,9 @@ def mesh_groups(mesh: DeviceMesh, strategy: str) -> Groups:
     u_axis, r_axis = AXES[strategy]
     return Groups(ulysses=None if u_axis is None else axis_group(mesh, u_axis),
                   ring=None if r_axis is None else axis_group(mesh, r_axis),
-                  ring_grad=None if r_axis is None else grad_group(mesh, r_axis), mesh=mesh, axes=(u_axis, r_axis))
+                  ring_grad=None if r_axis is None else grad_group(mesh, r_axis), mesh=mesh, axes=(u_axis, r_axis),
+                  sp=axis_group(mesh, Axis.SP.value) if strategy == "hybrid" and has_axis(mesh, Axis.SP.value)
+                  else None)
 
 
 def _entry(strategy: str) -> Callable[..., Tensor]:

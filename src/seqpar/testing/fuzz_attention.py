@@ -69,7 +69,7 @@ def run_attention(case: FuzzCase, meshes: dict[str, DeviceMesh]) -> Outcome:
         strategy = "ring" if strategy != "ring" else "ulysses"
     if odd == "layout":
         layout = "zigzag" if layout == "contiguous" else "contiguous"
-    mesh = meshes["hybrid" if strategy == "hybrid" else "flat"]
+    mesh = meshes["hybrid" if case.strategy == "hybrid" else "flat"]  # one mesh for all: the majority's
     ulysses = 2 if strategy == "hybrid" else 1
     idx = layout_indices(s, case.world, layout, ulysses)[rank]
     local = [t[:, idx].to(dt) for t in (q, k, v)]

@@ -174,9 +174,9 @@ def run_model(case: FuzzCase, meshes: dict[str, DeviceMesh]) -> Outcome:
     if case.odd == "layout" and rank == case.odd_rank:
         layout = "zigzag" if layout != "zigzag" else "contiguous"
     strategy = case.strategy
-    if case.odd == "strategy" and rank == case.odd_rank:  # never hybrid (draw): the flat mesh's sp group on every rank
+    if case.odd == "strategy" and rank == case.odd_rank:
         strategy = "ring" if strategy == "ulysses" else "ulysses"
-    mesh = meshes["hybrid" if strategy == "hybrid" else "flat"]
+    mesh = meshes["hybrid" if case.strategy == "hybrid" else "flat"]  # one mesh for all: the majority's
     reference = fuzz_reference(model, batch if case.invalid is None else None, case.world)
     row = compare_models(copy.deepcopy(model), batch, mesh, strategy=strategy, reference=reference, floor=floor,
                          layout=layout, num_items=items)
