@@ -62,8 +62,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import compat
 from ..attention.layout import inverse_permutation
-from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, checksum, count_target_tokens, shard_batch
+from ..batch.local_batch import BATCH_KWARG, LocalBatch
+from ..batch.sharding import count_target_tokens, shard_batch
 from ..batch.targets import CU_SEQLENS_KEYS
+from ..batch.validate import BATCH_KEYS, checksum
 from ..batch.visual import ROUTED_KEYS, fingerprint, refused_key_problem
 from ..comm import faults
 from ..comm.agree import Table, check, share
