@@ -63,7 +63,7 @@ def _mesh(world: int):
 
 def _layers(rank: int, world: int, seq: int, repeats: int) -> dict:
     import seqpar
-    from seqpar.batch.sharding import BATCH_KWARG
+    from seqpar.batch.local_batch import BATCH_KWARG
     from seqpar.comm.mesh import axis_group
     from seqpar.integrations.mixers import family_of, run_token_mixer, token_mixers
     from seqpar.integrations.mixers.choice import choose
@@ -162,7 +162,7 @@ def _layer_bytes(rank: int, world: int, seq: int, modes: tuple[str, ...]) -> dic
     """One Gated DeltaNet layer of the hybrid on this rank's shard, per mode: the bytes its forward
     leaves alive for the backward, and the bytes its collectives move forward + backward."""
     import seqpar
-    from seqpar.batch.sharding import BATCH_KWARG
+    from seqpar.batch.local_batch import BATCH_KWARG
     from seqpar.comm.counting import count_collective_bytes
     from seqpar.comm.mesh import axis_group
     from seqpar.integrations.mixers import run_token_mixer, token_mixers

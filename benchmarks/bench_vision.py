@@ -54,7 +54,7 @@ def _batch(model) -> dict:
 
 def _work(rank: int, world: int, repeats: int) -> dict:
     import seqpar
-    from seqpar.batch.sharding import BATCH_KWARG
+    from seqpar.batch.local_batch import BATCH_KWARG
     from seqpar.comm.mesh import axis_group
     from seqpar.integrations.vlm import route_visual
     from seqpar.integrations.vlm_features import encoder_rows

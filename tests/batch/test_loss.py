@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import seqpar
 from seqpar.attention.layout import layout_indices
 from seqpar.attention.shard import SeqShard
+from seqpar.batch.local_batch import BATCH_KWARG, LocalBatch
 from seqpar.batch.loss import _GlobalTokenMean, make_loss_function, token_losses
-from seqpar.batch.sharding import BATCH_KWARG, LocalBatch
 from seqpar.batch.targets import prepare_batch
 from seqpar.comm.launch import run_distributed
 

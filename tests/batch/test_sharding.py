@@ -9,7 +9,7 @@ import torch
 import seqpar
 from seqpar.attention.layout import document_cuts, layout_indices
 from seqpar.attention.shard import SeqShard
-from seqpar.batch.sharding import BATCH_KWARG, LocalBatch, _local_problem, checksum
+from seqpar.batch.local_batch import BATCH_KWARG, LocalBatch
 from seqpar.batch.targets import (
     IGNORE_INDEX,
     prepare_batch,
@@ -17,6 +17,7 @@ from seqpar.batch.targets import (
     shift_targets,
     target_count,
 )
+from seqpar.batch.validate import checksum, local_problem
 from seqpar.comm.launch import run_distributed
 
 X = IGNORE_INDEX
@@ -94,7 +95,7 @@ Z = torch.zeros(2, 4, dtype=torch.long)
       "loss_weights": torch.ones(2, 4), "use_cache": False}, None),
 ])
 def test_local_problems(batch, problem):
-    found = _local_problem(batch)[0]
+    found = local_problem(batch)[0]
     assert found == problem if problem is None else problem in found
 
 
@@ -113,7 +114,7 @@ CU = torch.tensor([0, 3, 4, 8], dtype=torch.int32)  # documents 0..2 | 3 | 4..7 
     ({"cu_seq_lens_q": CU, "cu_seq_lens_k": CU, "position_ids": torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]])}, None),
 ])
 def test_cu_seqlens_are_checked_against_the_rows_and_positions(extra, problem):
-    found = _local_problem({"input_ids": Z, **extra})[0]
+    found = local_problem({"input_ids": Z, **extra})[0]
     assert found == problem if problem is None else problem in found
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.batch.sharding import BATCH_KWARG
+from seqpar.batch.local_batch import BATCH_KWARG
 from seqpar.batch.visual import (
     REFUSED_KEYS,
     ROUTED_KEYS,

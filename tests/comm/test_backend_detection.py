@@ -58,7 +58,7 @@ def test_a_group_without_a_config_falls_back_to_its_backend(backend, monkeypatch
 
 
 def test_batch_devices_that_truly_conflict_are_refused():
-    from seqpar.batch.sharding import device_problem
+    from seqpar.batch.validate import device_problem
 
     cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
     assert device_problem({cpu}, gpu0) is None  # a DataLoader batch with NCCL: metadata moves once

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import seqpar
-from seqpar.batch.sharding import BATCH_KWARG
+from seqpar.batch.local_batch import BATCH_KWARG
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 from seqpar.integrations.models import build_model

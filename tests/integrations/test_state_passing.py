@@ -409,7 +409,7 @@ def _layer_counts(rank, world):
     sequence lengths (contiguous rows and packed zigzag rows); whole-model forward / backward
     counts of a Qwen3-Next with two Gated DeltaNet layers; Zamba (one scan call per Mamba head)."""
     import seqpar
-    from seqpar.batch.sharding import BATCH_KWARG
+    from seqpar.batch.local_batch import BATCH_KWARG
     from seqpar.comm.counting import count_collective_bytes, count_collectives
     from seqpar.integrations.mixers import describe_token_mixers, set_mixer_mode, token_mixers
     from seqpar.integrations.models import decoder_config

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.batch.sharding import BATCH_KWARG
+from seqpar.batch.local_batch import BATCH_KWARG
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.halo import halo_exchange
 from seqpar.comm.launch import run_distributed

@@ -263,14 +263,14 @@ def test_refuses_losses_it_would_ignore(option, value):
     """Options whose loss seqpar's compute_loss would not compute are refused, not ignored."""
     from types import SimpleNamespace
 
-    from seqpar.integrations.trainer import _check_loss_options
+    from seqpar.integrations.trainer import check_loss_options
 
     args = SimpleNamespace(label_smoothing_factor=0.0, loss_type="nll")
-    _check_loss_options(SimpleNamespace(args=args, compute_loss_func=None))  # the defaults pass
+    check_loss_options(SimpleNamespace(args=args, compute_loss_func=None))  # the defaults pass
     trainer = SimpleNamespace(args=args, compute_loss_func=None)
     setattr(trainer if option == "compute_loss_func" else args, option, value)
     with pytest.raises(ValueError, match=option):
-        _check_loss_options(trainer)
+        check_loss_options(trainer)
 
 
 def test_mixin_overrides_public_trainer_methods_only():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.batch.sharding import BATCH_KWARG
+from seqpar.batch.local_batch import BATCH_KWARG
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 from seqpar.errors import Refused

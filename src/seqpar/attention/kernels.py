@@ -21,28 +21,28 @@ The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. The re
 =============  =====================================================================================
 
 :func:`attend` makes any kernel differentiable, folds attention sinks into an lse kernel's result
-and runs the kernel under a :class:`~seqpar.comm.guard.Guard`.
+and runs the kernel under a :class:`~seqpar.comm.guard.Guard` (the autograd Functions it applies:
+:mod:`seqpar.attention.kernel_autograd`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..comm.guard import Guard, guarded
+from ..comm.guard import Guard
 from ..errors import Refused
-from .blocks import fold_sinks, sinks_grad
 from .cuda import CudaFlashKernel, CudnnKernel
 from .flash_cpu import CpuFlashKernel
 from .flex import FlexKernel
+from .kernel_autograd import Attend, GuardedLocal, placeholder
 from .kernel_choice import MEASURE_ENV, FastestKernel, eligible, measuring, recorded_kernels
 from .reference import ReferenceKernel
-from .spec import AttnSpec, Kernel, LocalKernel, LseKernel, MaskInfo, acc_dtype, check_supported
+from .spec import AttnSpec, Kernel, LocalKernel, LseKernel, MaskInfo, check_supported
 from .tiled import TiledKernel
 from .varlen import mask_flag, plan_mask
 
@@ -110,84 +110,6 @@ class FunctionKernel(LocalKernel):
         return self.fn(q, k, v, spec=spec, mask=mask)
 
 
-def _placeholder(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """What a rank whose kernel failed sends on: ``out = 0 [B, H, Sq, Dv]``, ``lse = -inf [B, H, Sq]``."""
-    return (q.new_zeros(q.shape[:3] + (v.shape[3],)),
-            q.new_full(q.shape[:3], float("-inf"), dtype=acc_dtype(q.dtype)))
-
-
-class _Attend(torch.autograd.Function):
-    """Forward: ``kernel.forward``, sinks folded into (out, lse). Backward: ``kernel.backward`` with
-    the saved (folded) out and lse -- exact, as for a ring block -- and d sinks from the same.
-    Under a guard a failing kernel gives placeholders (zeros) and the guard keeps the error."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, spec, mask, kernel, guard):
-        plain = replace(spec, sinks=None)  # the kernel computes without sinks; they are folded here
-        res = guarded(guard, kernel.forward, q, k, v, plain, mask)
-        out, lse = res if res is not None else _placeholder(q, v)
-        if sinks is not None:
-            out, lse = fold_sinks(out.to(lse.dtype), lse, sinks)
-            out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.spec, ctx.mask, ctx.kernel, ctx.guard = plain, mask, kernel, guard
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        grads = guarded(ctx.guard, ctx.kernel.backward, dout, q, k, v, out, lse, ctx.spec, ctx.mask)
-        dq, dk, dv = grads if grads is not None else (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None
-
-
-def _pack_detached(t: Tensor) -> Tensor:
-    # detached: a saved *output* kept as itself would hold its own grad_fn (out -> node -> out), a
-    # cycle in C++ that Python's gc cannot see -- every step's inner graph would stay alive
-    return t.detach()
-
-
-def _unpack(t: Tensor) -> Tensor:
-    return t
-
-
-class _GuardedLocal(torch.autograd.Function):
-    """Forward: a local kernel under the guard, its own autograd graph kept aside. Backward: that
-    graph's backward under the guard (zeros on failure), so a failing rank still joins the rest of
-    the call's backward communication. Parameters the kernel reads itself get their gradients
-    as usual (the inner backward reaches them, as in reentrant checkpointing). The kept graph holds
-    what the kernel's own backward holds anyway -- except under non-reentrant activation
-    checkpointing, where its inputs and output now stay alive until the backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, spec, mask, kernel, guard):
-        leaves = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in (q, k, v, sinks)]
-        # the inner graph keeps its tensors itself (q, k, v, out are held here anyway): packed by an outer
-        # non-reentrant checkpoint, they would be recomputed a second time in the inner backward's graph task
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack_detached, _unpack):
-            out = guard.call(kernel, *leaves[:3], spec=replace(spec, sinks=leaves[3]), mask=mask)
-        ctx.leaves, ctx.inner, ctx.guard = leaves, out, guard
-        return (out if out is not None else _placeholder(q, v)[0]).detach()
-
-    @staticmethod
-    def backward(ctx, dout):
-        leaves, inner = ctx.leaves, ctx.inner
-
-        def inner_backward() -> list[Tensor | None]:
-            for x in leaves:
-                if x is not None:
-                    x.grad = None
-            if inner.requires_grad:
-                torch.autograd.backward(inner, dout)
-            return [None if x is None else x.grad for x in leaves]
-
-        grads = (ctx.guard.call(inner_backward) if inner is not None else None) or [None] * 4
-        return (*(torch.zeros_like(x) if g is None and need else g
-                  for g, x, need in zip(grads, leaves, ctx.needs_input_grad[:4], strict=True)), None, None, None, None)
-
-
 def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None, kernel: Kernel,
            guard: Guard | None = None) -> Tensor:
     """Differentiable attention of one block with any kernel; returns ``out [B, H, Sq, Dv]``.
@@ -200,13 +122,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | Non
         kernel = KERNELS[auto_kernel(q, spec, mask)]
     check_supported(kernel, spec)
     if isinstance(kernel, LseKernel):
-        return _Attend.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)[0]
+        return Attend.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)[0]
     if guard is None:
         return kernel(q, k, v, spec=spec, mask=mask)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, spec.sinks)):
-        return _GuardedLocal.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)
+        return GuardedLocal.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)
     out = guard.call(kernel, q, k, v, spec=spec, mask=mask)
-    return out if out is not None else _placeholder(q, v)[0]
+    return out if out is not None else placeholder(q, v)[0]
 
 
 KERNELS: dict[str, Kernel] = {

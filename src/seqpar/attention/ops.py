@@ -32,6 +32,7 @@ from torch import Tensor
 from ..comm.guard import Guard
 from ..comm.mesh import axis_group, grad_group
 from .blocks import fold_sinks, sinks_grad
+from .kernel_autograd import placeholder
 from .kernels import KERNELS, lse_kernel_for
 from .ring_loop import make_ring, pad_to, ring_backward, ring_forward
 from .shard import BatchState, batch_state
@@ -51,12 +52,6 @@ def _kernel(name: str, q: Tensor, spec: AttnSpec) -> LseKernel:
     kernel = KERNELS[lse_kernel_for(q.device, q.dtype, spec) if name == "auto" else name]
     assert isinstance(kernel, LseKernel), f"{name!r} is not an lse kernel"
     return kernel
-
-
-def _placeholder(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """What a rank whose kernel failed (or that has no heads) gives: ``out = 0``, ``lse = -inf``."""
-    return (q.new_zeros(q.shape[:3] + (v.shape[3],)),
-            q.new_full(q.shape[:3], float("-inf"), dtype=acc_dtype(q.dtype)))
 
 
 def _no_sinks(q: Tensor) -> Tensor:
@@ -79,7 +74,7 @@ def attend_op(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, handle: Ten
     res = None
     if q.shape[1]:  # a rank without query heads (more ranks than heads) computes nothing
         res = guard.call(_kernel(kernel, q, spec).forward, q, k, v, spec, state.shard().mask())
-    out, lse = res if res is not None else _placeholder(q, v)
+    out, lse = res if res is not None else placeholder(q, v)
     if sinks is not None:
         out, lse = fold_sinks(out.to(lse.dtype), lse, sinks)
     guard.fence("forward")
@@ -170,7 +165,7 @@ def ring_op(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, handle: Tenso
         ring = _ring(state, guard, ring_lens, ring_axis, comm, kernel, spec)
         out, lse, _, _ = ring_forward(q, k, v, sinks, ring, None)
     else:  # a ulysses rank without query heads: its whole ring group has none, no block travels
-        out, lse = _placeholder(q, v)
+        out, lse = placeholder(q, v)
     guard.fence("forward")
     return out.contiguous(), lse.contiguous()
 

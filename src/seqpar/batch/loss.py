@@ -51,7 +51,7 @@ from ..comm.gather import gather_seq
 from ..comm.guard import check_failures, pending_failure
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
 from ..errors import Refused
-from .sharding import BATCH_KWARG, LocalBatch
+from .local_batch import BATCH_KWARG, LocalBatch
 from .targets import IGNORE_INDEX
 
 

@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..attention.shard import SeqShard
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, as_mesh, axis_group
+from .local_batch import LocalBatch
 from .loss import gather_token_values, labels_and_shard
-from .sharding import LocalBatch
 from .targets import IGNORE_INDEX
 
 

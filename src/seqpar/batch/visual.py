@@ -73,7 +73,7 @@ class VisualBatch:
     segments        ``[B, S]`` document ids of packed rows (position ids restarting), or None (one
                     document per row): an M-RoPE model's positions are then computed per document
 
-    A plain class, like :class:`~seqpar.batch.sharding.LocalBatch`, so that DDP / FSDP input movers
+    A plain class, like :class:`~seqpar.batch.local_batch.LocalBatch`, so that DDP / FSDP input movers
     leave it alone: the model moves what it encodes to its own device.
     """
 

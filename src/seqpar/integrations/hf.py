@@ -47,8 +47,8 @@ from .. import compat
 from ..attention.dispatch import STRATEGIES, check_strategy, mesh_groups, resolve_strategy
 from ..attention.kernels import KernelArg
 from ..attention.shard import chunked_documents
+from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.loss import make_loss_function
-from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..comm.agree import check, share
 from ..comm.mesh import Axis, as_mesh, axis_group
 from ..errors import Refused

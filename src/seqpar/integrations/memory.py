@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import compat
-from ..batch.sharding import BATCH_KWARG, LocalBatch
+from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import check_tile, tiled_token_stats
 from ..comm.guard import check_failures

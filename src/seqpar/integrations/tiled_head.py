@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.loss import sharded_loss_inputs, sp_token_mean
-from ..batch.sharding import BATCH_KWARG, LocalBatch
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import Head, tiled_loss_sum
 from ..comm import faults

@@ -13,7 +13,8 @@
 Both parallelize ``trainer.model`` over a ``dp x sp`` mesh; :func:`parallelize_trainer` makes a built
 trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public Trainer methods only
 (``get_*_dataloader``, ``get_batch_samples``, ``training_step``, ``compute_loss``, ``prediction_step``,
-``evaluation_loop``) and changes what a step does, nothing else::
+``evaluation_loop``) and changes what a step does, nothing else (its loaders and batch checks:
+:mod:`seqpar.integrations.trainer_data`)::
 
     data        train loader split over dp only (accelerate's batch sampler: num_processes = dp,
                 through seqpar.compat), so the sp ranks of a dp group get the same batch; eval /
@@ -52,29 +53,22 @@ boundaries; ``sp_size``: DeepSpeed Ulysses) is refused: it would shard the batch
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import compat
 from ..attention.layout import inverse_permutation
-from ..batch.sharding import BATCH_KEYS, BATCH_KWARG, LocalBatch, checksum, count_target_tokens, shard_batch
-from ..batch.targets import CU_SEQLENS_KEYS
-from ..batch.visual import ROUTED_KEYS, fingerprint, refused_key_problem
+from ..batch.local_batch import BATCH_KWARG, LocalBatch
+from ..batch.sharding import count_target_tokens, shard_batch
 from ..comm import faults
-from ..comm.agree import Table, check, share
 from ..comm.gather import gather_seq
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size, init_mesh
 from ..errors import Refused
 from .hf import parallelize
-
-DERIVED_KEYS = ("max_length_q", "max_length_k", "seq_idx")
-"""Keys of TRL's / transformers' padding-free collators that follow from ``cu_seq_lens_*`` (which
-``shard_batch`` checks against the position ids): dropped, seqpar derives what it needs."""
+from .trainer_data import check_sp_groups, drop_remainder, model_batch, split_loader
 
 
 class _State:
@@ -108,15 +102,15 @@ class SeqParTrainerMixin:
 
     def get_train_dataloader(self):
         """The Trainer's train loader, split over the dp ranks only."""
-        return _split_loader(super().get_train_dataloader(), self._seqpar.dp, self._seqpar.dp_rank)
+        return split_loader(super().get_train_dataloader(), self._seqpar.dp, self._seqpar.dp_rank)
 
     def get_eval_dataloader(self, eval_dataset=None):
         """The Trainer's eval loader, unsplit: every rank reads every batch (its SP group shards it)."""
-        return _split_loader(super().get_eval_dataloader(eval_dataset), 1, 0)
+        return split_loader(super().get_eval_dataloader(eval_dataset), 1, 0)
 
     def get_test_dataloader(self, test_dataset):
         """The Trainer's predict loader, unsplit like the eval loader."""
-        return _split_loader(super().get_test_dataloader(test_dataset), 1, 0)
+        return split_loader(super().get_test_dataloader(test_dataset), 1, 0)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
         """The Trainer's, without its gather over the ranks."""
@@ -125,7 +119,7 @@ class SeqParTrainerMixin:
         # repeats each batch's loss by the *first* batch's size, and the last batch's copies past
         # the dataset's end are cut (without it an uneven last batch would weigh as a full one).
         # The Trainer resets gather_function itself at the end.
-        self.gather_function = functools.partial(_drop_remainder, self.accelerator.gradient_state)
+        self.gather_function = functools.partial(drop_remainder, self.accelerator.gradient_state)
         return super().evaluation_loop(*args, **kwargs)
 
     # ---- one optimizer step -------------------------------------------------------------
@@ -141,10 +135,10 @@ class SeqParTrainerMixin:
                 except StopIteration:
                     break
             state = self._seqpar
-            _check_sp_groups(batches, num_batches, state.mesh)
+            check_sp_groups(batches, num_batches, state.mesh)
             if not batches or "labels" not in batches[0]:
                 return batches, None
-            return batches, count_target_tokens([_model_batch(b) for b in batches], state.mesh)
+            return batches, count_target_tokens([model_batch(b) for b in batches], state.mesh)
 
     def training_step(self, *args: Any, **kwargs: Any):
         """The Trainer's step; an exception in it is told to every rank (:mod:`seqpar.comm.faults`)."""
@@ -157,7 +151,7 @@ class SeqParTrainerMixin:
         state = self._seqpar
         if num_items_in_batch is not None and not isinstance(num_items_in_batch, (int, float)):
             num_items_in_batch = float(num_items_in_batch)
-        local = shard_batch(_model_batch(inputs), state.mesh, layout=state.layout,
+        local = shard_batch(model_batch(inputs), state.mesh, layout=state.layout,
                             num_items_in_batch=num_items_in_batch or None)
         outputs = model(**local)
         loss = outputs.loss
@@ -179,7 +173,7 @@ class SeqParTrainerMixin:
         inputs = {k: v.to(self.args.device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
         labels = inputs.get("labels")
         with torch.no_grad():
-            local = shard_batch(_model_batch(inputs), self._seqpar.mesh, layout=self._seqpar.layout)
+            local = shard_batch(model_batch(inputs), self._seqpar.mesh, layout=self._seqpar.layout)
             outputs = model(**local)
         loss = outputs.loss.detach() if outputs.loss is not None else None
         if prediction_loss_only:
@@ -239,7 +233,7 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                          "would shard the batch a second time (and torch context_parallel drops the attention "
                          "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
                          "when seqpar runs the sequence parallelism")
-    _check_loss_options(trainer)
+    check_loss_options(trainer)
     parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
     return state
 
@@ -249,7 +243,7 @@ def _check_mesh_or_sp(mesh: DeviceMesh | None, sp: int | None, who: str) -> None
         raise ValueError(f"give {who} either mesh=seqpar.init_mesh(sp=...) or sp=N")
 
 
-def _check_loss_options(trainer: Any) -> None:
+def check_loss_options(trainer: Any) -> None:
     """Refuse the Trainer / TRL options whose loss seqpar's compute_loss would not compute (rather
     than ignore them): the loss here is the model's causal-LM token mean, nothing else."""
     args = trainer.args
@@ -271,36 +265,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return base() if callable(base) else model
 
 
-def _drop_remainder(state: Any, data: Any) -> Any:
-    """accelerate's ``gather_for_metrics`` without the gather: at the end of the loader, ``data``'s
-    rows past the dataset's last sample are dropped (``state``: the accelerator's gradient_state)."""
-    from accelerate.utils import recursively_apply
-
-    if state.end_of_dataloader and state.remainder > 0:
-        return recursively_apply(lambda t: t[:state.remainder], data)
-    return data
-
-
-def _model_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys ``shard_batch`` reads (others it refuses with a clear error), without the padding-free
-    collators' derived ones."""
-    return {k: v for k, v in batch.items() if k not in DERIVED_KEYS}
-
-
-def _split_loader(loader: Any, num: int, index: int) -> Any:
-    """Make an accelerate-prepared DataLoader hand out ``index``'s share of ``num`` (dp) instead
-    of the process's share of all processes (:func:`seqpar.compat.split_prepared_loader`)."""
-    from accelerate.data_loader import DataLoaderDispatcher
-
-    if isinstance(loader, DataLoaderDispatcher):
-        raise ValueError("seqpar's Trainer integration splits the data over dp itself: set "
-                         "TrainingArguments(accelerator_config={'dispatch_batches': False})")
-    if not compat.split_prepared_loader(loader, num, index) and dist.get_world_size() > 1:
-        raise Refused(f"seqpar cannot split this data loader ({type(loader).__name__}) over dp: use a "
-                      "map-style or iterable dataset through the Trainer's own get_*_dataloader")
-    return loader
-
-
 def _full_logits(logits: Tensor, batch: LocalBatch, mesh: DeviceMesh) -> Tensor:
     """``[B, S/P, V] -> [B, S, V]`` in the original token order, on every SP rank (no autograd)."""
     full = gather_seq(logits, dim=1, group=axis_group(mesh, Axis.SP.value), sizes=batch.shard.seq_lens,
@@ -308,52 +272,3 @@ def _full_logits(logits: Tensor, batch: LocalBatch, mesh: DeviceMesh) -> Tensor:
     if batch.shard.positions is not None:
         full = full.index_select(1, inverse_permutation(batch.shard.positions).to(full.device))
     return full
-
-
-def _check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: DeviceMesh) -> None:
-    """Every rank of an SP group must hold the same micro-batches; raise on every rank if not.
-
-    One all-gather of a row of facts over all ranks (not only the SP group: a failing group must
-    not leave the other dp groups waiting in the gradient all-reduce), then the same verdict on
-    every rank from the same table. A vision-language collator's images (``pixel_values``, grids,
-    ``mm_token_type_ids``: :data:`~seqpar.batch.visual.ROUTED_KEYS`) are compared too; a key of a
-    mechanism seqpar does not run (:data:`~seqpar.batch.visual.REFUSED_KEYS`) is a Refused."""
-    facts: dict[str, float] = {"count": float(len(batches))}
-    problem, refused = None, False
-    for m in range(expected):
-        b = batches[m] if m < len(batches) else None
-        ids = b.get("input_ids") if b is not None else None
-        ok = isinstance(ids, Tensor) and ids.dim() == 2
-        facts[f"{m}.batch"] = float(ids.shape[0]) if ok else -1.0
-        facts[f"{m}.seq"] = float(ids.shape[1]) if ok else -1.0
-        facts[f"{m}.ids"] = checksum(ids) if ok else -1.0
-        visual = {k: b[k] for k in ROUTED_KEYS if isinstance(b.get(k), Tensor)} if b is not None else {}
-        facts[f"{m}.visual"] = fingerprint(visual)
-        if b is None or problem is not None:
-            continue
-        unknown = set(b) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - set(DERIVED_KEYS) - set(ROUTED_KEYS) - {BATCH_KWARG}
-        mechanism = refused_key_problem(b)
-        if mechanism is not None:  # e.g. Gemma 3's token_type_ids: a refusal, not a malformed batch
-            problem, refused = f"micro-batch {m}: {mechanism}", True
-        elif not ok or unknown:
-            problem = (f"micro-batch {m} has no [batch, seq_len] input_ids" if not ok else
-                       f"the collator's batch has keys seqpar cannot shard: {sorted(unknown)} (it shards "
-                       f"{list(BATCH_KEYS)}, {list(CU_SEQLENS_KEYS)} and a vision-language processor's "
-                       f"{list(ROUTED_KEYS)}); drop them in the collator")
-    table = share(facts, dist.group.WORLD, problem=problem, refused=refused)
-    check(table, what="Trainer batches")  # a malformed batch anywhere: every rank raises
-    names = {f"{m}.{k}": f"micro-batch {m}'s {what}" for m in range(expected)
-             for k, what in (("batch", "batch size"), ("seq", "sequence length"), ("ids", "content (input_ids)"),
-                             ("visual", f"images (its {list(ROUTED_KEYS)})"))}
-    names["count"] = "number of micro-batches in the step"
-    for ranks in _sp_groups(mesh):  # every rank checks every group: the same verdict everywhere
-        check(Table([table.rows[r] for r in ranks], [None] * len(ranks)),
-              what=f"Trainer batches of the SP group of ranks {ranks}", same=list(names), describe=names.__getitem__,
-              hint="the ranks of one SP group must get the same batches: a collator with per-rank randomness, "
-                   "or a data loader sharded over every rank instead of over dp")
-
-
-def _sp_groups(mesh: DeviceMesh) -> list[list[int]]:
-    """The global ranks of every SP group of ``mesh`` (the dp axis first, the rest flattened)."""
-    ranks = mesh.mesh
-    return ranks.reshape(ranks.shape[0], -1).tolist()

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..batch.sharding import BATCH_KWARG, LocalBatch
+from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.visual import REFUSED_KEYS, ROUTED_KEYS, SPAN_KEYS, VisualBatch
 from ..comm.agree import MISSING, share
 from ..comm.mesh import Axis, axis_group

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention.shard import SeqShard
-from ..batch.sharding import LocalBatch
+from ..batch.local_batch import LocalBatch
 from ..errors import Refused
 from .vlm_families import FAMILIES, family_of, family_problem
 

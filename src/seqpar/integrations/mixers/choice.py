@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...attention.shard import SeqShard
-from ...batch.sharding import LocalBatch
+from ...batch.local_batch import LocalBatch
 from ...comm import collectives
 from ...comm.collectives import comm_device
 from .registry import HEADS, STATE, MixerFamily, mode_named

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from ...attention.layout import inverse_permutation
 from ...attention.shard import SeqShard, shard_cache
-from ...batch.sharding import LocalBatch
+from ...batch.local_batch import LocalBatch
 from ...comm.collectives import split_offsets, split_sizes
 from ...comm.gather import gather_seq, reduce_scatter_seq
 from ...comm.halo import halo_exchange

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...batch.sharding import LocalBatch
+from ...batch.local_batch import LocalBatch
 
 if TYPE_CHECKING:
     from .state_scans import StateScan

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...batch.sharding import LocalBatch
+from ...batch.local_batch import LocalBatch
 from ...comm.gather import gather_seq
 from ...compat import KernelCall, calls_kernels, kernels_replaced, modeling_module
 from .modes import mixer_output, own_forward

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...batch.sharding import BATCH_KWARG, LocalBatch
+from ...batch.local_batch import BATCH_KWARG, LocalBatch
 from ...comm.mesh import Axis, axis_group
 from .choice import Choice, choose
 from .registry import family_of, mode_named
