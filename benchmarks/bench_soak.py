@@ -5,50 +5,56 @@
 
 Every rank runs ``seqpar train``'s own step (:class:`seqpar.train.loop.Trainer`: count_target_tokens,
 shard_batch, forward, backward, sync_gradients, the global norm, AdamW) on packed rows of a generated
-text file, and samples at every ``--every``-th step, after a ``gc.collect()``: its resident memory
-(VmRSS), the blocks CPython's allocator holds (``sys.getallocatedblocks``: a Python object kept per
-step shows there first) and, every step, the step's wall time and the process's CPU time (the
-verdict uses the CPU time: on a shared machine the wall time follows the other jobs' load). After
-``--warmup`` steps it fits a least-squares line to each series and prints the slope per 100 steps,
-per rank, and a verdict:
+text file, and samples at every ``--every``-th step, after a ``gc.collect()`` (:mod:`seqpar.bench.probes`):
+its resident memory (VmRSS) and the anonymous part of it (the process's own pages, not the shared
+libraries' file pages), what the C heap has handed out and not had back (glibc's ``mallinfo2``), the
+tensors alive (count and MiB of their storages), the blocks CPython's allocator holds; and, every step,
+the step's wall time and the process's CPU time (on a shared machine the wall time follows the other
+jobs' load). After ``--warmup`` steps it fits a least-squares line to each series, prints the slope per
+100 steps, per rank, and a verdict per series -- flat or growing:
 
-    flat      the fitted growth over the whole measured window is within the noise bound below
-    growing   it is not: something is kept per step (find it before shipping)
+    memory (anonymous RSS)  the fitted growth over the window (whole, or its second half: an allocator
+                            settling flattens there, a leak does not) < 2 MiB
+    C heap in use           fitted growth over the window < 2 MiB: a value kept per step shows here,
+                            freed memory the allocator keeps (fragmentation) does not
+    live tensors            the same count and bytes at every sample: one tensor kept per step fails it
+    Python allocations      < 500 blocks per 100 steps
+    step time (CPU)         the fitted change over the window < 20% of the median step
 
-Bounds (per rank): the fitted RSS growth over the measured window < 2 MiB (over the whole window or
-its second half); Python blocks < 500 per 100 steps; the fitted change of the step's CPU time over
-the window < 20% of its median. The allocator
-returns freed pages lazily, so RSS moves by a few hundred KiB either way without a leak; a leak of
-one tensor of the tiny model's activations per step would add tens of MiB over 2,000 steps. The
-blocks bound sits above torch's own: the same model in a plain torch + transformers loop (no
-seqpar) keeps about 3 blocks per step (measured 2026-12-02: KV-cache and module-list allocations
-inside transformers); a Python object seqpar kept per layer and step would add dozens. Bounded
-caches fill during the warm-up (the tiled MLP's deque of 256 tile sizes, for one).
+The whole RSS is printed, not judged: it also counts file pages of shared libraries read in as code paths
+first run, which the kernel may drop and read again. A leak of one tensor of the tiny model's activations
+per step adds tens of MiB over 2,000 steps. The blocks bound sits above torch's and the harness's own:
+the harness keeps two floats a step and a sample every ``--every`` (about 2.3 blocks a step), and a plain
+single-process loop of the same model (transformers + AdamW, rows [2, 64], no seqpar) timed and sampled
+so gave +248 blocks per 100 steps (2026-12-02); a Python object seqpar kept per layer and step would add
+dozens per step. Bounded caches fill during the warm-up (the tiled MLP's deque of 256 tile sizes, for one).
 
 The control: at every sample each rank also times one forward + backward of the same model built by
 transformers alone (no seqpar, no collectives, fixed tokens). Its CPU time drifts only with the machine,
 so the last verdict compares the step's relative drift over the window with the control's (same 20%).
-The Python blocks count includes the harness's own records (two floats a step, a sample every
-``--every``: about 2.3 blocks a step): a plain single-process loop of the same model (transformers +
-AdamW, rows [2, 64], no seqpar) timed and sampled exactly so gave +248 blocks per 100 steps, RSS +0.006
-MiB per 100 and CPU time 11.8 ms, -0.003 ms per 100 (2,000 steps, 2026-12-02).
 
-Measured 2026-12-02, first run (2 shared CPU cores, load average 4-16, the defaults: 2,000 steps, 4
-ranks, sp=2 x dp=2, packed rows of 64 tokens, no control yet): RSS 373-375 MiB, +0.10-0.12 MiB per 100
-steps (about 2 MiB over 1,800 steps); Python blocks +244 per 100 steps; step CPU time 67 ms, +0.8-1.1 ms
-per 100 steps on every rank (wall 298 ms, +8-9 ms per 100) -- growing by the bound.
+Measured 2026-12-02 06:59-07:12 UTC (2 shared CPU cores, load average 3-8, the defaults: 2,000 steps, 4
+ranks, sp=2 x dp=2, packed rows of 64 tokens; 766 s): every verdict flat on every rank. RSS 379-381 MiB,
++0.09-0.40 MiB per 100 steps; its anonymous part 304-306 MiB, +0.04-0.30 per 100 over the window and
++0.010-0.071 in its second half (at most 0.64 MiB over the window); C heap in use +0.010-0.011 MiB per
+100 (about 110 bytes a step: 0.2 MiB over 1,800 steps); 5,433 live tensors on every rank at every
+sample; Python blocks +312-313 per 100 (the harness's own included); step CPU time 69 ms, +0.04-0.14 ms
+per 100 (wall 229 ms, -2.4 to -2.8 ms per 100); the control 12.3-12.8 ms, -0.02 to +0.02 ms per 100; the
+step's drift beyond the control's -1.2% to +6.4% of the median over the window.
 
-Re-measured 2026-12-02 04:40-04:53 UTC with the control (same defaults, load average 4-11): RSS
-377-379 MiB, +0.13-0.21 MiB per 100 steps (second half -0.10-0.36; 1.8-3.7 MiB over 1,800 steps: ranks 0
-and 2 over the 2 MiB bound, "growing" -- not investigated here); Python blocks +273-274 per 100 steps
-(the harness's own records included) -- flat; step CPU time 76 ms, -0.09 to -0.32 ms per 100 steps
-(wall 292 ms, +5.1-5.5 ms per 100); the control 14 ms, -0.03 to -0.07 ms per 100; the step's drift
-beyond the control's -1% to +6% of the median over the window -- flat. The first run's CPU-time growth
-did not come back: per-step work is constant (cProfile of steps 50-150 against 500-600 on 4 ranks: 1.50
-million Python calls per 100 steps in both windows, +0.04%, data-dependent shapes; no store or fault-
-channel call at all in either window), and 500-step runs on 2 and 4 ranks fitted -2.3 to -3.5 ms per 100
-steps, i.e. the step's CPU time follows the shared machine's load (CPU time per unit of work rises with
-contention on 2 cores), not something seqpar keeps per step.
+Why the anonymous part and not the whole RSS (the runs before judged the whole RSS and called it growing
+on 2 of 4 ranks, 1.8-3.7 MiB over 1,800 steps): five diagnostic runs of the same step on 2 ranks (sp=2,
+600-1,600 steps, sampled every 20) kept exactly 5,409 live tensors (7.1 MiB) and the same number of
+gc-tracked objects (+6) from the first sample to the last, and grew the C heap in use by 0.02-0.05 MiB
+per 100 steps, while the RSS grew 0.14-0.27 per 100 -- also with ``malloc_trim(0)`` before each sample
+(0.15-0.31) and with glibc's mmap threshold pinned (``MALLOC_MMAP_THRESHOLD_=65536``: 0.14-0.17). In one
+1,200-step run all of the growth was file pages (``/proc/self/status``: RssFile +0.13-0.24 per 100, RssAnon
+-0.01 to -0.02); in another, a page-table walk from step 200 to 800 found it in the brk heap (+0.7-1.7
+MiB) against +0.06 MiB of libtorch's file pages. Pages the allocator keeps and library pages read in, then:
+nothing the step keeps. tracemalloc over steps 200-600 of rank 0 found the largest Python growths a few
+KiB in all (the harness's own list first). The step's CPU-time growth of the first run (+0.8-1.1 ms per
+100) did not come back in any later run (per-step work is constant: cProfile of steps 50-150 against
+500-600, 1.50 million Python calls per 100 steps in both, no store or fault-channel call in either).
 """
 
 from __future__ import annotations
@@ -80,7 +86,7 @@ def _text(path: str, docs: int, seed: int) -> None:
 def _soak(rank: int, world: int, cfg_kw: dict, steps: int, every: int) -> dict:
     import torch
 
-    from seqpar.bench.probes import rss_mib
+    from seqpar.bench.probes import anonymous_rss_mib, heap_in_use_mib, live_tensors, rss_mib
     from seqpar.train.config import TrainConfig
     from seqpar.train.job import prepare_job
     from seqpar.train.loop import Trainer
@@ -91,7 +97,7 @@ def _soak(rank: int, world: int, cfg_kw: dict, steps: int, every: int) -> dict:
     times: list[float] = []
     cpu: list[float] = []
     control_cpu: list[tuple[int, float]] = []  # (step, CPU s of one plain forward + backward)
-    samples: list[tuple[int, float, int]] = []  # (step, RSS MiB, allocated blocks)
+    samples: list[tuple] = []  # (step, RSS, anonymous RSS, C heap in use (MiB), live tensors, their MiB, blocks)
     for step in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         trainer.forward_backward(trainer.step)
@@ -100,7 +106,9 @@ def _soak(rank: int, world: int, cfg_kw: dict, steps: int, every: int) -> dict:
         cpu.append(time.process_time() - c0)
         if (step + 1) % every == 0:
             gc.collect()
-            samples.append((step + 1, rss_mib(), sys.getallocatedblocks()))
+            heap, (n_tensors, tensor_mib) = heap_in_use_mib(), live_tensors()
+            samples.append((step + 1, rss_mib(), anonymous_rss_mib(), heap, n_tensors, tensor_mib,
+                            sys.getallocatedblocks()))
             c0 = time.process_time()
             control()
             control_cpu.append((step + 1, time.process_time() - c0))
@@ -137,16 +145,27 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
 
 
-def analyse(result: dict, warmup: int) -> dict:
-    """One rank's slopes per 100 steps after ``warmup`` (RSS also over the window's second half:
-    an allocator settling flattens there, a leak does not) and its verdicts."""
-    samples = [s for s in result["samples"] if s[0] > warmup]
+def _growth(samples: list[tuple], col: int) -> tuple[float, float, float]:
+    """Column ``col``'s least-squares slope per 100 steps over the samples and over their second half
+    (an allocator settling flattens there, a leak does not), and the smaller fitted growth over the
+    whole window (MiB): what the bound judges."""
     steps = [float(s[0]) for s in samples]
     half = samples[len(samples) // 2:]
+    whole = slope(steps, [s[col] for s in samples]) * 100
+    late = slope([float(s[0]) for s in half], [s[col] for s in half]) * 100
     span = (steps[-1] - steps[0]) if len(steps) > 1 else 0.0
-    rss = slope(steps, [s[1] for s in samples]) * 100
-    rss_late = slope([float(s[0]) for s in half], [s[1] for s in half]) * 100
-    blocks = slope(steps, [float(s[2]) for s in samples]) * 100
+    return whole, late, min(abs(whole), abs(late)) * span / 100
+
+
+def analyse(result: dict, warmup: int) -> dict:
+    """One rank's slopes per 100 steps after ``warmup`` and its verdicts (see the module doc)."""
+    samples = [s for s in result["samples"] if s[0] > warmup]
+    rss, rss_late, _ = _growth(samples, 1)
+    measured_anon = bool(samples) and samples[0][2] is not None
+    anon, anon_late, anon_growth = _growth(samples, 2) if measured_anon else (0.0, 0.0, 0.0)
+    measured_heap = bool(samples) and samples[0][3] is not None
+    heap, _, heap_growth = _growth(samples, 3) if measured_heap else (0.0, 0.0, 0.0)
+    blocks = slope([float(s[0]) for s in samples], [float(s[6]) for s in samples]) * 100
     xs = [float(warmup + i + 1) for i in range(len(result["times"]) - warmup)]
     t = slope(xs, result["times"][warmup:]) * 100
     c = slope(xs, result["cpu"][warmup:]) * 100
@@ -158,27 +177,39 @@ def analyse(result: dict, warmup: int) -> dict:
     # the step's relative drift over the window less the plain control's: what the machine does not explain
     excess = ((c / median_cpu if median_cpu else 0.0) - (ctrl_slope / ctrl_median if ctrl_median else 0.0)) \
         * len(xs) / 100
+    tensors = sorted({(s[4], round(s[5], 6)) for s in samples})
     return {"rss_mib": samples[-1][1] if samples else 0.0, "rss_slope": rss, "rss_late": rss_late,
+            "anon_mib": samples[-1][2] if measured_anon else 0.0, "anon_slope": anon, "anon_late": anon_late,
+            "heap_slope": heap, "tensors": tensors[-1][0] if tensors else 0,
             "blocks_slope": blocks, "median_s": median, "time_slope": t, "median_cpu_s": median_cpu, "cpu_slope": c,
             "control_s": ctrl_median, "control_slope": ctrl_slope, "excess": excess,
-            "rss_flat": min(abs(rss), abs(rss_late)) * span / 100 < RSS_BOUND_MIB,
+            # without RssAnon (no /proc) the whole RSS is judged
+            "anon_flat": anon_growth < RSS_BOUND_MIB if measured_anon else _growth(samples, 1)[2] < RSS_BOUND_MIB,
+            "heap_flat": heap_growth < RSS_BOUND_MIB,  # not measured (not glibc): nothing to judge
+            "tensors_flat": len(tensors) <= 1,
             "blocks_flat": abs(blocks) < BLOCKS_BOUND,
             "time_flat": abs(c) * len(xs) / 100 < TIME_BOUND * median_cpu,
             "excess_flat": abs(excess) < TIME_BOUND}
 
 
+VERDICTS = (("memory (anonymous RSS)", "anon_flat"), ("C heap in use", "heap_flat"),
+            ("live tensors", "tensors_flat"), ("Python allocations", "blocks_flat"),
+            ("step time (CPU)", "time_flat"), ("step time (CPU) beyond the plain control's drift", "excess_flat"))
+
+
 def table(rows: list[dict], steps: int, warmup: int) -> str:
     lines = [f"soak: {steps} steps, slopes per 100 steps after {warmup} warm-up steps (least squares)",
-             f"{'rank':>4} {'RSS MiB':>8} {'RSS MiB/100':>12} {'2nd half':>9} {'blocks/100':>11} {'step ms':>8} "
-             f"{'ms/100':>8} {'CPU ms':>7} {'CPU ms/100':>11} {'plain ms':>9} {'plain ms/100':>13} {'excess':>7}"]
+             f"{'rank':>4} {'RSS MiB':>8} {'RSS/100':>8} {'anon MiB':>9} {'anon/100':>9} {'2nd half':>9} "
+             f"{'heap/100':>9} {'tensors':>8} {'blocks/100':>11} {'step ms':>8} {'ms/100':>8} {'CPU ms':>7} "
+             f"{'CPU ms/100':>11} {'plain ms':>9} {'plain ms/100':>13} {'excess':>7}"]
     for r, row in enumerate(rows):
-        lines.append(f"{r:>4} {row['rss_mib']:>8.1f} {row['rss_slope']:>12.4f} {row['rss_late']:>9.4f} "
-                     f"{row['blocks_slope']:>11.1f} {row['median_s'] * 1e3:>8.2f} {row['time_slope'] * 1e3:>8.3f} "
-                     f"{row['median_cpu_s'] * 1e3:>7.2f} {row['cpu_slope'] * 1e3:>11.4f} "
-                     f"{row['control_s'] * 1e3:>9.2f} {row['control_slope'] * 1e3:>13.4f} {row['excess']:>7.1%}")
-    for what, key in (("memory (RSS)", "rss_flat"), ("Python allocations", "blocks_flat"),
-                      ("step time (CPU)", "time_flat"), ("step time (CPU) beyond the plain control's drift",
-                                                         "excess_flat")):
+        lines.append(f"{r:>4} {row['rss_mib']:>8.1f} {row['rss_slope']:>8.4f} {row['anon_mib']:>9.1f} "
+                     f"{row['anon_slope']:>9.4f} {row['anon_late']:>9.4f} {row['heap_slope']:>9.4f} "
+                     f"{row['tensors']:>8d} {row['blocks_slope']:>11.1f} {row['median_s'] * 1e3:>8.2f} "
+                     f"{row['time_slope'] * 1e3:>8.3f} {row['median_cpu_s'] * 1e3:>7.2f} "
+                     f"{row['cpu_slope'] * 1e3:>11.4f} {row['control_s'] * 1e3:>9.2f} "
+                     f"{row['control_slope'] * 1e3:>13.4f} {row['excess']:>7.1%}")
+    for what, key in VERDICTS:
         lines.append(f"verdict {what}: {'flat' if all(r[key] for r in rows) else 'growing'}")
     return "\n".join(lines)
 
