@@ -1,10 +1,10 @@
 """Run a function on P local processes joined in a gloo process group (CPU), cheaply and safely.
 
 Used by the tests, ``seqpar verify``, ``seqpar bench`` and ``seqpar train`` when not started by
-torchrun. Processes come from a forkserver with torch preloaded (fast, and safe after the parent
-ran multi-threaded torch ops); rendezvous goes through a file, so there are no ports to collide;
-the process group has a short timeout and the parent a deadline, so a hang becomes an error that
-carries every stuck rank's Python traceback.
+torchrun. Processes come from a forkserver with torch, seqpar and transformers' modeling code
+preloaded (fast, and safe after the parent ran multi-threaded torch ops); rendezvous goes through
+a file, so there are no ports to collide; the process group has a short timeout and the parent a
+deadline, so a hang becomes an error that carries every stuck rank's Python traceback.
 """
 
 from __future__ import annotations
@@ -99,11 +99,20 @@ def _worker(rank: int, world: int, init_file: str, trace_dir: str, pg_timeout: f
     os._exit(0)  # skip interpreter teardown: gloo threads sometimes abort it
 
 
+PRELOAD = ("torch", "torch.distributed", "seqpar", "transformers.modeling_utils",
+           "transformers.models.llama.modeling_llama")
+"""What the forkserver imports once, for every worker it forks. Most workers build a transformers
+model: imported in each worker, transformers' modeling code (and Llama's, the built-in models')
+cost about 3 s of CPU per process here -- a 4-rank job that builds a tiny Llama took 7-8 s to
+start, 0.25 s with it preloaded (measured 2026-12-02, transformers 5.24). Names, not imports: a
+module that is not installed is skipped (multiprocessing ignores its ImportError)."""
+
+
 def launch_context() -> Any:
-    """The multiprocessing context workers come from: a forkserver with torch and seqpar preloaded."""
+    """The multiprocessing context workers come from: a forkserver with :data:`PRELOAD` imported."""
     ctx = mp.get_context("forkserver")
     try:
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "seqpar"])
+        ctx.set_forkserver_preload(list(PRELOAD))
     except Exception:
         pass
     return ctx
