@@ -1,9 +1,15 @@
-"""A cheap sample of an attention grid that still meets every option value (``make test`` runs it at
-the world sizes whose whole grid repeats another size's; ``make verify`` runs the rest)."""
+"""A cheap sample of a test grid that still meets every option value (``make test`` runs it at the
+world sizes whose whole grid repeats another size's; ``make verify`` runs the rest)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from dataclasses import fields
+from typing import Any, TypeVar
+
 from .attention_parity import AttnCase
+
+C = TypeVar("C")
 
 
 def option_values(case: AttnCase) -> set[tuple[str, object]]:
@@ -16,13 +22,20 @@ def option_values(case: AttnCase) -> set[tuple[str, object]]:
     return values | {(f"options.{k}", v) for k, v in case.options.items()}
 
 
-def covering_sample(cases: list[AttnCase], every: int) -> tuple[list[AttnCase], list[AttnCase]]:
+def field_values(case: Any) -> set[tuple[str, Hashable]]:
+    """The ``(field, value)`` pairs of a dataclass case (a :class:`~.model_parity.ModelCase`)."""
+    return {(f.name, getattr(case, f.name)) for f in fields(case)}
+
+
+def covering_sample(cases: list[C], every: int, values: Callable[[C], set] = option_values
+                    ) -> tuple[list[C], list[C]]:
     """``(sample, rest)`` of a grid: every ``every``-th case, plus the first case of each option
-    value (:func:`option_values`) the stride skipped; ``rest`` is every other case, in grid order."""
+    value (``values``: :func:`option_values` of an attention case) the stride skipped; ``rest`` is
+    every other case, in grid order."""
     chosen = set(range(0, len(cases), every))
-    met = set().union(*(option_values(cases[i]) for i in chosen)) if chosen else set()
+    met = set().union(*(values(cases[i]) for i in chosen)) if chosen else set()
     for i, case in enumerate(cases):
-        if not option_values(case) <= met:
+        if not values(case) <= met:
             chosen.add(i)
-            met |= option_values(case)
+            met |= values(case)
     return ([c for i, c in enumerate(cases) if i in chosen], [c for i, c in enumerate(cases) if i not in chosen])
