@@ -1,7 +1,7 @@
 """Hybrid Ulysses x ring attention against the float64 reference, forward and backward, on ring x ulysses
 grids of 1 to 4 gloo processes (sinks, chunked attention and MLA head dims included); the mesh
 strategies; collective counts; misuse errors and kernel failures raised on every rank; the doc-zigzag
-layout through a batch's SeqShard."""
+layout through a batch's SeqShard. At P = 2 make test runs a covering quarter of the grids (the rest: heavy)."""
 
 
 from dataclasses import replace
@@ -20,6 +20,7 @@ from seqpar.comm.launch import run_distributed
 from seqpar.comm.mesh import init_mesh
 from seqpar.testing.attention_faults import crash_problems, crash_scenarios, run_crashes
 from seqpar.testing.attention_parity import AttnCase, bad_rows, feature_cases, run_cases
+from seqpar.testing.sampling import covering_sample, option_values
 
 TOL = 1e-10
 LAYOUTS = ("contiguous", "zigzag")
@@ -77,6 +78,11 @@ def _features(u, quick=False):
 GRIDS = {1: _small_grid(1), 2: _full_grid(2) + _full_grid(1),
          3: _small_grid(3) + _small_grid(1) + _features(3, quick=True) + _features(1, quick=True),
          4: _full_grid(2) + _small_grid(4) + _small_grid(1) + _features(2) + _doc_grid(2)}
+# make test runs a quarter of P = 2's grids that still meets every option value (1 x 2 and 2 x 1 are a
+# plain ring and plain Ulysses, whose own suites run every case at P = 2; the 2 x 2 grid runs whole at
+# P = 4); make verify the rest (test_rest_of_p2_within_tolerance)
+SAMPLE_P2, REST_P2 = covering_sample(GRIDS[2], 4)
+RUN = {**GRIDS, 2: SAMPLE_P2}
 
 
 def _inputs(rank, b=2, s=5, h=4, hk=2, d=8):
@@ -178,7 +184,7 @@ def _worker(rank, world, grids):
 def runs():
     """Every world size once (one process spawn each); the tests read what they need."""
     # a short process-group timeout: a rank left waiting in a collective fails fast, not in 60 s
-    return {p: run_distributed(_worker, p, GRIDS, timeout=600, pg_timeout=20) for p in (1, 2, 3, 4)}
+    return {p: run_distributed(_worker, p, RUN, timeout=600, pg_timeout=20) for p in (1, 2, 3, 4)}
 
 
 @pytest.mark.distributed
@@ -186,9 +192,24 @@ def runs():
 def test_grid_within_tolerance(runs, p):
     per_rank = runs[p]
     rows = per_rank[0]["rows"]
-    assert len(rows) == len(GRIDS[p])
+    assert [r["label"] for r in rows] == [c.label() for c in RUN[p]]
     bad = bad_rows(rows, TOL)
     assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_rest_of_p2_within_tolerance():
+    rows = run_distributed(_worker, 2, {2: REST_P2}, timeout=900, pg_timeout=20)[0]["rows"]
+    assert [r["label"] for r in rows] == [c.label() for c in REST_P2]
+    bad = bad_rows(rows, TOL)
+    assert not bad, f"P=2: {len(bad)} case(s) past {TOL}: {bad[:5]}"
+
+
+def test_p2_sample_meets_every_option_value_and_the_rest_completes_it():
+    assert len(SAMPLE_P2) + len(REST_P2) == len(GRIDS[2]) and len(SAMPLE_P2) < len(GRIDS[2]) // 3
+    assert sorted(c.label() for c in SAMPLE_P2 + REST_P2) == sorted(c.label() for c in GRIDS[2])
+    assert set().union(*map(option_values, SAMPLE_P2)) == set().union(*map(option_values, GRIDS[2]))
 
 
 def test_grids_cover_the_required_shapes():

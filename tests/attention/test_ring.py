@@ -1,7 +1,7 @@
 """Ring attention against the float64 reference, forward and backward, over real gloo processes
 (sinks, chunked attention and MLA head dims included); its load balance, collective counts and misuse
 errors; the doc-zigzag layout through a batch's SeqShard. Its pure parts (block plans, lse merge, sinks
-fold): test_blocks.py."""
+fold): test_blocks.py. At P = 1 and 3 make test runs a covering quarter of the grid (the rest: heavy)."""
 
 
 import pytest
@@ -21,6 +21,7 @@ from seqpar.testing.attention_parity import (
     feature_cases,
     run_cases,
 )
+from seqpar.testing.sampling import covering_sample, option_values
 
 TOL = 1e-10
 LAYOUTS = ("contiguous", "zigzag")
@@ -66,6 +67,16 @@ CASES = (
     + [_doc_case(37, 8, 2, True, "packed", kernel="flash_cpu", window=5),
        _doc_case(37, 8, 2, True, "pad", softcap=2.0, scale=0.3, chunk=8, sinks=True)]
 )
+
+
+# make test runs the whole grid at P = 2 and 4; at P = 1 (no exchange) and 3 a quarter of it that
+# still meets every option value, and make verify the rest (test_rest_of_the_grid_within_tolerance)
+SAMPLED = (1, 3)
+SAMPLE, REST = covering_sample(CASES, 4)
+
+
+def _grid(p):
+    return SAMPLE if p in SAMPLED else CASES
 
 
 def _balance(rank, world):
@@ -206,7 +217,7 @@ def _worker(rank, world, cases):
 @pytest.fixture(scope="module")
 def runs():
     """Every world size once (one process spawn each); the tests read what they need."""
-    return {p: run_distributed(_worker, p, CASES, timeout=600) for p in (1, 2, 3, 4)}
+    return {p: run_distributed(_worker, p, _grid(p), timeout=600) for p in (1, 2, 3, 4)}
 
 
 @pytest.mark.distributed
@@ -214,9 +225,25 @@ def runs():
 def test_grid_within_tolerance(runs, p):
     per_rank = runs[p]
     rows = per_rank[0]["rows"]
-    assert len(rows) == len(CASES)
+    assert [r["label"] for r in rows] == [c.label() for c in _grid(p)]
     bad = bad_rows(rows, TOL)
     assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", SAMPLED, ids=lambda p: f"P{p}")
+def test_rest_of_the_grid_within_tolerance(p):
+    rows = run_distributed(run_cases, p, REST, timeout=900)[0]
+    assert [r["label"] for r in rows] == [c.label() for c in REST]
+    bad = bad_rows(rows, TOL)
+    assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
+
+
+def test_sample_meets_every_option_value_and_the_rest_completes_it():
+    assert len(SAMPLE) + len(REST) == len(CASES) and len(SAMPLE) < len(CASES) // 3
+    assert sorted(c.label() for c in SAMPLE + REST) == sorted(c.label() for c in CASES)
+    assert set().union(*map(option_values, SAMPLE)) == set().union(*map(option_values, CASES))
 
 
 def test_grid_covers_the_required_cases():

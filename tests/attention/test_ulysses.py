@@ -1,10 +1,12 @@
 """Ulysses attention against the float64 reference, forward and backward, over real gloo processes
-(sinks, chunked attention and MLA head dims included); outputs are contiguous."""
+(sinks, chunked attention and MLA head dims included); outputs are contiguous. At P = 1 and 3 make
+test runs a covering quarter of the grid (the rest: heavy)."""
 
 import pytest
 
 from seqpar.comm.launch import run_distributed
 from seqpar.testing.attention_parity import AttnCase, attention_grid, bad_rows, run_cases
+from seqpar.testing.sampling import covering_sample, option_values
 
 TOL = 1e-10
 CASES = attention_grid("ulysses", quick=False) + [
@@ -16,17 +18,43 @@ CASES = attention_grid("ulysses", quick=False) + [
 ]
 
 
+# make test runs the whole grid at P = 2 and 4; at P = 1 (no exchange) and 3 a quarter of it that
+# still meets every option value, and make verify the rest (test_rest_of_the_grid_within_tolerance)
+SAMPLED = (1, 3)
+SAMPLE, REST = covering_sample(CASES, 4)
+
+
+def _grid(p):
+    return SAMPLE if p in SAMPLED else CASES
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda p: f"P{p}")
 def grid(request):
-    return request.param, run_distributed(run_cases, request.param, CASES, timeout=600)[0]
+    return request.param, run_distributed(run_cases, request.param, _grid(request.param), timeout=600)[0]
 
 
 @pytest.mark.distributed
 def test_grid_within_tolerance(grid):
     p, rows = grid
-    assert len(rows) == len(CASES)
+    assert [r["label"] for r in rows] == [c.label() for c in _grid(p)]
     bad = bad_rows(rows, TOL)
     assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("p", SAMPLED, ids=lambda p: f"P{p}")
+def test_rest_of_the_grid_within_tolerance(p):
+    rows = run_distributed(run_cases, p, REST, timeout=900)[0]
+    assert [r["label"] for r in rows] == [c.label() for c in REST]
+    bad = bad_rows(rows, TOL)
+    assert not bad, f"P={p}: {len(bad)} case(s) past {TOL}: {bad[:5]}"
+
+
+def test_sample_meets_every_option_value_and_the_rest_completes_it():
+    assert len(SAMPLE) + len(REST) == len(CASES) and len(SAMPLE) < len(CASES) // 3
+    assert sorted(c.label() for c in SAMPLE + REST) == sorted(c.label() for c in CASES)
+    assert set().union(*map(option_values, SAMPLE)) == set().union(*map(option_values, CASES))
 
 
 def test_grid_covers_the_required_cases():
