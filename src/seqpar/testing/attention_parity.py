@@ -353,3 +353,14 @@ def bad_rows(rows: list[dict], tol: float) -> list[tuple[str, dict]]:
     """The rows past ``tol`` in any error, or whose output was not contiguous, with their errors."""
     return [(r["label"], {n: r[n] for n in (*ERRORS, "contiguous")}) for r in rows
             if not (max(r[n] for n in ERRORS) <= tol and r["contiguous"] == 1.0)]
+
+
+def run_rest(cases: list[AttnCase], p: int, tol: float) -> None:
+    """The part of a grid ``make verify`` runs alone (:func:`~seqpar.testing.sampling.covering_sample`'s
+    rest) at ``p`` ranks, one spawn: every case ran, in order, and within ``tol``."""
+    from ..comm.launch import run_distributed
+
+    rows = run_distributed(run_cases, p, cases, timeout=900)[0]
+    assert [r["label"] for r in rows] == [c.label() for c in cases]
+    bad = bad_rows(rows, tol)
+    assert not bad, f"P={p}: {len(bad)} case(s) past {tol}: {bad[:5]}"

@@ -39,3 +39,16 @@ def covering_sample(cases: list[C], every: int, values: Callable[[C], set] = opt
             chosen.add(i)
             met |= values(case)
     return ([c for i, c in enumerate(cases) if i in chosen], [c for i, c in enumerate(cases) if i not in chosen])
+
+
+def split_problems(sample: list[C], rest: list[C], full: list[C], values: Callable[[C], set] = option_values
+                   ) -> list[str]:
+    """What is wrong with ``(sample, rest)`` as a split of ``full`` (empty: nothing): together they are
+    the grid, once each, and the sample meets every value (``values``) the grid does."""
+    out = []
+    if sorted(map(repr, sample + rest)) != sorted(map(repr, full)):
+        out.append(f"sample + rest ({len(sample)} + {len(rest)}) is not the grid ({len(full)} cases)")
+    missing = set().union(*map(values, full)) - set().union(*map(values, sample))
+    if missing:
+        out.append(f"the sample misses {sorted(map(str, missing))[:5]}")
+    return out
