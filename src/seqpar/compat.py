@@ -6,8 +6,8 @@ moves, this file and that test are what to check. Layer 0 (imports nothing of se
 layer can use it: comm and attention touch torch internals too. transformers and accelerate are
 imported inside the shims that need them, never at import time.
 
-Checked on torch 2.13.0 (CPU build; the CUDA attention ops on a CUDA build where a GPU ran them),
-transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
+Checked on the tested set (``seqpar/tested.txt``, :data:`CHECKED_ON`: torch's CPU build; the CUDA
+attention ops on a CUDA build where a GPU ran them).
 
     shim                             outside internal                                  used by
     -------------------------------  ------------------------------------------------  -----------------------
@@ -46,6 +46,7 @@ import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -53,8 +54,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-CHECKED_ON = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0"}
-"""The versions every shim here was tested on (``tests/test_compat.py``)."""
+def tested_set() -> dict[str, str]:
+    """The tested set: every package's version as CI installed and ran it together (``seqpar/tested.txt``,
+    pip constraints that ``make install`` applies), by lower-case distribution name."""
+    text = (Path(__file__).parent / "tested.txt").read_text()
+    pins = (line.split("==", 1) for line in text.splitlines() if "==" in line and not line.startswith("#"))
+    return {name.strip().lower().replace("_", "-"): version.strip() for name, version in pins}
+
+
+CHECKED_ON = {name: tested_set()[name] for name in ("torch", "transformers", "accelerate", "trl", "peft")}
+"""The versions every shim here was tested on (``tests/test_compat.py``): the tested set's."""
 
 __all__ = [
     "CHECKED_ON", "KernelCall", "TorchDispatchMode", "abort_all_groups", "active_ddp_module", "attn_implementation",
@@ -63,6 +72,7 @@ __all__ = [
     "cudnn_attention_backward", "decoder_block_classes", "default_store", "fail_on_recompile_limit",
     "fake_process_group", "flatten_mesh", "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass",
     "kernels_replaced", "mark_uninitialized", "modeling_module", "queue_backward_callback", "split_prepared_loader",
+    "tested_set",
 ]
 
 # ---------------------------------------------------------------------------------------------
