@@ -42,7 +42,9 @@ transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -252,17 +254,25 @@ def init_weights_override(models: Iterable[nn.Module],
 # ---------------------------------------------------------------------------------------------
 # transformers: the kernel functions a recurrent token mixer's forward calls by name
 # ---------------------------------------------------------------------------------------------
-# transformers 5.24 has every recurrent mixer's ``forward`` call its kernels as globals of its
-# modeling module -- ``causal_conv1d_fn`` (the short convolution) and one chunked scan
-# (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``,
-# ``mamba_selective_scan``), each a dispatcher to flash-linear-attention / mamba-ssm / causal-conv1d
-# when installed, else to transformers' torch code -- and offers no other way in: no kernel
-# attribute on the module, and the generation cache's recurrent state must be known before the scan
-# runs. State passing (integrations/mixers/state_passing.py) needs the scan's inputs and its initial
-# state, so it swaps those globals for one call of the mixer. The names each family relies on are
-# declared in its module (StateKernels); tests/integrations/test_state_passing.py checks, for each
-# class, that its forward still calls them (a renamed kernel makes state passing unavailable, not
-# wrong: calls_kernels).
+# Every recurrent mixer's ``forward`` calls its kernels as globals of its modeling module --
+# ``causal_conv1d_fn`` (the short convolution) and one chunked scan (``torch_chunk_gated_delta_rule``,
+# ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``), each a dispatcher
+# to flash-linear-attention / mamba-ssm / causal-conv1d when installed, else to transformers' torch
+# code. transformers 5.24 calls them from ``forward`` itself; 5.25 through a module-level helper of
+# the same file (``causal_conv1d_forward``, ``mamba2_scan_forward``, ``mamba_scan_forward``), which
+# also reads the generation cache. Neither offers another way in: 5.25's public hook,
+# ``use_kernelized_func`` + ``kernelize`` (the ``kernels`` package), replaces a function for a
+# whole model, persistently, with a kernel loaded from a Hub or local *repository* -- not one call
+# with a function that needs the call's inputs. State passing (integrations/mixers/state_passing.py)
+# needs the scan's inputs and its initial state, so it swaps those globals for one call of the
+# mixer; a helper reads them from the same module globals, so the swap reaches them there too.
+# Two things can still bypass the swap and make it wrong, and both are checked: a forward that no
+# longer reaches a name (:func:`kernel_route` / :func:`calls_kernels`: state passing is then
+# unavailable, the feature report says why), and a helper that ``kernelize`` replaced on an instance
+# (:func:`kernelized_funcs`). With ``kernels`` installed (a dependency of transformers 5.25) each
+# kernel function is an ``nn.Module`` instance whose ``forward`` carries the function's signature
+# (:func:`kernel_signature`). The names each family relies on are declared in its module
+# (StateKernels); tests/integrations/test_state_passing.py checks them for each class.
 
 
 def modeling_module(cls: type) -> ModuleType:
@@ -270,12 +280,63 @@ def modeling_module(cls: type) -> ModuleType:
     return sys.modules[cls.__module__]
 
 
-def calls_kernels(cls: type, names: tuple[str, ...]) -> bool:
-    """Whether ``cls.forward`` (under its decorators) reads every one of ``names`` as a global of
-    its modeling module, and that module defines them: what :func:`kernels_replaced` needs."""
+@functools.cache
+def _module_functions(module_name: str) -> dict[str, frozenset[str]]:
+    """Each top-level function of the module's source -> the global names its body reads (from the
+    source, so that a function a decorator turned into a module instance is read the same way)."""
+    module = sys.modules[module_name]
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    return {node.name: frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
+            for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def kernel_route(cls: type, names: tuple[str, ...]) -> dict[str, str | None] | None:
+    """How ``cls.forward`` (under its decorators) reaches each of ``names``, globals of its modeling
+    module that the module defines: ``None`` where ``forward`` reads the name itself (5.24), else the
+    module-level helper of the same file that ``forward`` calls and that reads it (5.25:
+    ``causal_conv1d_forward`` reads ``causal_conv1d_fn``). ``None`` overall when a name is not
+    reached, one level down at most, or not defined: what :func:`kernels_replaced` needs."""
     module = sys.modules.get(cls.__module__)
-    code = inspect.unwrap(cls.forward).__code__
-    return module is not None and all(callable(getattr(module, n, None)) and n in code.co_names for n in names)
+    if module is None or not all(callable(getattr(module, n, None)) for n in names):
+        return None
+    direct = set(inspect.unwrap(cls.forward).__code__.co_names)
+    helpers = {h: reads for h, reads in _module_functions(cls.__module__).items() if h in direct}
+    route: dict[str, str | None] = {}
+    for name in names:
+        if name in direct:
+            route[name] = None
+            continue
+        via = sorted(h for h, reads in helpers.items() if name in reads)
+        if not via:
+            return None
+        route[name] = via[0]
+    return route
+
+
+def calls_kernels(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls.forward`` reaches every one of ``names`` (:func:`kernel_route`)."""
+    return kernel_route(cls, names) is not None
+
+
+def kernelized_funcs(module: nn.Module) -> set[str]:
+    """Names of the kernel functions attached to ``module`` (``use_kernelized_func``) whose forward
+    ``kernelize`` replaced with a kernel from a repository (``kernels.get_kernelized_layers``, the
+    package's public inspection); empty without the ``kernels`` package."""
+    try:
+        from kernels import get_kernelized_layers
+    except ImportError:
+        return set()
+    return {func for (layer, func) in get_kernelized_layers(module).funcs if layer == ""}
+
+
+def kernel_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """The signature of a kernel function: a plain function's own, or, for a function that the
+    ``kernels`` package made an ``nn.Module`` instance (``use_kernel_forward_from_hub``), its
+    ``forward``'s -- which carries the function's parameters."""
+    return inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
 
 
 @contextlib.contextmanager
@@ -303,7 +364,7 @@ class KernelCall:
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.fn = fn
-        self._params = inspect.signature(fn).parameters
+        self._params = kernel_signature(fn).parameters
         self._positional = tuple(list(self._params)[:len(args)])
         self.values = {**dict(zip(self._positional, args, strict=True)), **kwargs}
 
