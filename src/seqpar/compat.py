@@ -7,7 +7,7 @@ layer can use it: comm and attention touch torch internals too. transformers and
 imported inside the shims that need them, never at import time.
 
 Checked on torch 2.13.0 (CPU build; the CUDA attention ops on a CUDA build where a GPU ran them),
-transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
+transformers 5.24.0 and 5.25.0, accelerate 1.15.0 and 1.16.0 (:data:`CHECKED_ON`).
 
     shim                             outside internal                                  used by
     -------------------------------  ------------------------------------------------  -----------------------
@@ -34,10 +34,13 @@ transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
     split_prepared_loader            accelerate's BatchSamplerShard and                integrations/trainer.py
                                      IterableDatasetShard: num_processes, process_index
     kernels_replaced, KernelCall,    a recurrent mixer's modeling-module globals       integrations/mixers/
-      calls_kernels, modeling_module (causal_conv1d_fn, torch_chunk_gated_delta_rule,  state_*, testing/scans64
-                                     chunk_kimi_delta_attention, mamba2_chunk_scan,
-                                     mamba_selective_scan, mamba_split_conv1d_scan_
-                                     combined): swapped for one call of the mixer
+      calls_kernels, kernel_route,   (causal_conv1d_fn, torch_chunk_gated_delta_rule,  state_*, testing/scans64,
+      modeling_module,               chunk_kimi_delta_attention, mamba2_chunk_scan,    integrations/features
+      kernel_signature               mamba_selective_scan, mamba_split_conv1d_scan_
+                                     combined): swapped for one call of the mixer; read
+                                     from forward or a same-module helper (5.25)
+    kernelized_funcs                 kernels.get_kernelized_layers (public; the        integrations/mixers/
+                                     ``kernels`` package, a dependency of 5.25)        state_passing
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -55,16 +59,30 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-CHECKED_ON = {"torch": "2.13.0", "transformers": "5.24.0", "accelerate": "1.15.0"}
-"""The versions every shim here was tested on (``tests/test_compat.py``)."""
+CHECKED_ON: dict[str, tuple[str, ...]] = {"torch": ("2.13.0",), "transformers": ("5.24.0", "5.25.0"),
+                                          "accelerate": ("1.15.0", "1.16.0")}
+"""The versions every shim here was tested on (``tests/test_compat.py``), per package."""
+
+
+@dataclass(frozen=True)
+class FeatureStatus:
+    """One line of a feature report (:func:`seqpar.integrations.features.feature_report`): whether
+    ``feature`` (e.g. ``"state passing: Qwen3NextGatedDeltaNet"``) is available with the installed
+    versions, and ``detail``: how it is reached, or why it is not and what runs instead."""
+
+    feature: str
+    available: bool
+    detail: str
 
 __all__ = [
-    "CHECKED_ON", "KernelCall", "TorchDispatchMode", "abort_all_groups", "active_ddp_module", "attn_implementation",
-    "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention",
-    "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention",
-    "cudnn_attention_backward", "decoder_block_classes", "default_store", "fail_on_recompile_limit",
-    "fake_process_group", "flatten_mesh", "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass",
-    "kernels_replaced", "mark_uninitialized", "modeling_module", "queue_backward_callback", "split_prepared_loader",
+    "CHECKED_ON", "FeatureStatus", "KernelCall", "TorchDispatchMode", "abort_all_groups", "active_ddp_module",
+    "attn_implementation", "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward",
+    "cuda_efficient_attention", "cuda_efficient_attention_backward", "cuda_flash_attention",
+    "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward", "decoder_block_classes",
+    "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes",
+    "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature",
+    "kernelized_funcs", "kernels_replaced", "mark_uninitialized", "modeling_module", "queue_backward_callback",
+    "split_prepared_loader",
 ]
 
 # ---------------------------------------------------------------------------------------------
