@@ -332,9 +332,70 @@ def test_kernels_replaced_swaps_a_modeling_global_and_restores_it_on_error():
 def test_calls_kernels_reads_the_globals_a_forward_calls():
     import importlib
 
+    import transformers
+
     module = importlib.import_module("transformers.models.bamba.modeling_bamba")
     assert compat.calls_kernels(module.BambaMixer, ("mamba2_chunk_scan", "causal_conv1d_fn"))
     assert not compat.calls_kernels(module.BambaMixer, ("a_kernel_it_does_not_call",))
+    route = compat.kernel_route(module.BambaMixer, ("mamba2_chunk_scan", "causal_conv1d_fn",
+                                                    "mamba2_split_conv1d_scan_combined"))
+    if transformers.__version__.startswith("5.24."):  # forward calls them itself
+        assert route == dict.fromkeys(route)
+    else:  # 5.25: through the helpers that read the cache
+        assert route == {"mamba2_chunk_scan": "mamba2_scan_forward", "causal_conv1d_fn": "causal_conv1d_forward",
+                         "mamba2_split_conv1d_scan_combined": None}, route
+
+
+_HELPER_MODULE = """
+def kernel(x):
+    return x
+
+def helper(x):
+    return kernel(x) + 1
+
+def deeper(x):
+    return helper(x)
+
+class Mixer:
+    def forward(self, x):
+        return helper(x) + deeper(x) + other(x)
+
+def other(x):
+    return x
+"""
+
+
+def test_kernel_route_follows_one_helper_of_the_same_module(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    (tmp_path / "seqpar_route_probe.py").write_text(_HELPER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = importlib.import_module("seqpar_route_probe")
+    try:
+        assert compat.kernel_route(probe.Mixer, ("kernel", "other")) == {"kernel": "helper", "other": None}
+        assert compat.kernel_route(probe.Mixer, ("missing",)) is None  # not defined in the module
+        monkeypatch.setattr(probe, "helper", lambda x: x)  # defined still; its source still reads kernel
+        assert compat.calls_kernels(probe.Mixer, ("kernel",))
+    finally:
+        sys.modules.pop("seqpar_route_probe", None)
+
+
+def test_kernel_signature_is_the_functions_even_as_a_kernels_module():
+    import importlib
+
+    module = importlib.import_module("transformers.models.qwen3_next.modeling_qwen3_next")
+    fn = module.causal_conv1d_fn  # a plain function (5.24), an nn.Module instance (5.25 with kernels)
+    assert list(compat.kernel_signature(fn).parameters)[:4] == ["hidden_states", "weight", "bias", "activation"]
+    call = compat.KernelCall(fn, (torch.ones(1, 2, 3), torch.ones(2, 2)), {"activation": None})
+    assert call["weight"].shape == (2, 2) and call["bias"] is None
+
+
+def test_kernelized_funcs_is_empty_for_a_model_nobody_kernelized():
+    from seqpar.testing.zoo import build_tiny
+
+    model = build_tiny("qwen3_next", layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
+    assert all(compat.kernelized_funcs(m) == set() for m in model.modules())
 
 
 def test_kernel_call_keeps_the_callers_convention():

@@ -6,8 +6,9 @@ moves, this file and that test are what to check. Layer 0 (imports nothing of se
 layer can use it: comm and attention touch torch internals too. transformers and accelerate are
 imported inside the shims that need them, never at import time.
 
-Checked on the tested set (``seqpar/tested.txt``, :data:`CHECKED_ON`: torch's CPU build; the CUDA
-attention ops on a CUDA build where a GPU ran them).
+Checked on the tested set (``seqpar/tested.txt``: torch 2.13.0's CPU build -- the CUDA attention ops on a
+CUDA build where a GPU ran them --, transformers 5.25.0, accelerate 1.16.0) and on the releases before it
+that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
 
     shim                             outside internal                                  used by
     -------------------------------  ------------------------------------------------  -----------------------
@@ -34,18 +35,24 @@ attention ops on a CUDA build where a GPU ran them).
     split_prepared_loader            accelerate's BatchSamplerShard and                integrations/trainer.py
                                      IterableDatasetShard: num_processes, process_index
     kernels_replaced, KernelCall,    a recurrent mixer's modeling-module globals       integrations/mixers/
-      calls_kernels, modeling_module (causal_conv1d_fn, torch_chunk_gated_delta_rule,  state_*, testing/scans64
-                                     chunk_kimi_delta_attention, mamba2_chunk_scan,
-                                     mamba_selective_scan, mamba_split_conv1d_scan_
-                                     combined): swapped for one call of the mixer
+      calls_kernels, kernel_route,   (causal_conv1d_fn, torch_chunk_gated_delta_rule,  state_*, testing/scans64,
+      modeling_module,               chunk_kimi_delta_attention, mamba2_chunk_scan,    integrations/features
+      kernel_signature               mamba_selective_scan, mamba_split_conv1d_scan_
+                                     combined): swapped for one call of the mixer; read
+                                     from forward or a same-module helper (5.25)
+    kernelized_funcs                 kernels.get_kernelized_layers (public; the        integrations/mixers/
+                                     ``kernels`` package, a dependency of 5.25)        state_passing
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -53,6 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
 
 def tested_set() -> dict[str, str]:
     """The tested set: every package's version as CI installed and ran it together (``seqpar/tested.txt``,
@@ -62,17 +70,32 @@ def tested_set() -> dict[str, str]:
     return {name.strip().lower().replace("_", "-"): version.strip() for name, version in pins}
 
 
-CHECKED_ON = {name: tested_set()[name] for name in ("torch", "transformers", "accelerate", "trl", "peft")}
-"""The versions every shim here was tested on (``tests/test_compat.py``): the tested set's."""
+CHECKED_ON: dict[str, tuple[str, ...]] = {
+    name: tuple(sorted({tested_set()[name], *earlier}))
+    for name, earlier in {"torch": (), "transformers": ("5.24.0",), "accelerate": ("1.15.0",)}.items()}
+"""The versions every shim here was tested on (``tests/test_compat.py``), per package: the tested set's
+and the earlier releases whose internals the shims still serve (checked with those installed)."""
+
+
+@dataclass(frozen=True)
+class FeatureStatus:
+    """One line of a feature report (:func:`seqpar.integrations.features.feature_report`): whether
+    ``feature`` (e.g. ``"state passing: Qwen3NextGatedDeltaNet"``) is available with the installed
+    versions, and ``detail``: how it is reached, or why it is not and what runs instead."""
+
+    feature: str
+    available: bool
+    detail: str
 
 __all__ = [
-    "CHECKED_ON", "KernelCall", "TorchDispatchMode", "abort_all_groups", "active_ddp_module", "attn_implementation",
-    "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention",
-    "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention",
-    "cudnn_attention_backward", "decoder_block_classes", "default_store", "fail_on_recompile_limit",
-    "fake_process_group", "flatten_mesh", "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass",
-    "kernels_replaced", "mark_uninitialized", "modeling_module", "queue_backward_callback", "split_prepared_loader",
-    "tested_set",
+    "CHECKED_ON", "FeatureStatus", "KernelCall", "TorchDispatchMode", "abort_all_groups", "active_ddp_module",
+    "attn_implementation", "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward",
+    "cuda_efficient_attention", "cuda_efficient_attention_backward", "cuda_flash_attention",
+    "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward", "decoder_block_classes",
+    "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes",
+    "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature",
+    "kernelized_funcs", "kernels_replaced", "mark_uninitialized", "modeling_module", "queue_backward_callback",
+    "split_prepared_loader", "tested_set",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -262,17 +285,25 @@ def init_weights_override(models: Iterable[nn.Module],
 # ---------------------------------------------------------------------------------------------
 # transformers: the kernel functions a recurrent token mixer's forward calls by name
 # ---------------------------------------------------------------------------------------------
-# transformers 5.24 has every recurrent mixer's ``forward`` call its kernels as globals of its
-# modeling module -- ``causal_conv1d_fn`` (the short convolution) and one chunked scan
-# (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``,
-# ``mamba_selective_scan``), each a dispatcher to flash-linear-attention / mamba-ssm / causal-conv1d
-# when installed, else to transformers' torch code -- and offers no other way in: no kernel
-# attribute on the module, and the generation cache's recurrent state must be known before the scan
-# runs. State passing (integrations/mixers/state_passing.py) needs the scan's inputs and its initial
-# state, so it swaps those globals for one call of the mixer. The names each family relies on are
-# declared in its module (StateKernels); tests/integrations/test_state_passing.py checks, for each
-# class, that its forward still calls them (a renamed kernel makes state passing unavailable, not
-# wrong: calls_kernels).
+# Every recurrent mixer's ``forward`` calls its kernels as globals of its modeling module --
+# ``causal_conv1d_fn`` (the short convolution) and one chunked scan (``torch_chunk_gated_delta_rule``,
+# ``chunk_kimi_delta_attention``, ``mamba2_chunk_scan``, ``mamba_selective_scan``), each a dispatcher
+# to flash-linear-attention / mamba-ssm / causal-conv1d when installed, else to transformers' torch
+# code. transformers 5.24 calls them from ``forward`` itself; 5.25 through a module-level helper of
+# the same file (``causal_conv1d_forward``, ``mamba2_scan_forward``, ``mamba_scan_forward``), which
+# also reads the generation cache. Neither offers another way in: 5.25's public hook,
+# ``use_kernelized_func`` + ``kernelize`` (the ``kernels`` package), replaces a function for a
+# whole model, persistently, with a kernel loaded from a Hub or local *repository* -- not one call
+# with a function that needs the call's inputs. State passing (integrations/mixers/state_passing.py)
+# needs the scan's inputs and its initial state, so it swaps those globals for one call of the
+# mixer; a helper reads them from the same module globals, so the swap reaches them there too.
+# Two things can still bypass the swap and make it wrong, and both are checked: a forward that no
+# longer reaches a name (:func:`kernel_route` / :func:`calls_kernels`: state passing is then
+# unavailable, the feature report says why), and a helper that ``kernelize`` replaced on an instance
+# (:func:`kernelized_funcs`). With ``kernels`` installed (a dependency of transformers 5.25) each
+# kernel function is an ``nn.Module`` instance whose ``forward`` carries the function's signature
+# (:func:`kernel_signature`). The names each family relies on are declared in its module
+# (StateKernels); tests/integrations/test_state_passing.py checks them for each class.
 
 
 def modeling_module(cls: type) -> ModuleType:
@@ -280,12 +311,63 @@ def modeling_module(cls: type) -> ModuleType:
     return sys.modules[cls.__module__]
 
 
-def calls_kernels(cls: type, names: tuple[str, ...]) -> bool:
-    """Whether ``cls.forward`` (under its decorators) reads every one of ``names`` as a global of
-    its modeling module, and that module defines them: what :func:`kernels_replaced` needs."""
+@functools.cache
+def _module_functions(module_name: str) -> dict[str, frozenset[str]]:
+    """Each top-level function of the module's source -> the global names its body reads (from the
+    source, so that a function a decorator turned into a module instance is read the same way)."""
+    module = sys.modules[module_name]
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    return {node.name: frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
+            for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+
+def kernel_route(cls: type, names: tuple[str, ...]) -> dict[str, str | None] | None:
+    """How ``cls.forward`` (under its decorators) reaches each of ``names``, globals of its modeling
+    module that the module defines: ``None`` where ``forward`` reads the name itself (5.24), else the
+    module-level helper of the same file that ``forward`` calls and that reads it (5.25:
+    ``causal_conv1d_forward`` reads ``causal_conv1d_fn``). ``None`` overall when a name is not
+    reached, one level down at most, or not defined: what :func:`kernels_replaced` needs."""
     module = sys.modules.get(cls.__module__)
-    code = inspect.unwrap(cls.forward).__code__
-    return module is not None and all(callable(getattr(module, n, None)) and n in code.co_names for n in names)
+    if module is None or not all(callable(getattr(module, n, None)) for n in names):
+        return None
+    direct = set(inspect.unwrap(cls.forward).__code__.co_names)
+    helpers = {h: reads for h, reads in _module_functions(cls.__module__).items() if h in direct}
+    route: dict[str, str | None] = {}
+    for name in names:
+        if name in direct:
+            route[name] = None
+            continue
+        via = sorted(h for h, reads in helpers.items() if name in reads)
+        if not via:
+            return None
+        route[name] = via[0]
+    return route
+
+
+def calls_kernels(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls.forward`` reaches every one of ``names`` (:func:`kernel_route`)."""
+    return kernel_route(cls, names) is not None
+
+
+def kernelized_funcs(module: nn.Module) -> set[str]:
+    """Names of the kernel functions attached to ``module`` (``use_kernelized_func``) whose forward
+    ``kernelize`` replaced with a kernel from a repository (``kernels.get_kernelized_layers``, the
+    package's public inspection); empty without the ``kernels`` package."""
+    try:
+        from kernels import get_kernelized_layers
+    except ImportError:
+        return set()
+    return {func for (layer, func) in get_kernelized_layers(module).funcs if layer == ""}
+
+
+def kernel_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """The signature of a kernel function: a plain function's own, or, for a function that the
+    ``kernels`` package made an ``nn.Module`` instance (``use_kernel_forward_from_hub``), its
+    ``forward``'s -- which carries the function's parameters."""
+    return inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
 
 
 @contextlib.contextmanager
@@ -313,7 +395,7 @@ class KernelCall:
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.fn = fn
-        self._params = inspect.signature(fn).parameters
+        self._params = kernel_signature(fn).parameters
         self._positional = tuple(list(self._params)[:len(args)])
         self.values = {**dict(zip(self._positional, args, strict=True)), **kwargs}
 

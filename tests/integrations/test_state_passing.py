@@ -10,6 +10,7 @@ import torch
 from seqpar.attention.layout import document_cuts, layout_permutation, layout_seq_lens
 from seqpar.attention.shard import SeqShard
 from seqpar.compat import calls_kernels
+from seqpar.integrations.features import MIXER_MODELING
 from seqpar.integrations.mixers import HANDLED_MIXERS, STATE, family_of
 from seqpar.integrations.mixers.pieces import piece_plan
 from seqpar.testing import scans64
@@ -199,12 +200,7 @@ def test_float64_mamba_scans_are_the_models_kernels():
     assert _close32(got[0], ref[0]) and _close32(got[1], ref[1])
 
 
-MIXER_MODULES = {"Qwen3NextGatedDeltaNet": "qwen3_next", "Qwen3_5GatedDeltaNet": "qwen3_5",
-                 "Qwen3_5MoeGatedDeltaNet": "qwen3_5_moe", "OlmoHybridGatedDeltaNet": "olmo_hybrid",
-                 "KimiLinearDeltaAttention": "kimi_linear", "BailingHybridDeltaAttention": "bailing_hybrid",
-                 "BambaMixer": "bamba", "NemotronHMamba2Mixer": "nemotron_h", "Zamba2MambaMixer": "zamba2",
-                 "GraniteMoeHybridMambaLayer": "granitemoehybrid", "FalconH1Mixer": "falcon_h1",
-                 "JambaMambaMixer": "jamba", "ZambaMambaMixer": "zamba"}
+MIXER_MODULES = MIXER_MODELING  # each state-passing class -> its modeling module's model type
 
 
 def test_every_recurrent_family_runs_state_passing():
@@ -218,11 +214,12 @@ def test_every_recurrent_family_runs_state_passing():
 
 @pytest.mark.parametrize("cls", sorted(MIXER_MODULES))
 def test_each_family_calls_the_kernels_it_declares(cls):
-    """compat: the class's forward still calls its declared convolution, scan and fused names as
-    globals of its modeling module (transformers 5.24)."""
+    """compat: the class's forward still reaches its declared convolution, scan and fused names as
+    globals of its modeling module (5.24: from forward; 5.25: the convolution, Mamba's and Mamba2's
+    scans through a helper of the same file, e.g. causal_conv1d_forward)."""
     module = _modeling(MIXER_MODULES[cls])
     kernels = HANDLED_MIXERS[cls].state
-    assert calls_kernels(getattr(module, cls), (kernels.conv, kernels.scan, *kernels.fused))
+    assert calls_kernels(getattr(module, cls), kernels.names)
     assert not calls_kernels(getattr(module, cls), ("a_kernel_it_does_not_call",))
 
 
@@ -733,3 +730,83 @@ def test_state_passing_kernels_float64_exact_layouts(name, p, layout, packed):
     out, grad, joined = _kernel_parity(name, p, layout, packed)
     assert out <= 1e-12 and grad <= 1e-12, (layout, packed, out, grad)
     assert joined == [1] * p, joined
+
+
+# ---------------------------------------------------------------------------------------------
+# an untested transformers: a kernel state passing needs is gone -> one warning at parallelize
+# (rank 0), the mixer runs in its fallback; the feature report says the same
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def scan_missing(monkeypatch):
+    """Qwen3-Next's modeling module without its chunked scan (as a release that renamed it)."""
+    from seqpar.integrations.mixers import state_passing
+
+    module = _modeling("qwen3_next")
+    monkeypatch.delattr(module, "torch_chunk_gated_delta_rule")
+    state_passing._route.cache_clear()
+    yield module
+    state_passing._route.cache_clear()
+
+
+def _parallelize_warnings(rank, world):
+    import warnings
+
+    import seqpar
+    from seqpar.compat import fake_process_group
+    from seqpar.testing.zoo import build_tiny
+
+    model = build_tiny("qwen3_next", layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
+    with fake_process_group(rank, world), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seqpar.parallelize(model, seqpar.init_mesh(sp=world, device_type="cpu"))
+        seqpar.unparallelize(model)
+    from seqpar.errors import FeatureUnavailable
+
+    return [str(w.message) for w in caught if issubclass(w.category, FeatureUnavailable)]
+
+
+def test_missing_kernel_is_one_warning_on_rank_0(scan_missing):
+    import transformers
+
+    from seqpar.integrations.features import feature_report
+
+    said = _parallelize_warnings(0, 2)
+    assert len(said) == 1, said
+    msg = said[0]
+    assert msg.startswith(f"state passing unavailable on transformers {transformers.__version__}: "
+                          "Qwen3NextGatedDeltaNet runs split by heads"), msg
+    assert "memory per rank does not divide by P" in msg and "torch_chunk_gated_delta_rule" in msg, msg
+    assert _parallelize_warnings(1, 2) == []  # the other ranks stay quiet
+    row = next(r for r in feature_report() if r.feature == "state passing: Qwen3NextGatedDeltaNet")
+    assert not row.available and "torch_chunk_gated_delta_rule" in row.detail, row
+
+
+def test_installed_transformers_gives_no_warning_and_a_full_report():
+    from seqpar.integrations.features import MIXER_MODELING, feature_report
+
+    assert _parallelize_warnings(0, 2) == []
+    rows = {r.feature: r for r in feature_report()}
+    assert {f"state passing: {c}" for c in MIXER_MODELING} <= set(rows)
+    assert all(r.available for r in rows.values()), [r for r in rows.values() if not r.available]
+    assert set(MIXER_MODELING) == {c for c, f in HANDLED_MIXERS.items() if STATE in f.modes}
+
+
+def test_a_helper_kernelize_replaced_makes_state_passing_unfit(monkeypatch):
+    """5.25 reaches the convolution through ``causal_conv1d_forward``: a kernel that ``kernelize``
+    put there would bypass the swapped ``causal_conv1d_fn``, so state passing must not run."""
+    from seqpar.compat import kernel_route
+    from seqpar.integrations.mixers import state_passing
+    from seqpar.testing.zoo import build_tiny
+
+    model = build_tiny("qwen3_next", layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
+    mixer = next(m for m in model.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet")
+    family = family_of(mixer)
+    helpers = {v for v in kernel_route(type(mixer), family.state.names).values() if v is not None}
+    assert state_passing.state_unavailable(family, mixer) is None
+    monkeypatch.setattr(state_passing, "kernelized_funcs", lambda m: {"causal_conv1d_forward", "unrelated"})
+    why = state_passing.state_unavailable(family, mixer)
+    if "causal_conv1d_forward" in helpers:  # transformers >= 5.25
+        assert why is not None and "kernelize replaced causal_conv1d_forward" in why, why
+    else:  # 5.24: forward calls causal_conv1d_fn itself, no helper on the way
+        assert why is None

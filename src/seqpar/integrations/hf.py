@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -55,7 +56,7 @@ from ..errors import Refused
 from .fsdp import check_gradient_reduction
 from .hf_kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
-from .mixers import check_token_mixers, wrap_token_mixers
+from .mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
 from .models import decoder_config
 from .peft import unwrap_peft
 from .published import publish_forward_errors
@@ -179,6 +180,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         raise ValueError("this model is already parallelized: call seqpar.unparallelize(model) first")
     config, sub = decoder_config(model.config)
     check_token_mixers(model)  # a model seqpar cannot make exact is refused, never run on shards
+    # a feature the installed transformers does not allow: one warning (rank 0), the model runs in its fallback
+    warn_mode_gaps(model, dist.get_world_size(axis_group(mesh, Axis.SP.value)))
     strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
     original = compat.attn_implementation(config)
     if original is not None and original.startswith("seqpar_"):

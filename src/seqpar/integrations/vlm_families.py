@@ -89,11 +89,11 @@ FAMILIES: dict[str, Family] = {
     # ... with 3-D M-RoPE positions from get_rope_index
     **dict.fromkeys(["qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "cosmos3_edge", "hunyuan_vl", "paddleocr_vl",
                      "qwen2_5_omni_thinker", "hy_v4_vl", "qwen4_exp"], _MROPE),
-    "dots3_note": Family((PLACEHOLDER, POSITIONS_1D), frames_apart=True),
+    **dict.fromkeys(["dots3_note", "llava_onevision1_5"], Family((PLACEHOLDER, POSITIONS_1D), frames_apart=True)),
     "glm5_next": Family((PLACEHOLDER, POSITIONS_1D, VIDEO_SPANS), frames_apart=True),
     **dict.fromkeys(["glm4v", "glm4v_moe", "glm46v", "glmga", "glm_ocr"], _GLM),
     "ernie4_5_vl_moe": Family((PLACEHOLDER, MROPE, MODALITY_EXPERTS)),
-    "ovis2": Family((PLACEHOLDER, EXTRA_OUTPUTS)),
+    **dict.fromkeys(["ovis2", "ovis2_5"], Family((PLACEHOLDER, EXTRA_OUTPUTS))),  # 2.5: indicators at start / end
     # masks, extra paths and layouts seqpar does not run yet
     # ShieldGemma 2's image-text-to-text class is Gemma3ForConditionalGeneration
     **dict.fromkeys(["gemma3", "shieldgemma2"], Family((PLACEHOLDER, POSITIONS_1D, SPANS_IMAGES), spans="images")),
@@ -114,7 +114,7 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(["blip", "idefics", "mllama", "evolla"], Family((CROSS_ATTENTION,))),
     **dict.fromkeys(["florence2", "pix2struct", "pp_formulanet", "t5gemma2", "udop", "vision-encoder-decoder"],
                     Family((ENCODER_DECODER,))),
-    **dict.fromkeys(["git", "blip-2", "instructblip", "instructblipvideo", "kosmos-2", "kosmos-2.5", "pi0"],
+    **dict.fromkeys(["git", "blip-2", "instructblip", "instructblipvideo", "kosmos-2", "kosmos-2.5", "pi0", "pi05"],
                     Family((NO_PLACEHOLDERS,))),
     "mistral4": Family((NO_VISION,)),
     # placeholder merges by their modeling files, not run: their tiny configs do not build or run here
@@ -124,6 +124,10 @@ FAMILIES: dict[str, Family] = {
                     _UNVERIFIED),
 }
 """model_type -> :class:`Family`, for every key of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES."""
+
+SINCE = {"llava_onevision1_5": "5.25.0", "ovis2_5": "5.25.0", "pi05": "5.25.0"}
+"""Families of :data:`FAMILIES` that an older transformers of the tested set does not ship: the
+release that added them (the table covers every tested release)."""
 
 
 def family_of(model: nn.Module) -> Family:

@@ -16,6 +16,7 @@ under sequence parallelism, and the ones seqpar refuses. The package::
     mamba.py           Jamba's and Zamba's Mamba: state passing; Jamba's split by inner channels too
     short_conv.py      LFM2's short convolution: halo
     wrap.py            wrap_token_mixers (returns the undo), set_mixer_mode, describe_token_mixers
+    availability.py    mode_gaps / warn_mode_gaps: a preferred mode the installed transformers does not allow
     refusals.py        what parallelize refuses: unknown token mixers, positions it cannot feed
 
 A new family is one module that registers a :class:`MixerFamily` naming the classes it handles and
@@ -23,6 +24,7 @@ its run modes; a new run mode is one module that registers a :class:`RunMode` (i
 """
 
 from . import gated_deltanet, kimi, mamba, mamba2, modes, short_conv, state_passing  # noqa: F401  (they register themselves)
+from .availability import mode_gaps, warn_mode_gaps
 from .refusals import check_token_mixers, unsupported_mixers
 from .registry import (
     GATHER,
@@ -51,10 +53,12 @@ __all__ = [
     "chosen_modes",
     "describe_token_mixers",
     "family_of",
+    "mode_gaps",
     "mode_named",
     "run_token_mixer",
     "set_mixer_mode",
     "token_mixers",
     "unsupported_mixers",
+    "warn_mode_gaps",
     "wrap_token_mixers",
 ]

@@ -46,6 +46,11 @@ class StateKernels:
     conv: str = "causal_conv1d_fn"
     fused: tuple[str, ...] = ()
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every module global state passing swaps: the convolution, the scan, the fused shortcuts."""
+        return (self.conv, self.scan, *self.fused)
+
 
 @dataclass(frozen=True)
 class MixerFamily:

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ...batch.local_batch import LocalBatch
 from ...comm.gather import gather_seq
-from ...compat import KernelCall, calls_kernels, kernels_replaced, modeling_module
+from ...compat import KernelCall, kernel_route, kernelized_funcs, kernels_replaced, modeling_module
 from .modes import mixer_output, own_forward
 from .pieces import Piece, PiecePlan, piece_plan
 from .registry import STATE, MixerFamily, StateKernels, register_mode
@@ -56,10 +56,9 @@ class StatePassing:
                                 "rank O(S/P), communication independent of S)")
 
     def fits(self, family: MixerFamily, module: nn.Module, batch: LocalBatch) -> bool:
-        """The family declares its kernels, the class's forward still calls them, every shard has a token."""
-        kernels = family.state
-        return (kernels is not None and min(batch.shard.seq_lens) >= 1
-                and _calls(type(module), (kernels.conv, kernels.scan, *kernels.fused)))
+        """The family declares its kernels, the class's forward still reaches them (no helper on the
+        way replaced by ``kernelize``), every shard has a token."""
+        return min(batch.shard.seq_lens) >= 1 and state_unavailable(family, module) is None
 
     def run(self, family: MixerFamily, module: nn.Module, x: Tensor, batch: LocalBatch,
             group: dist.ProcessGroup) -> Tensor:
@@ -80,9 +79,28 @@ class StatePassing:
 register_mode(StatePassing())
 
 
+def state_unavailable(family: MixerFamily, module: nn.Module) -> str | None:
+    """Why ``module`` cannot run state passing on the installed transformers (None: it can): the
+    family declares no kernels, its class's forward no longer reaches them (a release renamed or
+    moved them: :func:`seqpar.compat.kernel_route`), or ``kernelize`` replaced a helper the swap
+    goes through on this instance (the helper would bypass the swapped kernels)."""
+    kernels = family.state
+    if kernels is None:
+        return f"{family.name} declares no state kernels"
+    route = _route(type(module), kernels.names)
+    if route is None:
+        return (f"{type(module).__name__}.forward does not reach the kernel functions state passing swaps "
+                f"({', '.join(kernels.names)} in {type(module).__module__})")
+    replaced = sorted(kernelized_funcs(module) & {via for via in route.values() if via is not None})
+    if replaced:
+        return (f"kernelize replaced {', '.join(replaced)} on this {type(module).__name__}, which the swapped "
+                "kernels are reached through")
+    return None
+
+
 @cache
-def _calls(cls: type, names: tuple[str, ...]) -> bool:
-    return calls_kernels(cls, names)
+def _route(cls: type, names: tuple[str, ...]) -> dict[str, str | None] | None:
+    return kernel_route(cls, names)
 
 
 def _no_fused(*args: Any, **kwargs: Any) -> None:
