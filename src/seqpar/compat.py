@@ -16,6 +16,8 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     queue_backward_callback          Variable._execution_engine.queue_callback         comm/guard.py, comm/faults.py
     default_store                    distributed_c10d._get_default_store               comm/faults.py
     abort_all_groups                 distributed_c10d._abort_process_group             comm/waits.py
+    DCP_METADATA_GLOBALS             DCP .metadata: filesystem._StorageInfo,           train/safe_load.py
+                                     serialization._get_layout, _MEM_FORMAT_ENCODING
     cpu_flash_attention(_backward)   aten._scaled_dot_product_flash_attention_for_cpu  attention/flash_cpu.py
                                      (and its _backward)
     cuda_flash_attention(_backward)  aten._scaled_dot_product_flash_attention(_bw)     attention/cuda.py
@@ -210,6 +212,17 @@ def abort_all_groups() -> None:
     import torch.distributed as dist
 
     dist.distributed_c10d._abort_process_group()
+
+
+DCP_METADATA_GLOBALS = frozenset({
+    "torch.Size", "torch.serialization._get_layout", "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", "pathlib.PosixPath", "pathlib.WindowsPath",
+    "pathlib.PurePosixPath", "pathlib.PureWindowsPath", "collections.OrderedDict"})
+"""What torch.distributed.checkpoint's ``.metadata`` pickle names besides the dataclasses of
+``torch.distributed.checkpoint.metadata`` and torch dtypes: its private ``_StorageInfo`` (where each
+item sits in which file), ``_get_layout`` (a layout from its name) and the memory-format enum. A
+restricted unpickler reads the file with only these (``train/safe_load.py``): DCP itself uses a plain
+``pickle.load``, which runs whatever a handed-over checkpoint names."""
 
 
 # ---------------------------------------------------------------------------------------------

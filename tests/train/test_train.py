@@ -83,10 +83,11 @@ def test_metrics_one_line_per_step(runs):
         assert len(m["peak_mem_mib"]) == 2 and m["peak_reserved_mib"] == m["peak_mem_mib"]  # the CPU: both RSS
     assert [m["loss"] for m in lines] == [loss for _, loss in runs["smoke"].losses]
     with open(os.path.join(runs["dirs"]["smoke"], "metrics.jsonl")) as f:
-        evals = [m for m in map(json.loads, f) if "eval_loss" in m]  # before and after training
+        evals = [m for m in map(json.loads, f) if "eval_loss" in m]  # before training, every 20 steps (the default)
     s = runs["smoke"]
+    assert [st for st, _ in s.evals] == [20, 40, 60] and s.evals[-1][1] == s.final_eval
     assert [(m["step"], m["eval_loss"], m["eval_accuracy"]) for m in evals] == [
-        (0, s.first_eval.loss, s.first_eval.accuracy), (60, s.final_eval.loss, s.final_eval.accuracy)]
+        (0, s.first_eval.loss, s.first_eval.accuracy), *((st, e.loss, e.accuracy) for st, e in s.evals)]
 
 
 def test_checkpoints_written_and_loadable(runs):

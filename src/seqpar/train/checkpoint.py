@@ -34,6 +34,7 @@ from seqpar.comm import faults
 from seqpar.comm.agree import fence
 
 from .manifest import damage, files_of_rank, write_manifest
+from .safe_load import PickledObject, check_plain, dcp_load, load_plain
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _REPLACED = re.compile(r"^\.replaced-step_(\d{8})$")
@@ -170,34 +171,41 @@ def _commit(save_dir: str, tmp: str, final: str, keep: int) -> None:
 
 def damaged(path: str) -> list[str]:
     """What is wrong with the checkpoint at ``path``, one line per damaged file (empty: intact; see
-    :mod:`.manifest`). No process group needed."""
+    :mod:`.manifest`). No process group needed. A file holding a pickled object is not damage:
+    :class:`~seqpar.train.safe_load.PickledObject` (a ValueError naming it) is raised."""
     try:
         world = read_trainer_state(path).get("world")
+    except PickledObject:
+        raise
     except Exception as e:  # trainer.pt itself is damaged
         return [f"{TRAINER_FILE}: unreadable ({type(e).__name__}: {e})"]
     return damage(path, world)
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:
-    """The small metadata file of a complete checkpoint (step, options, scheduler)."""
-    return torch.load(os.path.join(path, TRAINER_FILE), weights_only=False)
+    """The small metadata file of a complete checkpoint (step, options, scheduler): plain data only
+    (:func:`~seqpar.train.safe_load.load_plain`; a pickled object raises ValueError naming the file)."""
+    return load_plain(os.path.join(path, TRAINER_FILE))
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG (a collective); returns the trainer
-    state (``step`` and the options the run was started with)."""
-    import torch.distributed.checkpoint as dcp
+    state (``step`` and the options the run was started with).
+
+    Reads data only: a file of the checkpoint that holds a pickled object raises ValueError naming
+    it on every rank (checked by every rank, agreed in one fence), before anything is loaded."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    _stage("reading the checkpoint " + path, lambda: check_plain(path))
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = read_trainer_state(path)
     scheduler.load_state_dict(trainer["scheduler"])
     rng = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.isfile(rng):
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(load_plain(rng))
     return trainer
 
 
@@ -206,11 +214,10 @@ def load_model_weights(path: str, model: nn.Module) -> nn.Module:
     process group needed; e.g. to evaluate or export a trained model."""
     import warnings
 
-    import torch.distributed.checkpoint as dcp
-
+    check_plain(path)  # data only: a pickled object is a ValueError naming its file
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": single process is the point here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        dcp_load(state, path, no_dist=True)
     model.load_state_dict(state["model"])
     return model

@@ -110,7 +110,7 @@ class TrainConfig:
     seed: int = _opt(2, "seed of the model init and the data order")
     eval_rows: int = _opt(8, "held-out rows for evaluation (task accuracy / loss); --data: at most a tenth of the "
                           "rows, the rest train")
-    eval_every: int = _opt(0, "evaluate on the held-out rows every N steps (0: before and after training only); "
+    eval_every: int = _opt(20, "evaluate on the held-out rows every N steps (0: before and after training only); "
                            "every evaluation is a line of metrics.jsonl")
     report_to: str = _opt("none", "also log the metrics to tensorboard (<save-dir>/tensorboard) or wandb (into "
                           "<save-dir>/wandb; offline unless wandb is logged in or WANDB_MODE says otherwise); needs "

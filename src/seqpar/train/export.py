@@ -19,6 +19,7 @@ from seqpar.integrations.export import LORA_EXPORTS, write_pretrained
 
 from . import checkpoint as ckpt
 from .config import FIELDS, TrainConfig
+from .safe_load import check_plain
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,14 @@ def resolve_checkpoint(path: str) -> str:
 def export_checkpoint(path: str, out: str, *, lora: str = "", dtype: torch.dtype | None = None) -> Exported:
     """Write the checkpoint at ``path`` (see :func:`resolve_checkpoint`) as ``save_pretrained``
     output in ``out``. ``lora``: merged or adapter (default: the run's --lora-export); ``dtype``:
-    cast the weights (default: as trained). ValueError for a checkpoint it cannot export."""
+    cast the weights (default: as trained). ValueError for a checkpoint it cannot export, or one
+    that holds a pickled object (naming the file; nothing of it is unpickled)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .lora import add_lora
 
     path = resolve_checkpoint(path)
+    check_plain(path)  # tensors and plain data only: a pickled object is a ValueError naming its file
     state = ckpt.read_trainer_state(path)
     cfg = TrainConfig(**{k: v for k, v in state["config"].items() if k in FIELDS})
     if not os.path.isfile(os.path.join(path, "config.json")):

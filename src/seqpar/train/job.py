@@ -25,6 +25,7 @@ from .checks import check_config
 from .config import FIELDS, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
 from .data import TaskData, TextData, load_text_data
 from .report import HF_DIR
+from .safe_load import check_plain
 from .tasks import CopyTask
 from .tokenizer import load_hf_tokenizer, make_tokenizer
 
@@ -220,11 +221,14 @@ def _check_save_dir(job: Job) -> Job:
 def intact_checkpoint(found: list[tuple[int, str]], fallback: bool) -> tuple[tuple[int, str], list[str]]:
     """The checkpoint to resume from: the latest of ``found`` (``(step, path)``, oldest first) if no
     file of it is damaged (:func:`seqpar.train.checkpoint.damaged`); with ``fallback`` the newest
-    intact one (the notes say which were skipped and why). Raises ValueError naming the damaged files."""
+    intact one (the notes say which were skipped and why). Raises ValueError naming the damaged files,
+    or a file that holds a pickled object (:func:`seqpar.train.safe_load.check_plain`: that is no
+    accident to fall back from)."""
     from . import checkpoint as ckpt
 
     notes: list[str] = []
     for step, path in reversed(found):
+        check_plain(path)  # a pickled object in it: ValueError naming the file, never a fallback
         bad = ckpt.damaged(path)
         if not bad:
             return (step, path), notes
