@@ -92,6 +92,27 @@ def _latency(world: int, places: tuple[str, ...]) -> dict[str, tuple[float, floa
     return out
 
 
+def _lives_on(world: int) -> dict[str, tuple[float, float]]:
+    """Forward and backward (the last rank failing at step 1 and living on, :mod:`seqpar.testing.fault_modes`):
+    seconds from the fault to every other rank raised, and the job's seconds."""
+    from seqpar.testing.fault_inject import Case
+    from seqpar.testing.fault_modes import fault_mode_loop, latency, mode_problems
+    from seqpar.testing.zygote import Zygotes
+
+    out = {}
+    with Zygotes(world, preload=PRELOAD) as z:
+        for place in ("forward", "backward"):
+            case = Case(place, rank=world - 1)
+            t0 = time.perf_counter()
+            outs = z.run(fault_mode_loop, case, "lives", "ulysses", timeout=120, pg_timeout=60, strict=False)
+            job = time.perf_counter() - t0
+            problems = mode_problems(case, "lives", outs)
+            if problems:
+                raise RuntimeError(f"{place}, rank lives on, P={world}: {problems}")
+            out[f"{place}, rank lives on"] = (latency(case, outs), job)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
@@ -114,9 +135,10 @@ def main() -> None:
         return
     from seqpar.testing.user_loop import USER_PLACES
 
-    print("\none rank fails at step 1 of a user loop: seconds from the fault to every rank raised (job total)")
+    print("\none rank fails at step 1 of a user loop: seconds from the fault to every rank raised (job total);")
+    print("the exception ends the failing process, or it catches it and lives on (waits until the others raised)")
     for world in (int(x) for x in args.latency_nproc.split(",")):
-        lat = _latency(world, USER_PLACES)
+        lat = {**_latency(world, USER_PLACES), **_lives_on(world)}
         print(f"P={world}: " + ", ".join(f"{p} {a:.2f} ({j:.1f})" for p, (a, j) in lat.items()))
 
 

@@ -88,13 +88,13 @@ class _EndOfBackward:
 def _report(batch: tuple[tuple[int, ...], int], thread: int) -> None:
     """Publish the failed pass of ``batch``: with its exception, read where it reaches Python."""
     pending = _Pending(batch)
-    frame = _caller_frame() if threading.get_ident() == thread else None
+    frame = caller_frame() if threading.get_ident() == thread else None
     if frame is not None and isinstance(sys.gettrace(), (type(None), FunctionType, MethodType)):
         _trace_exception(frame, pending.publish)  # a tracer in C (coverage's) would call no f_trace
     pending.timer.start()
 
 
-def _caller_frame() -> Any:
+def caller_frame() -> Any:
     """The Python frame that called into the engine: the one running below _report <- __del__."""
     try:
         return sys._getframe(3)

@@ -10,7 +10,7 @@ process-group timeout; NCCL: until the watchdog's). seqpar tells them through th
                                       -> RankFailed "seqpar: rank 1 failed in the forward (batch 7): ..."
 
 **Where it is published.** Wherever seqpar's code sees the exception go by: the forward of a
-parallelized model (the loss inside it), ``sync_gradients``, ``seqpar train``'s step, evaluation
+parallelized model (the loss inside it), its backward (:mod:`.backward_faults`), ``sync_gradients``, ``seqpar train``'s step, evaluation
 and checkpoint save, the Trainer integration's training step, the local launcher's worker -- and,
 as the last resort, ``sys.excepthook`` for an exception that ends the program elsewhere. The first
 place that sees it publishes it (:func:`publishing`); it is never published twice.
@@ -29,9 +29,9 @@ in a ``finally``: it hangs while a peer waits in a collective).
 called by ``shard_batch``, whose one all-gather carries the count: ranks at different batches raise
 a ValueError instead of pairing). A process that met a fault does not start another batch until
 the fault is resolved (every rank raised in that batch: nothing is pending, see :mod:`.channel`);
-one that left a collective pending never starts another (its group is unusable). A rank whose
-previous backward began in seqpar's loss but never reached its end (an exception caught by the
-caller) publishes that before it starts a new batch.
+one that left a collective pending never starts another (its group is unusable). A backward that
+fails is published as its exception leaves autograd, and a loss whose backward never started is
+published at the next batch (:mod:`.backward_faults`).
 
 One state per process, because what it tracks is process-wide: the default process group's store,
 ``sys.excepthook``, and the count of batches the program has run.

@@ -50,7 +50,7 @@ def fault_mode_loop(rank: int, world: int, case: Case, mode: str, strategy: str,
     from seqpar.integrations.models import build_model
 
     if untraced:
-        backward_faults._caller_frame = lambda: None
+        backward_faults.caller_frame = lambda: None
 
     store = compat.default_store()
     inj = Injector(case)
