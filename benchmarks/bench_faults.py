@@ -2,7 +2,8 @@
 collectives waiting in slices and reading the fault channel between them (:mod:`seqpar.comm.waits`),
 against plain blocking waits, on a stack of Ulysses / ring attention layers, forward + backward; (2)
 the time from one rank's fault to every rank having raised, in a user's parallelize loop, at each
-place of a step (:mod:`seqpar.testing.user_loop`), on forked jobs (:mod:`seqpar.testing.zygote`).
+place of a step (:mod:`seqpar.testing.user_loop`), and with the failing rank living on after a fault in
+the forward or the backward (:mod:`seqpar.testing.fault_modes`), on forked jobs (:mod:`seqpar.testing.zygote`).
 
     python benchmarks/bench_faults.py                    # P = 2, S = 1024 and 8192; latency at P = 2, 3, 4
     python benchmarks/bench_faults.py --skip-latency     # the steady-state ratios only
@@ -15,6 +16,11 @@ never touches the store, so the ratio should be 1 up to noise.
 Measured 2026-12-02 (2 shared CPU cores, load average 12-15, ``--seq 1024,4096 --repeats 7``): on / off
 0.89 and 0.99 (ulysses), 1.22 and 0.84 (ring) -- noise either way, no cost measurable here; the
 fault reached every rank in 0.02-0.27 s at P = 2, 0.03-0.23 s at P = 3, 0.04-0.75 s at P = 4.
+
+Measured 2026-12-05 (same machine, ``--seq 1024,4096 --repeats 5``): on / off 1.01 / 1.02 (ulysses),
+0.98 / 1.03 (ring); the failing process ending: 0.01-0.03 s at every place, P = 2, 3, 4; the failing
+rank catching its exception and living on (issue 38): forward 0.50 s and backward 0.50-0.51 s at P =
+2, 3 and 4 -- one wait slice (``waits.SLICE_S``), where the peers first read the channel.
 """
 
 from __future__ import annotations
