@@ -10,9 +10,10 @@ process-group timeout; NCCL: until the watchdog's). seqpar tells them through th
                                       -> RankFailed "seqpar: rank 1 failed in the forward (batch 7): ..."
 
 **Where it is published.** Wherever seqpar's code sees the exception go by: the forward of a
-parallelized model (the loss inside it), its backward (:mod:`.backward_faults`), ``sync_gradients``, ``seqpar train``'s step, evaluation
-and checkpoint save, the Trainer integration's training step, the local launcher's worker -- and,
-as the last resort, ``sys.excepthook`` for an exception that ends the program elsewhere. The first
+parallelized model (the loss inside it), its backward (:mod:`.backward_faults`), ``sync_gradients``,
+``seqpar train``'s step, evaluation and checkpoint save, the Trainer integration's training step,
+the local launcher's worker -- and, as the last resort, ``sys.excepthook`` for an exception that
+ends the program elsewhere. The first
 place that sees it publishes it (:func:`publishing`); it is never published twice.
 
 **Where peers meet it.** In seqpar's own collectives on the CPU (gloo), which wait in slices and
