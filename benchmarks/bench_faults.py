@@ -2,7 +2,8 @@
 collectives waiting in slices and reading the fault channel between them (:mod:`seqpar.comm.waits`),
 against plain blocking waits, on a stack of Ulysses / ring attention layers, forward + backward; (2)
 the time from one rank's fault to every rank having raised, in a user's parallelize loop, at each
-place of a step (:mod:`seqpar.testing.user_loop`), on forked jobs (:mod:`seqpar.testing.zygote`).
+place of a step (:mod:`seqpar.testing.user_loop`), and with the failing rank living on after a fault in
+the forward or the backward (:mod:`seqpar.testing.fault_modes`), on forked jobs (:mod:`seqpar.testing.zygote`).
 
     python benchmarks/bench_faults.py                    # P = 2, S = 1024 and 8192; latency at P = 2, 3, 4
     python benchmarks/bench_faults.py --skip-latency     # the steady-state ratios only
@@ -15,6 +16,11 @@ never touches the store, so the ratio should be 1 up to noise.
 Measured 2026-12-02 (2 shared CPU cores, load average 12-15, ``--seq 1024,4096 --repeats 7``): on / off
 0.89 and 0.99 (ulysses), 1.22 and 0.84 (ring) -- noise either way, no cost measurable here; the
 fault reached every rank in 0.02-0.27 s at P = 2, 0.03-0.23 s at P = 3, 0.04-0.75 s at P = 4.
+
+Measured 2026-12-05 (same machine, ``--seq 1024,4096 --repeats 5``): on / off 1.01 / 1.02 (ulysses),
+0.98 / 1.03 (ring); the failing process ending: 0.01-0.03 s at every place, P = 2, 3, 4; the failing
+rank catching its exception and living on (issue 38): forward 0.50 s and backward 0.50-0.51 s at P =
+2, 3 and 4 -- one wait slice (``waits.SLICE_S``), where the peers first read the channel.
 """
 
 from __future__ import annotations
@@ -92,6 +98,27 @@ def _latency(world: int, places: tuple[str, ...]) -> dict[str, tuple[float, floa
     return out
 
 
+def _lives_on(world: int) -> dict[str, tuple[float, float]]:
+    """Forward and backward (the last rank failing at step 1 and living on, :mod:`seqpar.testing.fault_modes`):
+    seconds from the fault to every other rank raised, and the job's seconds."""
+    from seqpar.testing.fault_inject import Case
+    from seqpar.testing.fault_modes import fault_mode_loop, latency, mode_problems
+    from seqpar.testing.zygote import Zygotes
+
+    out = {}
+    with Zygotes(world, preload=PRELOAD) as z:
+        for place in ("forward", "backward"):
+            case = Case(place, rank=world - 1)
+            t0 = time.perf_counter()
+            outs = z.run(fault_mode_loop, case, "lives", "ulysses", timeout=120, pg_timeout=60, strict=False)
+            job = time.perf_counter() - t0
+            problems = mode_problems(case, "lives", outs)
+            if problems:
+                raise RuntimeError(f"{place}, rank lives on, P={world}: {problems}")
+            out[f"{place}, rank lives on"] = (latency(case, outs), job)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
@@ -114,9 +141,10 @@ def main() -> None:
         return
     from seqpar.testing.user_loop import USER_PLACES
 
-    print("\none rank fails at step 1 of a user loop: seconds from the fault to every rank raised (job total)")
+    print("\none rank fails at step 1 of a user loop: seconds from the fault to every rank raised (job total);")
+    print("the exception ends the failing process, or it catches it and lives on (waits until the others raised)")
     for world in (int(x) for x in args.latency_nproc.split(",")):
-        lat = _latency(world, USER_PLACES)
+        lat = {**_latency(world, USER_PLACES), **_lives_on(world)}
         print(f"P={world}: " + ", ".join(f"{p} {a:.2f} ({j:.1f})" for p, (a, j) in lat.items()))
 
 

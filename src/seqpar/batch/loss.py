@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.layout import inverse_permutation
 from ..attention.shard import SeqShard
-from ..comm import collectives, faults
+from ..comm import backward_faults, collectives, faults
 from ..comm.gather import gather_seq
 from ..comm.guard import check_failures, pending_failure
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
@@ -56,9 +56,17 @@ from .targets import IGNORE_INDEX
 
 
 @torch.compiler.disable  # host reads, fault-aware waits: one eager call (one graph break) under torch.compile
-def _global_sum(total: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+def _global_sum(total: Tensor, group: dist.ProcessGroup | None, awaits_backward: bool) -> Tensor:
     """The sum over ``group`` of every rank's ``total``; the batch's attention failures ride the
-    same all-reduce, so no loss comes from a failed forward."""
+    same all-reduce, so no loss comes from a failed forward. ``awaits_backward``: the loss will be
+    differentiated (its batch then awaits a backward, :mod:`seqpar.comm.backward_faults`)."""
+    total = _summed(total, group)
+    if awaits_backward:
+        backward_faults.loss_awaits_backward()
+    return total
+
+
+def _summed(total: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     failed = pending_failure()  # None: no attention call to check
     if group is None or dist.get_world_size(group) == 1:
         check_failures()  # no all-reduce to ride: over the attention calls' own groups
@@ -85,13 +93,13 @@ class _GlobalTokenMean(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_sum: Tensor, group: dist.ProcessGroup | None, denominator: float,
                 grad_scale: float) -> Tensor:
-        total = _global_sum(local_sum.detach().clone(), group)
+        total = _global_sum(local_sum.detach().clone(), group, ctx.needs_input_grad[0])
         ctx.grad_scale = grad_scale
         return total / denominator
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        faults.backward_started()  # its end closes the batch; still open at the next one: it failed
+        backward_faults.backward_started()  # a failure from here on is told to every rank
         return grad * ctx.grad_scale, None, None, None
 
 

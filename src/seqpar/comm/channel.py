@@ -59,6 +59,8 @@ class Fault:
         """``rank 1 failed in the forward (batch 7): RuntimeError: boom``, the same on every rank."""
         if self.kind == ABANDONED:
             return f"rank {self.rank} stopped waiting in {self.where} (batch {self.generation}): {self.message}"
+        if not self.error_type:  # no exception: a step this rank did not take ("did not start ...")
+            return f"rank {self.rank} {self.message}"
         return f"rank {self.rank} failed in {self.where} (batch {self.generation}): {self.error_type}: {self.message}"
 
     def to_json(self) -> str:

@@ -10,9 +10,10 @@ process-group timeout; NCCL: until the watchdog's). seqpar tells them through th
                                       -> RankFailed "seqpar: rank 1 failed in the forward (batch 7): ..."
 
 **Where it is published.** Wherever seqpar's code sees the exception go by: the forward of a
-parallelized model (the loss inside it), ``sync_gradients``, ``seqpar train``'s step, evaluation
-and checkpoint save, the Trainer integration's training step, the local launcher's worker -- and,
-as the last resort, ``sys.excepthook`` for an exception that ends the program elsewhere. The first
+parallelized model (the loss inside it), its backward (:mod:`.backward_faults`), ``sync_gradients``,
+``seqpar train``'s step, evaluation and checkpoint save, the Trainer integration's training step,
+the local launcher's worker -- and, as the last resort, ``sys.excepthook`` for an exception that
+ends the program elsewhere. The first
 place that sees it publishes it (:func:`publishing`); it is never published twice.
 
 **Where peers meet it.** In seqpar's own collectives on the CPU (gloo), which wait in slices and
@@ -29,9 +30,9 @@ in a ``finally``: it hangs while a peer waits in a collective).
 called by ``shard_batch``, whose one all-gather carries the count: ranks at different batches raise
 a ValueError instead of pairing). A process that met a fault does not start another batch until
 the fault is resolved (every rank raised in that batch: nothing is pending, see :mod:`.channel`);
-one that left a collective pending never starts another (its group is unusable). A rank whose
-previous backward began in seqpar's loss but never reached its end (an exception caught by the
-caller) publishes that before it starts a new batch.
+one that left a collective pending never starts another (its group is unusable). A backward that
+fails is published as its exception leaves autograd, and a loss whose backward never started is
+published at the next batch (:mod:`.backward_faults`).
 
 One state per process, because what it tracks is process-wide: the default process group's store,
 ``sys.excepthook``, and the count of batches the program has run.
@@ -76,7 +77,8 @@ class _Process:
         self.rank = 0
         self.batches: dict[tuple[int, ...], int] = {}  # batches sharded so far over each mesh (its global ranks)
         self.current: tuple[tuple[int, ...], int] = ((), 0)  # the batch running now: its mesh's ranks, its number
-        self.backward_open = False  # seqpar's loss began a backward whose end has not come yet
+        self.backward_open = False  # a seqpar node began a backward pass whose end has not come yet
+        self.awaiting: tuple[tuple[int, ...], int] | None = None  # a batch whose loss awaits its backward
         self.stopped: Fault | None = None  # this process left a collective pending: the group is unusable
         self.involved = False  # this process published or met a fault: resolve it before the next batch
         self.flagged: Fault | None = None  # set by the NCCL watchdog: a fault to raise at the next host read
@@ -87,7 +89,7 @@ class _Process:
         self.group = group
 
 
-_STATE = _Process()
+STATE = _Process()
 
 
 def channel() -> Channel | None:
@@ -95,7 +97,7 @@ def channel() -> Channel | None:
     ``sys.excepthook`` last resort the first time."""
     if not dist.is_available() or not dist.is_initialized():
         return None
-    st = _STATE
+    st = STATE
     group = dist.group.WORLD
     with st.lock:
         if st.group is not group or st.channel is None:
@@ -110,17 +112,17 @@ def channel() -> Channel | None:
 
 def generation() -> int:
     """The number of the batch running now, counted over its mesh (the number a fault is recorded with)."""
-    return _STATE.current[1]
+    return STATE.current[1]
 
 
 def met_fault() -> bool:
     """Whether this process published or met a fault in its current process group."""
-    return _STATE.involved or _STATE.stopped is not None
+    return STATE.involved or STATE.stopped is not None
 
 
 def stopped() -> bool:
     """Whether this process left a collective pending after a fault: its process group is unusable."""
-    return _STATE.stopped is not None
+    return STATE.stopped is not None
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +139,11 @@ def is_transport(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or any(t in str(error) for t in _TRANSPORT)
 
 
-def publish(error: BaseException, where: str, *, batch: int | None = None) -> Fault | None:
+Batch = tuple[tuple[int, ...], int]
+"""A batch: the global ranks of the mesh that runs it, and its number over that mesh."""
+
+
+def publish(error: BaseException, where: str, *, batch: Batch | None = None) -> Fault | None:
     """Publish ``error``, raised on this rank in ``where`` (during ``batch``: default the current
     one), to every rank (once; never a RankFailed, which is another rank's fault). Returns the
     record, or None when nothing was published. Never raises: a channel that cannot be written must
@@ -148,37 +154,38 @@ def publish(error: BaseException, where: str, *, batch: int | None = None) -> Fa
         ch = channel()
         if ch is None:
             return None
-        ranks, number = _STATE.current
-        fault = Fault(_STATE.rank, where, type(error).__name__, clip(str(error)),
-                      clip("".join(traceback.format_exception(error))), number if batch is None else batch,
+        ranks, number = STATE.current if batch is None else batch
+        fault = Fault(STATE.rank, where, type(error).__name__, clip(str(error)),
+                      clip("".join(traceback.format_exception(error))), number,
                       bad_input=isinstance(error, ValueError), ranks=ranks)
-        with _STATE.lock:
+        with STATE.lock:
             fault = ch.publish(fault)
-            _STATE.involved = True
+            STATE.involved = True
     except Exception:  # the store is gone (its host exited): the launcher still reports this rank
         return None
     error.add_note(NOTE + fault.describe())
     return fault
 
 
-def stop(error: BaseException, where: str) -> None:
+def stop(error: BaseException, where: str, *, batch: Batch | None = None) -> None:
     """What a place that sees ``error`` go by does: a transport error caused by another rank's
-    fault raises that fault's :class:`RankFailed` (from ``error``); anything else is published and
-    returns (the caller re-raises it)."""
+    fault raises that fault's :class:`RankFailed` (from ``error``); anything else is published
+    (as raised in ``batch``, default the current one) and returns (the caller re-raises it)."""
     if not isinstance(error, Exception) or isinstance(error, RankFailed):
         return
     if is_transport(error):
         cause = _abandon(where, f"{type(error).__name__}: {clip(str(error))}")
-        if cause is not None and cause.rank != _STATE.rank:
+        if cause is not None and cause.rank != STATE.rank:
             raise rank_failed(cause) from error
-    publish(error, where)
+    publish(error, where, batch=batch)
 
 
-def note(error: BaseException, where: str) -> None:
+def note(error: BaseException, where: str, *, batch: Batch | None = None) -> None:
     """:func:`stop` for a place that must not raise (a forward hook on the way out of a failed
-    forward): ``error`` is published, or this rank marked as having left a collective pending."""
+    forward, the end of a failed backward): ``error`` is published, or this rank marked as having
+    left a collective pending."""
     try:
-        stop(error, where)
+        stop(error, where, batch=batch)
     except RankFailed:
         pass
 
@@ -213,7 +220,7 @@ def check_peers(where: str) -> None:
     if ch is None:
         return
     try:
-        with _STATE.lock:
+        with STATE.lock:
             ch.read()
             cause = ch.first_unresolved()
     except Exception:  # the store is gone: the transport will say it
@@ -227,7 +234,7 @@ def check_peers(where: str) -> None:
 def _abandon(where: str, why: str) -> Fault | None:
     """Mark this process as having left a collective pending (published once: nothing resolves
     after it); returns the first unresolved fault, the cause."""
-    st = _STATE
+    st = STATE
     try:
         ch = channel()
         if ch is None:
@@ -245,13 +252,13 @@ def _abandon(where: str, why: str) -> Fault | None:
 
 def flag(fault: Fault) -> None:
     """Called by the NCCL watchdog: ``fault`` is raised at the next :func:`raise_if_flagged`."""
-    _STATE.flagged = fault
+    STATE.flagged = fault
 
 
 def raise_if_flagged() -> None:
     """After a host read of a collective's result: raise the fault the watchdog saw (it aborted the
     communicators, so that result is garbage). Free: one attribute read."""
-    fault = _STATE.flagged
+    fault = STATE.flagged
     if fault is not None:
         raise rank_failed(fault)
 
@@ -263,13 +270,15 @@ def before_batch(ranks: tuple[int, ...]) -> int:
     over other meshes (a sub-mesh). Raises, without any collective, when this process cannot start
     a batch: it left a collective pending, its previous backward failed, or a fault it met does not
     resolve within :data:`RESOLVE_WAIT_S`."""
-    st = _STATE
+    st = STATE
     ch = channel()
     number = st.batches[ranks] = st.batches.get(ranks, 0) + 1
     previous, st.current = st.current, (ranks, number)
     if ch is None:
         return number
-    if st.backward_open:  # an exception left seqpar's loss backward and the caller went on
+    if st.awaiting is not None:  # the previous batch's loss never reached backward(): tell its peers
+        _missing_backward(st.awaiting, number)
+    if st.backward_open:  # a backward failed, unpublished (see backward_faults), and the caller went on
         st.backward_open = False
         st.current = previous  # recorded in the batch it happened in
         err = RuntimeError(f"seqpar: the backward of batch {previous[1]} failed on this rank and the program went "
@@ -287,7 +296,7 @@ def before_batch(ranks: tuple[int, ...]) -> int:
 
 def first_cause(ch: Channel) -> Fault | None:
     try:
-        with _STATE.lock:
+        with STATE.lock:
             ch.read()
             return ch.first_unresolved()
     except Exception:
@@ -299,24 +308,29 @@ def _wait_resolved(ch: Channel) -> None:
     while True:
         cause = first_cause(ch)
         if cause is None:
-            _STATE.involved = False
+            STATE.involved = False
             return
         if cause.kind == ABANDONED or any(f.kind == ABANDONED for f in ch.records) or time.monotonic() > deadline:
             raise rank_failed(cause)
         time.sleep(0.05)
 
 
-def backward_started() -> None:
-    """Called by seqpar's loss backward: the end of the backward (a callback autograd runs only when
-    the whole backward succeeds) closes it again; still open at the next batch means it failed."""
-    if _STATE.group is None:
+def _missing_backward(batch: Batch, number: int) -> None:
+    """Publish that this rank never started the backward of ``batch`` (it starts batch ``number``):
+    its peers may wait in that backward. Every rank skipping the same backward resolves it."""
+    STATE.awaiting = None
+    ch = channel()
+    if ch is None:
         return
-    _STATE.backward_open = True
-    compat.queue_backward_callback(_backward_done)
-
-
-def _backward_done() -> None:
-    _STATE.backward_open = False
+    fault = Fault(STATE.rank, "the backward", "", f"did not start the backward of batch {batch[1]} (it started batch "
+                  f"{number} instead: an exception between the loss and backward() that the program caught?)",
+                  "", batch[1], ranks=batch[0])
+    try:
+        with STATE.lock:
+            ch.publish(fault)
+            STATE.involved = True
+    except Exception:  # the store is gone: the transport will say it
+        pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,7 +340,7 @@ def _backward_done() -> None:
 def _install_excepthook() -> None:
     if getattr(sys.excepthook, "__name__", "") == _excepthook.__name__:
         return
-    _STATE.previous_hook = sys.excepthook
+    STATE.previous_hook = sys.excepthook
     sys.excepthook = _excepthook
 
 
@@ -341,10 +355,10 @@ def _excepthook(etype: type[BaseException], value: BaseException, tb: Any) -> No
         converted = e
     except Exception:
         pass
-    (_STATE.previous_hook or sys.__excepthook__)(etype, value, tb)
+    (STATE.previous_hook or sys.__excepthook__)(etype, value, tb)
     if converted is not None:
         print(f"\n{converted}", file=sys.stderr)
-    if _STATE.stopped is not None:
+    if STATE.stopped is not None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import compat
+from . import backward_faults
 from .agree import fence
 
 T = TypeVar("T")
@@ -152,6 +153,8 @@ class Guard:
         """Every rank of the call raises if any rank failed (see :func:`seqpar.comm.agree.fence`).
         Free when a flag of ``direction`` told every rank that none did: they all heard the same.
         Checked once per batch: nothing now; the backward's end is made a check point."""
+        if direction == "backward":  # the batch's backward began here: its failure is told to every rank
+            backward_faults.backward_started()
         if self.batch is not None:
             self.batch.note(self.groups)
             if direction == "backward":
