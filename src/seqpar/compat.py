@@ -38,6 +38,9 @@ transformers 5.24.0, accelerate 1.15.0 (:data:`CHECKED_ON`).
                                      chunk_kimi_delta_attention, mamba2_chunk_scan,
                                      mamba_selective_scan, mamba_split_conv1d_scan_
                                      combined): swapped for one call of the mixer
+    load_balancing_loss_func         a MoE modeling module's load_balancing_loss_func  testing/router64.py,
+                                     (called, never replaced: the oracle of the aux    tests/batch/
+                                     loss seqpar recomputes over the whole batch)      test_router_loss.py
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ __all__ = [
     "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention",
     "cudnn_attention_backward", "decoder_block_classes", "default_store", "fail_on_recompile_limit",
     "fake_process_group", "flatten_mesh", "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass",
-    "kernels_replaced", "mark_uninitialized", "modeling_module", "queue_backward_callback", "split_prepared_loader",
+    "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module", "queue_backward_callback", "split_prepared_loader",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +279,16 @@ def calls_kernels(cls: type, names: tuple[str, ...]) -> bool:
     module = sys.modules.get(cls.__module__)
     code = inspect.unwrap(cls.forward).__code__
     return module is not None and all(callable(getattr(module, n, None)) and n in code.co_names for n in names)
+
+
+def load_balancing_loss_func(cls: type) -> Callable[..., Any]:
+    """The ``load_balancing_loss_func`` of the modeling module that defines ``cls`` (a MoE causal
+    LM): ``fn(gate_logits: tuple, num_experts, top_k, attention_mask)`` (Doge's: ``num_experts,
+    num_keys, top_k, attention_mask``). Raises ValueError where the module has none."""
+    fn = getattr(modeling_module(cls), "load_balancing_loss_func", None)
+    if not callable(fn):
+        raise ValueError(f"{cls.__name__}'s modeling module has no load_balancing_loss_func")
+    return fn
 
 
 @contextlib.contextmanager
