@@ -23,8 +23,8 @@ weighted like the token loss: with ``num_items_in_batch`` (the token loss is thi
 of a sum over dp) its gradient is scaled by dp too, so the dp average sums the dp ranks' terms, as
 transformers' Trainer does (``loss * num_processes``); without it the dp ranks' terms are averaged.
 
-The sums are in float32 or the logits' dtype if wider (transformers casts them to float32): a float64
-model's aux loss is float64-exact.
+The sums are in float32 or the logits' or model's dtype if wider (transformers casts them to float32):
+a float64 model's aux loss is float64-exact.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ class RouterSums:
     count_norm: int
 
 
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
+def _compute_dtype(t: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """float32, or the logits' or the model's dtype if wider: a float64 model whose router emits
+    float32 logits (JetMoE, GraniteMoE) still sums in float64."""
+    return torch.promote_types(torch.promote_types(t.dtype, torch.float32), dtype or torch.float32)
 
 
 def _kept(keep: Tensor | None, n: int, like: Tensor) -> Tensor:
@@ -68,30 +70,32 @@ def _kept(keep: Tensor | None, n: int, like: Tensor) -> Tensor:
     return flat
 
 
-def switch_sums(gate_logits: Sequence[Tensor], top_k: int, keep: Tensor | None) -> RouterSums:
+def switch_sums(gate_logits: Sequence[Tensor], top_k: int, keep: Tensor | None,
+                dtype: torch.dtype | None = None) -> RouterSums:
     """The sums of transformers' ``load_balancing_loss_func`` (Mixtral, Qwen-MoE, OLMoE, GPT-OSS,
     Jamba, ... : softmax over every expert, top-k of it): ``gate_logits`` one ``[B*S_local, E]``
-    per router layer; ``keep [B, S_local]`` (False at padding) or None."""
-    cdtype = _compute_dtype(gate_logits[0])
+    per router layer; ``keep [B, S_local]`` (False at padding) or None; ``dtype``: the model's."""
+    cdtype = _compute_dtype(gate_logits[0], dtype)
     e = gate_logits[0].shape[-1]
     probs = counts = None
     rows = torch.zeros((), dtype=cdtype, device=gate_logits[0].device)
     for logits in gate_logits:  # [T, E]
-        weights = torch.softmax(logits, dim=-1)  # in the logits' dtype, as transformers picks its top-k
-        _, chosen = torch.topk(weights, top_k, dim=-1)  # [T, k]
-        kept = _kept(keep, weights.shape[0], rows)  # [T]
+        # top-k of the softmax in the logits' dtype, as transformers picks it; the sums in cdtype
+        _, chosen = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)  # [T, k]
+        kept = _kept(keep, logits.shape[0], rows)  # [T]
         c = torch.zeros(e, dtype=cdtype, device=rows.device).scatter_add_(
             0, chosen.reshape(-1), kept.repeat_interleave(top_k))
-        p = (weights.to(cdtype) * kept.unsqueeze(-1)).sum(0)  # [E]
+        p = (torch.softmax(logits.to(cdtype), dim=-1) * kept.unsqueeze(-1)).sum(0)  # [E]
         probs, counts, rows = (p, c, rows + kept.sum()) if probs is None else (probs + p, counts + c, rows + kept.sum())
     return RouterSums(probs, counts, rows, 1)
 
 
-def product_key_sums(gate_logits: Sequence[Tensor], top_k: int, keep: Tensor | None) -> RouterSums:
+def product_key_sums(gate_logits: Sequence[Tensor], top_k: int, keep: Tensor | None,
+                     dtype: torch.dtype | None = None) -> RouterSums:
     """The sums of Doge's ``load_balancing_loss_func`` (product-key routing, DogeCDMoE):
     ``gate_logits`` one ``[2, B*S_local, K]`` per router layer (E = K * K experts): an expert's
     score is the sum of its two keys' logits, the probabilities a softmax over the K * K scores."""
-    cdtype = _compute_dtype(gate_logits[0])
+    cdtype = _compute_dtype(gate_logits[0], dtype)
     probs = counts = None
     rows = torch.zeros((), dtype=cdtype, device=gate_logits[0].device)
     for logits in gate_logits:  # [2, T, K]
@@ -101,16 +105,17 @@ def product_key_sums(gate_logits: Sequence[Tensor], top_k: int, keep: Tensor | N
         index = (ix.unsqueeze(-1) * k + iy.unsqueeze(-2)).flatten(-2)  # [T, K*K] expert of each score
         _, pos = scores.topk(top_k, dim=-1)
         chosen = index.gather(-1, pos)  # [T, k]
-        weights = torch.zeros_like(scores).scatter(-1, index, torch.softmax(scores, dim=-1))  # [T, E]
+        probs_kk = torch.softmax(scores.to(cdtype), dim=-1)
+        weights = torch.zeros_like(probs_kk).scatter(-1, index, probs_kk)  # [T, E]
         kept = _kept(keep, weights.shape[0], rows)
         c = torch.zeros(k * k, dtype=cdtype, device=rows.device).scatter_add_(
             0, chosen.reshape(-1), kept.repeat_interleave(top_k))
-        p = (weights.to(cdtype) * kept.unsqueeze(-1)).sum(0)
+        p = (weights * kept.unsqueeze(-1)).sum(0)
         probs, counts, rows = (p, c, rows + kept.sum()) if probs is None else (probs + p, counts + c, rows + kept.sum())
     return RouterSums(probs, counts, rows, top_k)
 
 
-ROUTER_RULES: dict[str, Callable[[Sequence[Tensor], int, Tensor | None], RouterSums]] = {
+ROUTER_RULES: dict[str, Callable[..., RouterSums]] = {
     "switch": switch_sums,
     "product_key": product_key_sums,
 }

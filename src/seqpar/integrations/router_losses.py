@@ -94,11 +94,11 @@ def make_router_hook(model: nn.Module, mesh: DeviceMesh) -> Any:
         logits = getattr(outputs, "router_logits", None)
         if not isinstance(batch, LocalBatch) or not isinstance(local, Tensor) or not logits:
             return outputs  # no aux loss this call (or no seqpar batch: the attention has raised already)
-        top_k = int(model_setting(module, ("num_experts_per_tok",)))
+        top_k, dtype = int(model_setting(module, ("num_experts_per_tok",))), getattr(module, "dtype", None)
         flags = 0.0
         if not state.checked:  # the model's own aux loss is the rule's on the same (unmasked, local) tokens
-            flags = 0.0 if close(aux_from_sums(rule(logits, top_k, None)), local) else 1.0
-        sums = rule(logits, top_k, _local_keep(batch))
+            flags = 0.0 if close(aux_from_sums(rule(logits, top_k, None, dtype)), local) else 1.0
+        sums = rule(logits, top_k, _local_keep(batch), dtype)
         shared = batch.num_items_in_batch is not None or kwargs.get("num_items_in_batch") is not None
         whole, flagged = reduce_sums(sums, group, float(batch.dp_size) if shared else 1.0, flags)
         if not state.checked:
