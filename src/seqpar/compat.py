@@ -65,7 +65,8 @@ __all__ = [
     "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "cudnn_attention",
     "cudnn_attention_backward", "decoder_block_classes", "default_store", "fail_on_recompile_limit",
     "fake_process_group", "flatten_mesh", "fsdp_meshes", "init_weights_override", "is_traceable_wrapper_subclass",
-    "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module", "queue_backward_callback", "split_prepared_loader",
+    "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module", "queue_backward_callback",
+    "split_prepared_loader",
 ]
 
 # ---------------------------------------------------------------------------------------------
