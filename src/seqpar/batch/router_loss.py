@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.gather import all_reduce_sum
-from .loss import _ScaleGrad
+from .loss import scale_grad
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def reduce_sums(sums: RouterSums, group: dist.ProcessGroup | None, grad_scale: f
     extra = torch.stack([sums.rows.to(sums.probs.dtype), sums.probs.new_tensor(flags)])
     flat = torch.cat([sums.probs, sums.counts.to(sums.probs.dtype), extra])  # [E | E | rows, flags]
     if grad_scale != 1.0:
-        flat = _ScaleGrad.apply(flat, float(grad_scale))
+        flat = scale_grad(flat, grad_scale)
     if group is not None and dist.get_world_size(group) > 1:
         flat = all_reduce_sum(flat, group=group)
     return RouterSums(flat[:e], flat[e:2 * e].detach(), flat[2 * e].detach(), sums.count_norm), flat[-1].detach()
