@@ -410,3 +410,13 @@ def test_kernel_call_keeps_the_callers_convention():
     assert call.replace(value="v2", initial_state="s")() == "out"
     assert seen == [("q", "k", "v2", "g", "s", {"cu_seqlens": None})]
     assert call.values["value"] == "v"  # replace() leaves the call as it was
+
+
+def test_load_balancing_loss_func_is_the_modeling_modules():
+    import importlib
+
+    module = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    assert compat.load_balancing_loss_func(module.Qwen3MoeForCausalLM) is module.load_balancing_loss_func
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    with pytest.raises(ValueError, match="no load_balancing_loss_func"):
+        compat.load_balancing_loss_func(llama.LlamaForCausalLM)

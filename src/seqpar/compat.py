@@ -44,6 +44,9 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
                                      from forward or a same-module helper (5.25)
     kernelized_funcs                 kernels.get_kernelized_layers (public; the        integrations/mixers/
                                      ``kernels`` package, a dependency of 5.25)        state_passing
+    load_balancing_loss_func         a MoE modeling module's load_balancing_loss_func  testing/router64.py,
+                                     (called, never replaced: the oracle of the aux    tests/batch/
+                                     loss seqpar recomputes over the whole batch)      test_router_loss.py
 """
 
 from __future__ import annotations
@@ -95,9 +98,9 @@ __all__ = [
     "cuda_efficient_attention", "cuda_efficient_attention_backward", "cuda_flash_attention",
     "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward", "decoder_block_classes",
     "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes",
-    "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature",
-    "kernelized_funcs", "kernels_replaced", "mark_uninitialized", "modeling_module", "queue_backward_callback",
-    "split_prepared_loader", "tested_set",
+    "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
+    "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
+    "queue_backward_callback", "split_prepared_loader", "tested_set",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -381,6 +384,16 @@ def kernel_signature(fn: Callable[..., Any]) -> inspect.Signature:
     ``kernels`` package made an ``nn.Module`` instance (``use_kernel_forward_from_hub``), its
     ``forward``'s -- which carries the function's parameters."""
     return inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
+
+
+def load_balancing_loss_func(cls: type) -> Callable[..., Any]:
+    """The ``load_balancing_loss_func`` of the modeling module that defines ``cls`` (a MoE causal
+    LM): ``fn(gate_logits: tuple, num_experts, top_k, attention_mask)`` (Doge's: ``num_experts,
+    num_keys, top_k, attention_mask``). Raises ValueError where the module has none."""
+    fn = getattr(modeling_module(cls), "load_balancing_loss_func", None)
+    if not callable(fn):
+        raise ValueError(f"{cls.__name__}'s modeling module has no load_balancing_loss_func")
+    return fn
 
 
 @contextlib.contextmanager

@@ -70,6 +70,10 @@ def _model(kind: str = "tiny-llama"):
         from seqpar.testing.zoo import build_tiny
 
         return build_tiny("roberta", is_decoder=True)
+    if kind == "moe":  # issue 36: router logits on, the aux loss weighted 0.1 (the zoo's tiny Qwen3-MoE)
+        from seqpar.testing.zoo import build_tiny
+
+        return build_tiny("qwen3_moe").float()
     model, _ = build_model(kind, dtype=torch.float32, vocab_size=VOCAB)
     return model
 
@@ -109,18 +113,22 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, resume: str | None = N
     ranks' rows as one batch of ``dp`` x MICRO."""
     from seqpar.integrations.trainer import SeqParTrainerMixin, parallelize_trainer
 
-    net = _model()
+    net = _model(_model_kind(kind))
     batch = MICRO if mesh is not None else MICRO * dp
     if kind == "trainer":
         from transformers import Trainer
 
         trainer = Trainer(model=net, args=_args(out, batch, steps=STEPS + 1, save=2), train_dataset=_rows(48, 1),
                           eval_dataset=_rows(6, 2), data_collator=PadCollator())
+    elif kind == "trainer-moe":
+        from transformers import Trainer
+
+        trainer = Trainer(model=net, args=_args(out, batch), train_dataset=_rows(48, 1), data_collator=PadCollator())
     else:
         from datasets import Dataset
         from trl import SFTTrainer
 
-        packing = kind == "sft-packed"
+        packing = kind == "sft-packed"  # "sft-moe": padded rows, TRL's own aux-loss weighting
         cls, extra = SFTTrainer, {}
         if mesh is not None and kind == "sft-padded":  # the user's own class, sequence-parallel from birth
 
@@ -145,7 +153,11 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, resume: str | None = N
     return result
 
 
-KINDS = ["trainer", "sft-padded", "sft-packed"]
+KINDS = ["trainer", "sft-padded", "sft-packed", "trainer-moe", "sft-moe"]
+
+
+def _model_kind(kind: str) -> str:
+    return "moe" if kind.endswith("-moe") else "tiny-llama"
 BAD = ["collator", "model", "sp"]
 
 
@@ -220,7 +232,8 @@ def test_parity(runs, kind):
     for name, w in ref["weights"].items():
         for rank, res in enumerate(results):
             _close(res[kind]["weights"][name], w, f"P={world} rank {rank} {kind} weight {name}")
-    assert any(float((w - _model().state_dict()[n]).abs().max()) > 1e-3 for n, w in ref["weights"].items())
+    start = _model(_model_kind(kind)).state_dict()
+    assert any(float((w - start[n]).abs().max()) > 1e-3 for n, w in ref["weights"].items())
 
 
 @pytest.mark.distributed

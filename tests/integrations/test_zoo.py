@@ -33,6 +33,12 @@ EXPECTED = {
     "mamba": ("refused",), "mamba2": ("refused",), "falcon_mamba": ("refused",),  # no attention heads at all
     "bart": ("refused",), "whisper": ("refused",), "roberta": ("refused",),  # positions seqpar cannot feed
 }
+# issue 36: MoE families whose tiny config has router logits on (router_aux_loss_coef 0.1) and whose
+# model adds the load-balancing aux loss: exact, the aux loss over the whole batch on every rank
+ROUTER_AUX = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "olmoe", "flex_olmo", "gpt_oss",
+              "jetmoe", "granitemoe", "granitemoeshared", "granitemoehybrid/attention-layers", "jamba/attention-layers",
+              "phimoe", "ernie4_5_moe", "minimax_m2", "flint", "laguna", "mellum", "granitemoe_swa"]
+EXPECTED.update(dict.fromkeys(ROUTER_AUX, EXACT))
 STATE_PASSING = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid",
                  "zamba", "jamba/attention-layers", "bamba/attention-layers", "falcon_h1", "nemotron_h",
                  "zamba2/hybrid-layers", "granitemoehybrid/attention-layers"]
@@ -71,6 +77,22 @@ def test_named_families_end_as_issues_9_and_13_say(zoo):
     chunked = {(r.batch, r.outcome in EXACT) for r in rows if r.family == "llama4_text/no-temperature-tuning"}
     assert chunked == {("padded", True), ("packed", True)}, chunked  # packed: each document's own chunks
 
+
+
+def test_moe_rows_run_with_router_logits_on():
+    """The zoo's tiny MoE models compute the router aux loss, weighted so that it shows."""
+    import torch
+
+    from seqpar.testing.zoo import build_tiny
+
+    for name in ROUTER_AUX:
+        model_type, overrides = VARIANTS.get(name, (name, {}))
+        model = build_tiny(model_type, **overrides)
+        ids = torch.arange(10).view(1, 10) % 7
+        out = model(input_ids=ids, labels=ids)
+        assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0, name
+        coef = getattr(model, "router_aux_loss_coef", getattr(model, "aux_loss_coef", None))
+        assert coef == 0.1, (name, coef)
 
 
 def test_hybrid_rows_run_state_passing(zoo):

@@ -225,6 +225,12 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def scale_grad(x: Tensor, factor: float) -> Tensor:
+    """``x`` unchanged, its gradient times ``factor`` (:class:`_ScaleGrad`): a rank's share
+    pre-scaled for the average over ``factor`` ranks (or dp ranks) taken afterwards."""
+    return _ScaleGrad.apply(x, float(factor))
+
+
 def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShard | None) -> Tensor:
     """``[B, S_local] -> [B, S]`` in the original token order on every rank of the SP ``group``;
     the backward keeps this rank's slice, times the SP size (see :func:`gather_log_probs`)."""

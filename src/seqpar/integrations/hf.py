@@ -60,6 +60,7 @@ from .mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
 from .models import decoder_config
 from .peft import unwrap_peft
 from .published import publish_forward_errors
+from .router_losses import check_router_losses, install_router_losses
 from .state import ParallelState, ensure_state, set_loss_function, state_of, undo
 from .vlm import install_vision
 from .vlm_families import family_of
@@ -182,6 +183,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     check_token_mixers(model)  # a model seqpar cannot make exact is refused, never run on shards
     # a feature the installed transformers does not allow: one warning (rank 0), the model runs in its fallback
     warn_mode_gaps(model, dist.get_world_size(axis_group(mesh, Axis.SP.value)))
+    check_router_losses(model)  # a z-loss over the positions
     strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
     original = compat.attn_implementation(config)
     if original is not None and original.startswith("seqpar_"):
@@ -228,6 +230,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         record.push("parallel", "the vision pre-hook", install_vision(model, mesh).remove)
         # Mamba, Gated DeltaNet, short convolutions
         record.push("parallel", "the token mixers", wrap_token_mixers(model, mesh, lambda: last.batch))
+        # MoE: the router aux loss over the whole batch, not each rank's shard
+        record.push("parallel", "the router-loss hook", install_router_losses(model, mesh).remove)
         publish_forward_errors(model, record)  # an exception in the forward is told to every rank
     except BaseException:
         undo(model, "parallel")  # nothing half-installed stays behind

@@ -68,6 +68,7 @@ from ..comm.gather import gather_seq
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size, init_mesh
 from ..errors import Refused
 from .hf import parallelize
+from .router_losses import model_setting
 from .trainer_data import check_sp_groups, drop_remainder, model_batch, split_loader
 
 
@@ -157,11 +158,18 @@ class SeqParTrainerMixin:
         loss = outputs.loss
         if loss is None:
             raise ValueError("the batch has no labels: seqpar's Trainer integration trains a causal LM on labels")
+        aux = _trl_aux_term(self, model, outputs, num_items_in_batch)
+        if aux is not None:  # TRL's weighting of the router aux loss in place of the model's own
+            loss = outputs.loss - _model_aux_term(self.model, outputs)
         if model.training and num_items_in_batch:
             # value x dp (the log's mean over all ranks becomes the global mean), gradient
             # unchanged (the seqpar loss already scales it for the DDP / FSDP average): the
             # second term is exactly zero in value and carries the gradient
             loss = loss.detach() * state.dp + (loss - loss.detach())
+            if aux is not None:  # TRL averages it over dp: value as is, gradient / dp (the hook scaled it x dp)
+                aux = aux.detach() + (aux - aux.detach()) / state.dp
+        if aux is not None:
+            loss = loss + aux
         if return_outputs:
             outputs.logits = _full_logits(outputs.logits, local[BATCH_KWARG], state.mesh)
             return loss, outputs
@@ -179,6 +187,22 @@ class SeqParTrainerMixin:
         if prediction_loss_only:
             return loss, None, None
         return loss, _full_logits(outputs.logits.detach(), local[BATCH_KWARG], self._seqpar.mesh), labels
+
+
+def _model_aux_term(model: nn.Module, outputs: Any) -> Tensor:
+    """``coef * aux_loss`` as the model added it to its loss (its own coefficient)."""
+    coef = float(model_setting(_unwrap(model), ("router_aux_loss_coef", "aux_loss_coef"), 0.0))
+    return coef * outputs.aux_loss.to(outputs.loss)
+
+
+def _trl_aux_term(trainer: Any, model: nn.Module, outputs: Any, num_items_in_batch: Any) -> Tensor | None:
+    """TRL SFTTrainer's router aux term (``aux_loss_enabled``): its ``router_aux_loss_coef`` times
+    the exact aux loss, over the accumulation steps when ``num_items_in_batch`` is given (TRL's
+    ``compute_loss``); None for other trainers, which keep the model's own term."""
+    if not getattr(trainer, "aux_loss_enabled", False) or getattr(outputs, "aux_loss", None) is None:
+        return None
+    steps = trainer.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+    return trainer.router_aux_loss_coef * outputs.aux_loss.to(outputs.loss) / steps
 
 
 _classes: dict[type, type] = {}
@@ -201,7 +225,9 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     size, if the model cannot be parallelized (:func:`seqpar.parallelize`), if the mesh does not
     span every process of the trainer, if accelerate's own context / sequence parallelism is on, or
     if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
-    label smoothing, TRL's ``loss_type="dft"``, a router aux loss).
+    label smoothing, TRL's ``loss_type="dft"``). A MoE router aux loss is exact (the model's
+    ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's SFTTrainer weighted
+    as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp).
     """
     if isinstance(trainer, SeqParTrainerMixin):
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
@@ -251,7 +277,6 @@ def check_loss_options(trainer: Any) -> None:
         "compute_loss_func": getattr(trainer, "compute_loss_func", None) is not None,
         "label_smoothing_factor": bool(getattr(args, "label_smoothing_factor", 0.0)),
         f"loss_type={getattr(args, 'loss_type', None)!r}": getattr(args, "loss_type", "nll") not in ("nll", None),
-        "the MoE router aux loss (output_router_logits)": bool(getattr(trainer, "aux_loss_enabled", False)),
     }
     named = [k for k, on in refused.items() if on]
     if named:

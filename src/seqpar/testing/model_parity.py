@@ -31,6 +31,7 @@ from ..integrations.mixers import chosen_modes, set_mixer_mode
 from ..integrations.models import BUILTIN_MODELS, build_model, builtin_config, decoder_config
 from ..planner import hybrid_split
 from .eager64 import EAGER_FLOAT64, register_eager_float64
+from .router64 import collect, router_term
 
 LOSS_TOL = 1e-9
 GRAD_TOL = 1e-8
@@ -92,11 +93,13 @@ def precision_floor(model: nn.Module, batch: dict[str, Tensor],
     reference of ``batch`` when already computed (:func:`reference_grads`)."""
     loss_whole, whole = whole or reference_grads(model, batch)
     n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    loss_parts = 0.0
+    parts, runs = [], []
     for part in _regrouped(batch):
-        total, _ = reference_token_loss(model, part)
-        (total / n).backward()
-        loss_parts += float(total.detach()) / n
+        total, _ = reference_token_loss(model, part, runs)
+        parts.append(total / n)
+    regrouped = sum(parts) + router_term(model, runs)  # the aux loss is over the union of the parts' tokens
+    regrouped.backward()
+    loss_parts = float(regrouped.detach())
     params = frozenset(name for name, q in model.named_parameters() if whole[name] is not None and q.grad is not None
                        and _moved(whole[name], q.grad))
     model.zero_grad(set_to_none=True)
@@ -185,24 +188,28 @@ def make_model(case: ModelCase) -> nn.Module:
     return model
 
 
-def reference_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
+def reference_token_loss(model: nn.Module, batch: dict[str, Tensor], routers: list[Any] | None = None
+                         ) -> tuple[Tensor, int]:
     """The non-parallel model on the whole batch: ``(sum of the float64 token losses, number of
     targets)``. Padded rows run with the model's own padding mask; a packed row (``position_ids``
     restarting at 0) runs as what packing means, each document on its own, so the check does not
-    depend on whether the model's own masks understand packing."""
+    depend on whether the model's own masks understand packing. ``routers``: each forward's router
+    logits are appended to it, for the MoE aux loss of the whole batch (:mod:`.router64`)."""
     if "position_ids" in batch:
         total, n = batch["input_ids"].new_zeros((), dtype=torch.float64), 0
         for row, pos in enumerate(batch["position_ids"].expand(batch["input_ids"].shape[0], -1)):
             starts = [*(pos == 0).nonzero().flatten().tolist(), pos.numel()]
             for a, b in zip(starts[:-1], starts[1:], strict=True):
                 doc = {k: batch[k][row:row + 1, a:b] for k in ("input_ids", "labels")}
-                ce, m = reference_token_loss(model, doc)
+                ce, m = reference_token_loss(model, doc, routers)
                 total, n = total + ce, n + m
         return total, n
     kw: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
     if "attention_mask" in batch:
         kw["attention_mask"] = batch["attention_mask"]
-    logits = model(**kw).logits  # [B, S, V]
+    out = model(**kw)
+    collect(out, kw.get("attention_mask"), routers)
+    logits = out.logits  # [B, S, V]
     targets = batch["labels"][:, 1:]
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                          reduction="sum")
@@ -210,9 +217,11 @@ def reference_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Te
 
 
 def reference_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """The non-parallel token-mean loss of the whole batch (see :func:`reference_token_loss`)."""
-    total, n = reference_token_loss(model, batch)
-    return total / n
+    """The non-parallel token-mean loss of the whole batch (see :func:`reference_token_loss`), plus
+    ``coef * aux`` of the whole batch for an MoE model with router logits on (:mod:`.router64`)."""
+    runs: list[Any] = []
+    total, n = reference_token_loss(model, batch, runs)
+    return total / n + router_term(model, runs)
 
 
 def param_group(name: str) -> str:

@@ -85,8 +85,10 @@ TINY: dict[str, int | float] = dict(
     # 69M parameters, XLM 102M, RoCBert 13M): more time than the other 200 families together
     expert_ffn_hidden_size=32, zero_expert_num=2, emb_dim=32, dff=64, dim_ff=64, lru_width=32, o_lora_rank=16,
     shape_vocab_size=256, shape_embed_dim=32, pronunciation_vocab_size=256, pronunciation_embed_dim=32,
+    # MoE router aux losses on (SWITCHED_ON), weighted so that a wrong aux loss shows in the loss and gradients
+    router_aux_loss_coef=0.1, aux_loss_coef=0.1, moe_loss_weight=0.1,
 )
-SWITCHED_ON = ("use_sliding_window",)
+SWITCHED_ON = ("use_sliding_window", "output_router_logits")
 """Boolean config fields turned on, so the feature they gate is exercised."""
 """Config fields shrunk where a family's default config has them (windows and chunks only where set)."""
 
