@@ -23,6 +23,7 @@ class Case:
     p: int = 2
     seq: int = 13
     reference: str = "none"  # none / frozen / column / adapters_off
+    layout: str = "contiguous"
 
 
 def _sums(t: SeqTerms) -> tuple[Tensor, Tensor]:

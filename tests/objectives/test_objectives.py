@@ -17,6 +17,7 @@ import torch
 from objective_cases import NEEDS_REFERENCE, OBJECTIVES, Case, make_inputs
 
 import seqpar
+from seqpar import objectives as O
 from seqpar.comm.launch import run_distributed
 from seqpar.integrations.models import builtin_config
 from seqpar.testing.model_parity import GRAD_TOL, LOSS_TOL, sp_meshes
@@ -34,6 +35,9 @@ def _grid() -> list[Case]:
             cases.append(Case(name, kind, p, seq=13 if kind == "padded" else 19, reference=ref))
     cases.append(Case("dpo-sigmoid", "padded", 2, reference="adapters_off"))
     cases.append(Case("dpo-sigmoid", "packed", 3, seq=19, reference="adapters_off"))
+    for name, p in itertools.product(("dpo-sigmoid", "grpo", "bradley_terry", "value"), (2, 4)):
+        cases.append(Case(name, "packed", p, seq=19, reference="frozen" if name in NEEDS_REFERENCE else "none",
+                          layout="zigzag"))
     return cases
 
 
@@ -117,7 +121,7 @@ def _run(case: Case, mesh: Any) -> dict[str, Any]:
             kw["ref_logps"] = col
         else:
             kw["ref_logps"] = ref_rows
-    local = seqpar.shard_batch(batch, mesh)
+    local = seqpar.shard_batch(batch, mesh, layout=case.layout)
     out = make()(sp_policy, local, mesh, num_units=num_units, **kw)
     out.loss.backward()
     seqpar.sync_gradients(sp_policy, mesh)
@@ -128,10 +132,34 @@ def _run(case: Case, mesh: Any) -> dict[str, Any]:
             "missing": missing, "n_grads": len(want_grads)}
 
 
-def _worker(rank: int, world: int, cases: list[Case]) -> dict[Case, dict[str, Any]]:
+def _misuse(mesh: Any) -> dict[str, str]:
+    """What each misuse raises on this rank (every rank must raise the same ValueError, no hang)."""
+    model = seqpar.parallelize(_model("lm", seed=1), mesh)
+    batch = make_batch("padded", 13, 128, seqs=3, seed=7)  # 3 sequences: no pairs
+    tries = {
+        "odd pairs": lambda: O.SimPO()(model, seqpar.shard_batch(batch, mesh), mesh),
+        "no reference": lambda: O.DPO()(model, seqpar.shard_batch(batch, mesh), mesh),
+        "unknown input": lambda: O.SimPO()(model, seqpar.shard_batch(batch, mesh), mesh, rewards=torch.ones(3)),
+        "short advantages": lambda: O.PolicyGradient()(model, seqpar.shard_batch(batch, mesh), mesh,
+                                                       advantages=torch.ones(2)),
+        "reference not parallelized": lambda: O.KTO()(model, seqpar.shard_batch(batch, mesh), mesh,
+                                                      reference=_model("lm", seed=2), desirable=torch.ones(3)),
+        "not sharded": lambda: O.SimPO()(model, batch, mesh),
+    }
+    out = {}
+    for name, fn in tries.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def _worker(rank: int, world: int, cases: list[Case], misuse: bool = False) -> dict[Any, Any]:
     torch.set_num_threads(1)
     meshes = sp_meshes(world, (1, 2, 3, 4))
-    out = {}
+    out: dict[Any, Any] = {"misuse": _misuse(meshes[2])} if misuse else {}
     for case in cases:
         mesh = meshes[case.p]
         if mesh is not None:
@@ -161,7 +189,14 @@ def test_sample_covers_the_grid():
 
 @pytest.mark.distributed
 def test_objectives_equal_their_oracle():
-    _check(run_distributed(_worker, WORLD, SAMPLE, timeout=600), SAMPLE)
+    results = run_distributed(_worker, WORLD, SAMPLE, True, timeout=600)
+    _check(results, SAMPLE)
+    expected = {"odd pairs": "3 sequences: an even number", "no reference": "needs reference log-probs",
+                "unknown input": "takes no input ['rewards']", "short advantages": "needs 3 values",
+                "reference not parallelized": "not parallelized", "not sharded": "seqpar.shard_batch"}
+    for r in results:
+        for name, text in expected.items():
+            assert text in r["misuse"][name], (name, r["misuse"][name])
 
 
 @pytest.mark.distributed

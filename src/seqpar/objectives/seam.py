@@ -44,7 +44,8 @@ from ..comm.guard import check_failures
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size
 from ..integrations.peft import unwrap_peft
 from ..integrations.tiled_head import check_head, output_head
-from .reference import Reference, check_reference, reference_token_logps
+from .checks import agree, route
+from .reference import Reference, reference_token_logps
 from .rows import Sequences, local_tokens, row_sums, sequences
 from .tokens import final_hidden, local_targets, score_head, token_logps_entropy
 
@@ -146,39 +147,16 @@ def compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh:
     ``num_units``: the global unit count (see the module doc). ``temperature`` divides the logits.
     ``tile``: tokens per vocabulary tile. Raises ValueError for a missing or malformed input (an
     exception is told to every rank)."""
+    mesh = as_mesh(mesh, objective.name)
+    agree(objective, model, local, mesh, inputs, reference, num_units)  # the same ValueError on every rank
     with faults.publishing(f"the {objective.name} objective"):
-        return _compute(objective, model, local, as_mesh(mesh, objective.name), reference, num_units,
-                        temperature, tile, inputs)
-
-
-def _check_inputs(objective: Objective, inputs: dict[str, Tensor], reference: Reference) -> None:
-    needs = objective.needs
-    known = {*needs.per_row, *needs.per_token, *needs.optional, *needs.per_pair}
-    if needs.reference:
-        known.add("ref_logps")
-    unknown = sorted(set(inputs) - known)
-    if unknown:
-        raise ValueError(f"{objective.name} takes no input {unknown}: it reads {sorted(known)}")
-    missing = sorted(set(needs.per_row) | set(needs.per_token)) - inputs.keys()
-    if missing:
-        raise ValueError(f"{objective.name} needs the input(s) {sorted(missing)}")
-    if needs.reference and reference is None and "ref_logps" not in inputs:
-        raise ValueError(f"{objective.name} needs reference log-probs: pass reference= (a frozen copy, or "
-                         "'adapters_off') or a ref_logps input")
-    if reference is not None and "ref_logps" in inputs:
-        raise ValueError("pass reference= or ref_logps, not both")
+        return _compute(objective, model, local, mesh, reference, num_units, temperature, tile, inputs)
 
 
 def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh: DeviceMesh,
              reference: Reference, num_units: float | None, temperature: float, tile: int,
              inputs: dict[str, Tensor]) -> ObjectiveOutput:
-    batch = local.get(BATCH_KWARG)
-    if not isinstance(batch, LocalBatch):
-        raise ValueError(f"{objective.name} runs on a sharded batch: pass seqpar.shard_batch(batch, mesh)")
-    _check_inputs(objective, inputs, reference)
-    check_reference(reference, model)
-    if num_units is not None and not num_units > 0:
-        raise ValueError(f"num_units={num_units!r}: the global count of {objective.unit}s must be positive")
+    batch = local[BATCH_KWARG]
     group = axis_group(mesh, Axis.SP.value)
     per_token = bool(objective.takes.per_token)  # completion tokens: the labels'
     targets = local_targets(local) if per_token else None
@@ -191,19 +169,15 @@ def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh
     if reference is not None:
         token["ref_logps"] = reference_token_logps(reference, model, local, temperature=temperature, tile=tile)
     for name, value in inputs.items():
-        if name in objective.needs.per_token or (value.dim() >= 2 and value.shape[1] == sum(batch.shard.seq_lens)
-                                                 and name not in objective.needs.per_row):
+        if route(objective, name, value, sum(batch.shard.seq_lens)) == "token":
             token[name] = local_tokens(value, batch, dev)
         else:
-            n = seqs.count // 2 if name in objective.needs.per_pair else seqs.count
-            row[name] = _per_row(objective, name, value.to(dev), n)
+            row[name] = value.to(dev)
     cdtype = torch.promote_types(hidden.dtype, torch.float32)
     counts = row_sums(valid.to(cdtype), seqs, group).detach()
     q = Quantities(batch, seqs, valid, counts, token, row, group)
     if "ref_logps" in token and "ref_logps" not in row:
         row["ref_logps"] = q.sums(token["ref_logps"].to(cdtype)).detach()
-    if objective.needs.rows == "pairs":
-        _check_pairs(objective, seqs.count)
     terms = objective.terms(q)
     denominator = float(num_units) if num_units is not None else max(float(terms.count), 1.0)
     loss = terms.total / denominator
@@ -235,22 +209,3 @@ def _from_model(objective: Objective, model: nn.Module, hidden: Tensor, out: Any
         if "score" in takes.per_row:  # the last real token's score: on one rank, 0 on the others
             row["score"] = row_sums(scores * seqs.last[..., None].to(scores.dtype), seqs, group)  # [N, K]
     return token, row
-
-
-def _per_row(objective: Objective, name: str, value: Tensor, n: int) -> Tensor:
-    if value.dim() == 0 and name in objective.needs.optional:
-        return value  # a batch-level scalar (KTO's kl)
-    if value.dim() == 0 or value.shape[0] != n:
-        per = "pair" if name in objective.needs.per_pair else "sequence: a row, or a packed document"
-        raise ValueError(f"{objective.name}: input {name!r} has shape {list(value.shape)}, but the batch needs {n} "
-                         f"values (one per {per})")
-    return value
-
-
-def _check_pairs(objective: Objective, n: int) -> None:
-    if n % 2:
-        raise ValueError(f"{objective.name} compares chosen and rejected sequences, but the batch holds {n} "
-                         f"sequences: an even number is needed")
-    if objective.pairing not in ("halves", "interleaved"):
-        raise ValueError(f"pairing={objective.pairing!r}: use 'halves' (chosen rows then rejected rows, TRL's "
-                         "order) or 'interleaved' (chosen, rejected, chosen, ...)")
