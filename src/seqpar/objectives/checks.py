@@ -4,7 +4,7 @@ so a bad input never leaves a peer waiting in the forward's collectives."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -13,11 +13,10 @@ from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..comm.agree import check, share
 from ..comm.mesh import Axis, axis_group
 from .reference import Reference, check_reference
-from .rows import _full_ids
+from .rows import batch_sequences
 from .tokens import local_targets
 
-if TYPE_CHECKING:
-    from .seam import Objective
+Objective = Any  # a seqpar.objectives.seam.Objective (not imported: the seam imports this module)
 
 
 def route(objective: Objective, name: str, value: Tensor, seq_len: int) -> str:
@@ -60,7 +59,7 @@ def validate(objective: Objective, model: nn.Module, local: dict[str, Any], inpu
     if objective.takes.per_token:
         local_targets(local)
     ref = next(v for k, v in local.items() if k in ("input_ids", "inputs_embeds"))
-    count = _full_ids(batch.shard, ref.shape[0], ref.device)[2]
+    count = batch_sequences(batch.shard, ref.shape[0], ref.device)[2]
     seq_len = sum(batch.shard.seq_lens)
     if needs.rows == "pairs":
         if count % 2:

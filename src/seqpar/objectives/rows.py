@@ -43,7 +43,7 @@ class Sequences:
     count: int
 
 
-def _full_ids(shard: SeqShard, b: int, device: torch.device) -> tuple[Tensor, Tensor, int]:
+def batch_sequences(shard: SeqShard, b: int, device: torch.device) -> tuple[Tensor, Tensor, int]:
     """``(ids [B, S], last [B, S], count)`` over the whole batch in layout order."""
     s = sum(shard.seq_lens)
     keep = torch.ones(b, s, dtype=torch.bool, device=device) if shard.key_keep is None else \
@@ -66,7 +66,7 @@ def _full_ids(shard: SeqShard, b: int, device: torch.device) -> tuple[Tensor, Te
 def sequences(batch: LocalBatch, b: int, device: torch.device) -> Sequences:
     """The batch's sequences as this rank sees them (no communication: from the shard's metadata)."""
     shard = batch.shard
-    ids, last, count = _full_ids(shard, b, device)
+    ids, last, count = batch_sequences(shard, b, device)
     start = sum(shard.seq_lens[:batch.sp_rank])
     n = shard.seq_lens[batch.sp_rank]
     return Sequences(ids[:, start:start + n], last[:, start:start + n], count)

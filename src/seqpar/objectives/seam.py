@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.loss import _ScaleGrad
+from ..batch.loss import ScaleGrad
 from ..batch.targets import IGNORE_INDEX
 from ..comm import faults
 from ..comm.guard import check_failures
@@ -183,7 +183,7 @@ def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh
     loss = terms.total / denominator
     dp = dp_size(mesh)
     if dp > 1 and (num_units is not None or terms.global_count):
-        loss = _ScaleGrad.apply(loss, float(dp))  # the dp average of the ranks' shares of a global mean
+        loss = ScaleGrad.apply(loss, float(dp))  # the dp average of the ranks' shares of a global mean
     return ObjectiveOutput(loss, {k: v.detach() for k, v in terms.metrics.items()})
 
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..batch.local_batch import BATCH_KWARG
 from ..batch.targets import IGNORE_INDEX
-from ..batch.tiled_loss import Head, _accumulate, _tiles, check_tile
+from ..batch.tiled_loss import Head, accumulate_product, check_tile, token_tiles
 from ..errors import Refused
 from ..integrations.peft import unwrap_peft
 from ..integrations.tiled_head import last_hidden
@@ -76,7 +76,7 @@ class _TiledTokenStats(torch.autograd.Function):
                 temperature: float, tile: int, ignore_index: int) -> tuple[Tensor, Tensor]:
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         logps, ents = [], []
-        for a, b in _tiles(hidden.shape[0], tile):
+        for a, b in token_tiles(hidden.shape[0], tile):
             logp_all, valid, _ = _tile(head, hidden[a:b], targets[a:b], temperature, ignore_index)
             logps.append(logp_all.gather(1, targets[a:b].clamp(min=0)[:, None]).squeeze(1) * valid)
             ents.append(-(logp_all.exp() * logp_all).sum(1))
@@ -94,7 +94,7 @@ class _TiledTokenStats(torch.autograd.Function):
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device)  # [V, H]
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=cdtype, device=bias.device)
-        for a, b in _tiles(hidden.shape[0], ctx.tile):
+        for a, b in token_tiles(hidden.shape[0], ctx.tile):
             h = hidden[a:b]
             logp_all, valid, t = _tile(head, h, targets[a:b], ctx.temperature, ctx.ignore_index)
             p = logp_all.exp()  # [T, V]
@@ -108,7 +108,7 @@ class _TiledTokenStats(torch.autograd.Function):
                 dz -= g_ent[a:b].to(cdtype)[:, None] * p * (logp_all + ent)
             dz = head.chain(dz / ctx.temperature, t).to(hidden.dtype)
             grad_h[a:b] = dz @ weight
-            _accumulate(grad_w, dz.t(), h)
+            accumulate_product(grad_w, dz.t(), h)
             if grad_b is not None:
                 grad_b += dz.sum(0).to(cdtype)
         return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
