@@ -210,7 +210,7 @@ def labels_and_shard(labels: Tensor | dict[str, Any], shard: SeqShard | LocalBat
     return labels, shard
 
 
-class _ScaleGrad(torch.autograd.Function):
+class ScaleGrad(torch.autograd.Function):
     """Forward: the identity. Backward: ``grad * factor``. Not a collective: it pre-scales a
     rank's share of a gradient by the number of ranks that will average it (see the module
     docstring), where the value itself must stay unscaled."""
@@ -237,7 +237,7 @@ def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShar
     sizes = shard.seq_lens if shard is not None else None
     p = dist.get_world_size(group)
     if p > 1:  # every SP rank back-propagates the same loss: its slice, scaled for the average
-        picked = _ScaleGrad.apply(picked, float(p))
+        picked = ScaleGrad.apply(picked, float(p))
     full = gather_seq(picked, dim=1, group=group, sizes=sizes, grad="slice")  # [B, S] in layout order
     if shard is not None and shard.positions is not None:
         full = full.index_select(1, inverse_permutation(shard.positions).to(full.device))

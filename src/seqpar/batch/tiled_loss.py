@@ -83,7 +83,8 @@ def check_tile(tile: int, option: str) -> None:
         raise ValueError(f"{option}={tile!r}: a tile is a positive number of tokens (e.g. {option}=1024)")
 
 
-def _tiles(n: int, tile: int) -> list[tuple[int, int]]:
+def token_tiles(n: int, tile: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of ``n`` tokens in tiles of ``tile``."""
     return [(a, min(a + tile, n)) for a in range(0, n, tile)]
 
 
@@ -110,7 +111,7 @@ def _dlogits(zc: Tensor, lse: Tensor, target: Tensor, row_scale: Tensor) -> Tens
     return dz.mul_(row_scale[:, None])
 
 
-def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
+def accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` (``[V, T] @ [T, H]``), in place when the dtypes allow (no ``[V, H]`` temporary)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
@@ -135,7 +136,7 @@ class _TiledLoss(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None  # [V, H]
         grad_b = torch.zeros(bias.shape, dtype=cdtype, device=bias.device) if need_b else None
-        for a, b in _tiles(hidden.shape[0], tile):
+        for a, b in token_tiles(hidden.shape[0], tile):
             h = hidden[a:b]  # [T, H]
             w = None if token_weights is None else token_weights[a:b]
             ce, zc, lse, valid, t = _tile_terms(head, h, targets[a:b], w, ignore_index)
@@ -148,7 +149,7 @@ class _TiledLoss(torch.autograd.Function):
             if need_h:
                 grad_h[a:b] = dz @ weight
             if need_w:
-                _accumulate(grad_w, dz.t(), h)
+                accumulate_product(grad_w, dz.t(), h)
             if need_b:
                 grad_b += dz.sum(0).to(cdtype)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
@@ -186,7 +187,7 @@ def tiled_token_stats(hidden: Tensor, head: Head, targets: Tensor, *, tile: int 
     check_tile(tile, "loss_tile")
     flat, tflat = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1).to(hidden.device)
     ces, hits = [], []
-    for a, b in _tiles(flat.shape[0], tile):
+    for a, b in token_tiles(flat.shape[0], tile):
         ce, zc, _, valid, _ = _tile_terms(head, flat[a:b], tflat[a:b], None, ignore_index)
         ces.append(ce)
         hits.append((zc.argmax(1) == tflat[a:b]) & valid)
@@ -204,7 +205,7 @@ class _TiledLogProbs(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: Head, targets: Tensor,
                 tile: int, ignore_index: int) -> Tensor:
         out = torch.cat([-ce for ce, *_ in (_tile_terms(head, hidden[a:b], targets[a:b], None, ignore_index)
-                                            for a, b in _tiles(hidden.shape[0], tile))]) \
+                                            for a, b in token_tiles(hidden.shape[0], tile))]) \
             if hidden.shape[0] else hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
         ctx.save_for_backward(hidden, targets)
         ctx.head, ctx.tile, ctx.ignore_index = head, tile, ignore_index
@@ -218,13 +219,13 @@ class _TiledLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device)
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=cdtype, device=bias.device)
-        for a, b in _tiles(hidden.shape[0], ctx.tile):
+        for a, b in token_tiles(hidden.shape[0], ctx.tile):
             h = hidden[a:b]
             _, zc, lse, valid, t = _tile_terms(head, h, targets[a:b], None, ctx.ignore_index)
             # d logp / dz = onehot - softmax, times the incoming per-token gradient
             dz = head.chain(_dlogits(zc, lse, targets[a:b], -grad[a:b].to(cdtype) * valid), t).to(hidden.dtype)
             grad_h[a:b] = dz @ weight
-            _accumulate(grad_w, dz.t(), h)
+            accumulate_product(grad_w, dz.t(), h)
             if grad_b is not None:
                 grad_b += dz.sum(0).to(cdtype)
         return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),

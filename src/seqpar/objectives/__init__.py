@@ -1,0 +1,46 @@
+"""Layer between integrations and testing: training objectives, exact under sequence parallelism.
+
+One small definition per objective (:class:`~seqpar.objectives.seam.Objective`: the rows it needs,
+what it takes from the model per token or per sequence, what its loss is a mean over) and one driver,
+:func:`compute` (``objective(model, local, mesh, ...)``), used the same way by a user's loop, the
+Trainer integration and ``seqpar train``::
+
+    local = seqpar.shard_batch(batch, mesh)                   # chosen rows, then rejected rows
+    out = DPO(beta=0.1)(model, local, mesh, reference=ref)    # the same loss on every SP rank
+    out.loss.backward(); seqpar.sync_gradients(model, mesh)
+
+Families: :mod:`.causal_lm` (the token mean), :mod:`.preference` (DPO, SimPO, ORPO, KTO), :mod:`.rl`
+(GRPO / DAPO / Dr. GRPO / PPO policy losses), :mod:`.reward` (Bradley-Terry, sequence classification,
+value heads). The per-token and per-sequence quantities live in :mod:`.tokens` and :mod:`.rows`.
+"""
+
+from .causal_lm import CausalLM
+from .preference import DPO, DPO_LOSSES, KTO, ORPO, SimPO
+from .reference import ADAPTERS_OFF
+from .reward import BradleyTerry, SequenceClassification, ValueLoss
+from .rl import AGGREGATIONS, PolicyGradient
+from .seam import Needs, Objective, ObjectiveOutput, Quantities, Takes, Terms, compute
+from .tokens import token_logps_entropy
+
+__all__ = [
+    "ADAPTERS_OFF",
+    "AGGREGATIONS",
+    "DPO",
+    "DPO_LOSSES",
+    "KTO",
+    "ORPO",
+    "BradleyTerry",
+    "CausalLM",
+    "Needs",
+    "Objective",
+    "ObjectiveOutput",
+    "PolicyGradient",
+    "Quantities",
+    "SequenceClassification",
+    "SimPO",
+    "Takes",
+    "Terms",
+    "ValueLoss",
+    "compute",
+    "token_logps_entropy",
+]
