@@ -55,7 +55,8 @@ class DegreeMeshes:
         everyone = DeviceMesh(mesh.device_type, ranks.reshape(1, -1), mesh_dim_names=("one", "all"))
         self._grids[0] = everyone
         self.world = int(ranks.numel())
-        self.all_group: dist.ProcessGroup = everyone.get_group("all")  # every rank of the job: agreement, the step's loss
+        # every rank of the job: the schedule's agreement and the step's loss
+        self.all_group: dist.ProcessGroup = everyone.get_group("all")
         _REGISTRY.append((weakref.ref(mesh), weakref.ref(self)))
 
     def mesh(self, degree: int) -> DeviceMesh:

@@ -50,7 +50,8 @@ def row_tokens(row: Mapping[str, Any]) -> tuple[Tensor, Tensor | None, Tensor]:
         ids = row["input_ids"]
     if ids.dim() != 1:
         raise ValueError(f"a row's input_ids must be [S] or [1, S], got {list(ids.shape)}")
-    keep = row["attention_mask"].bool() if row.get("attention_mask") is not None else torch.ones_like(ids, dtype=torch.bool)
+    mask = row.get("attention_mask")
+    keep = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
     pos = row.get("position_ids")
     if pos is None:
         pos = torch.arange(int(keep.sum()))

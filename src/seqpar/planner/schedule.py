@@ -86,20 +86,21 @@ def plan_step(docs: Sequence[Sequence[int]], *, world: int, sp: int, token_budge
     need = [_smallest_degree(t, chain, token_budget, i, sp) for i, t in enumerate(tokens)]
     groups = [list(b) for k in chain for b in _pack([i for i in range(len(docs)) if need[i] == k], tokens,
                                                     k * token_budget)]
-    degree = [need[g[0]] for g in groups]
+    degree = [_fewer_than_tokens(need[g[0]], sum(tokens[i] for i in g), chain) for g in groups]
     best = _place(groups, degree, docs, world, cost)
     for _ in range(max_raises if max_raises is not None else 4 * len(groups) * len(chain)):
         busiest = max(range(world), key=lambda r: best[1][r])
         raised = None
         for gi, (k, first) in enumerate(best[0]):
-            up = [c for c in chain if c > k]
-            if not up or not first <= busiest < first + k or sum(tokens[i] for i in groups[gi]) < up[0]:
+            if not first <= busiest < first + k:
                 continue
-            trial = degree.copy()
-            trial[gi] = up[0]
-            placed = _place(groups, trial, docs, world, cost)
-            if max(placed[1]) < max(best[1]) * (1 - 1e-9) and (raised is None or max(placed[1]) < max(raised[1][1])):
-                raised = (trial, placed)
+            for up in (c for c in chain if k < c <= sum(tokens[i] for i in groups[gi])):
+                trial = degree.copy()
+                trial[gi] = up
+                placed = _place(groups, trial, docs, world, cost)
+                if max(placed[1]) < max(best[1]) * (1 - 1e-9) and (raised is None or
+                                                                  max(placed[1]) < max(raised[1][1])):
+                    raised = (trial, placed)
         if raised is None:
             break
         degree, best = raised
@@ -119,12 +120,21 @@ def _check(docs: Sequence[Sequence[int]], *, world: int, sp: int, token_budget: 
 
 def _smallest_degree(tokens: int, chain: Sequence[int], budget: int, row: int, sp: int) -> int:
     for k in chain:
-        if -(-tokens // k) <= budget and tokens >= k:
+        if -(-tokens // k) <= budget:
             return k
-    if tokens < chain[0]:
-        raise ValueError(f"row {row} has {tokens} tokens, fewer than the smallest allowed degree {chain[0]}")
     raise ValueError(f"row {row} has {tokens} tokens: more than sp={chain[-1]} ranks x token_budget={budget}; "
                      f"raise the token budget (--token-budget) to >= {-(-tokens // chain[-1])} or sp (<= {sp})")
+
+
+def _fewer_than_tokens(k: int, tokens: int, chain: Sequence[int]) -> int:
+    """``k``, or the largest allowed degree not above ``tokens`` (no rank may get an empty shard)."""
+    if tokens >= k:
+        return k
+    fits = [c for c in chain if c <= tokens]
+    if not fits:
+        raise ValueError(f"a bin of {tokens} tokens cannot run at degree {k} or any allowed below it "
+                         f"({list(chain)}): every rank needs a token; allow smaller degrees")
+    return fits[-1]
 
 
 def _pack(rows: list[int], tokens: Sequence[int], capacity: int) -> list[list[int]]:
