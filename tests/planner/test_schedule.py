@@ -116,5 +116,9 @@ def test_fit_machine_recovers_the_constants():
     samples = [([n], bin_seconds([n], 1, SHAPES, true)) for n in (100, 400, 1600)]
     fit = fit_machine(samples, SHAPES, bytes_per_s=1e9, collective_s=1e-3)
     assert fit.flops_per_s == pytest.approx(2e10, rel=1e-9) and fit.bin_s == pytest.approx(0.02, rel=1e-6)
+    attn = Machine(flops_per_s=2e10, bytes_per_s=1e9, bin_s=0.02, attention_flops_per_s=5e10)
+    three = [([n], bin_seconds([n], 1, SHAPES, attn)) for n in (100, 400, 8192)]
+    fit = fit_machine(three, SHAPES, bytes_per_s=1e9, collective_s=0.0)
+    assert fit.flops_per_s == pytest.approx(2e10, rel=1e-6) and fit.attention_rate == pytest.approx(5e10, rel=1e-6)
     with pytest.raises(ValueError, match="two bins of different sizes"):
         fit_machine(samples[:1], SHAPES, bytes_per_s=1e9, collective_s=1e-3)

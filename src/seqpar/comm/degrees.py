@@ -42,7 +42,7 @@ class DegreeMeshes:
         if {Axis.ULYSSES.value, Axis.RING.value} & set(axis_names(mesh)):
             raise Refused("a dynamic SP schedule runs over a dp x sp mesh (strategy 'ulysses' or 'ring'); the "
                           "hybrid mesh's ulysses x ring split has no sub-degree here: use seqpar.init_mesh(sp=...)")
-        self.parent = mesh
+        self._parent = weakref.ref(mesh)  # the registry keeps this object as long as the mesh lives
         self.sp = axis_size(mesh, Axis.SP.value)
         self.degrees = degree_chain(self.sp)
         ranks = mesh.mesh.flatten()
@@ -57,7 +57,11 @@ class DegreeMeshes:
         self.world = int(ranks.numel())
         # every rank of the job: the schedule's agreement and the step's loss
         self.all_group: dist.ProcessGroup = everyone.get_group("all")
-        _REGISTRY.append((weakref.ref(mesh), weakref.ref(self)))
+        _REGISTRY.append((weakref.ref(mesh), self))
+
+    @property
+    def parent(self) -> DeviceMesh | None:
+        return self._parent()
 
     def mesh(self, degree: int) -> DeviceMesh:
         """This rank's block of ``degree`` ranks, as a 1-D ``"sp"`` mesh. Raises ValueError for a
@@ -71,18 +75,28 @@ class DegreeMeshes:
         return next((k for k, m in self._meshes.items() if m is mesh), None)
 
 
-_REGISTRY: list[tuple[weakref.ref[DeviceMesh], weakref.ref[DegreeMeshes]]] = []
-"""(job mesh, its DegreeMeshes) pairs, by identity (see ``mesh._PerMesh`` for why not a dict)."""
+_REGISTRY: list[tuple[weakref.ref[DeviceMesh], DegreeMeshes]] = []
+"""(job mesh, its DegreeMeshes) pairs, by the mesh's identity (see ``mesh._PerMesh`` for why not a
+dict); an entry goes with its mesh."""
+
+
+def _live() -> list[tuple[weakref.ref[DeviceMesh], DegreeMeshes]]:
+    _REGISTRY[:] = [(m, d) for m, d in _REGISTRY if m() is not None]
+    return _REGISTRY
+
+
+def degree_meshes(mesh: DeviceMesh) -> DegreeMeshes:
+    """The :class:`DegreeMeshes` of ``mesh``, built on first use (collective: every rank asks for it
+    at the same point, so every rank builds, or reuses, alike)."""
+    return degree_meshes_of(mesh) or DegreeMeshes(mesh)
 
 
 def degree_meshes_of(mesh: DeviceMesh) -> DegreeMeshes | None:
-    """The newest live :class:`DegreeMeshes` built over ``mesh`` (by identity), or None."""
-    _REGISTRY[:] = [(m, d) for m, d in _REGISTRY if m() is not None and d() is not None]
-    found = [d() for m, d in _REGISTRY if m() is mesh]
-    return found[-1] if found else None
+    """The :class:`DegreeMeshes` built over ``mesh`` (by identity), or None."""
+    return next((d for m, d in _live() if m() is mesh), None)
 
 
 def is_block_of(job_mesh: DeviceMesh, mesh: DeviceMesh) -> bool:
     """Whether ``mesh`` is one of the block meshes built over ``job_mesh``."""
-    _REGISTRY[:] = [(m, d) for m, d in _REGISTRY if m() is not None and d() is not None]
-    return any(m() is job_mesh and d().degree_of(mesh) is not None for m, d in _REGISTRY)
+    found = degree_meshes_of(job_mesh)
+    return found is not None and found.degree_of(mesh) is not None

@@ -31,7 +31,7 @@ from ..batch.sharding import count_target_tokens, shard_batch
 from ..batch.targets import IGNORE_INDEX
 from ..comm import collectives
 from ..comm.agree import check, share
-from ..comm.degrees import DegreeMeshes
+from ..comm.degrees import degree_meshes
 from .schedule import Cost, Schedule, plan_step
 
 ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -117,12 +117,13 @@ class DynamicSP:
     ``token_budget``: tokens per rank per bin; ``cost``: predicted seconds of a bin
     (:func:`seqpar.planner.work.bin_seconds` bound to a model and machine); ``degrees``: the degrees
     allowed (default ``1, 2, 4, ..., sp``; ``(sp,)`` is the static schedule). Building it is
-    collective: every rank creates the block groups, once (:class:`~seqpar.comm.degrees.DegreeMeshes`).
+    collective the first time over a mesh: every rank creates the block groups, once per mesh
+    (:func:`~seqpar.comm.degrees.degree_meshes`).
     """
 
     def __init__(self, mesh: DeviceMesh, *, token_budget: int, cost: Cost, degrees: Sequence[int] | None = None,
                  layout: str = "contiguous", device: torch.device | str | None = None) -> None:
-        self.degrees = DegreeMeshes(mesh)
+        self.degrees = degree_meshes(mesh)
         self.token_budget, self.cost, self.layout, self.device = token_budget, cost, layout, device
         self.allowed = tuple(degrees) if degrees is not None else self.degrees.degrees
 

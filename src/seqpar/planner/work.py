@@ -3,7 +3,7 @@ schedule (:mod:`seqpar.planner.schedule`) balances with. Pure arithmetic.
 
 Per rank, for a bin of documents ``L_1..L_n`` (``T = sum L_i`` tokens) at degree ``k``::
 
-    compute = (linear * T + attention * sum L_i^2) / k / flops_per_s
+    compute = (linear * T / flops_per_s + attention * sum L_i^2 / attention_flops_per_s) / k
     comm    = 2 * layers * bytes_per_layer(T, k) / bytes_per_s      (k > 1: forward + backward)
             + 4 * layers * collective_s                             (two all-to-alls each way)
     seconds = compute + comm + bin_s                                 (bin_s: a forward + backward's
@@ -60,6 +60,11 @@ class Machine:
     bytes_per_s: float
     collective_s: float = 0.0
     bin_s: float = 0.0
+    attention_flops_per_s: float | None = None  # None: flops_per_s (a CPU kernel may differ from matmuls)
+
+    @property
+    def attention_rate(self) -> float:
+        return self.attention_flops_per_s or self.flops_per_s
 
 
 H100 = Machine(flops_per_s=4.0e14, bytes_per_s=1.5e11, collective_s=3e-5, bin_s=5e-3)
@@ -72,8 +77,9 @@ def bin_seconds(docs: Sequence[int], degree: int, shapes: Shapes, machine: Machi
     """Predicted seconds per rank of one forward + backward of the documents ``docs`` (token
     counts, packed into one row) at SP degree ``degree``."""
     tokens = sum(docs)
-    flops = shapes.linear_flops * tokens + shapes.attention_flops * sum(n * n for n in docs)
-    seconds = flops / degree / machine.flops_per_s + machine.bin_s
+    compute = shapes.linear_flops * tokens / machine.flops_per_s \
+        + shapes.attention_flops * sum(n * n for n in docs) / machine.attention_rate
+    seconds = compute / degree + machine.bin_s
     if degree > 1:
         seconds += 2 * shapes.layers * layer_bytes(tokens, degree, shapes, strategy=strategy,
                                                    devices_per_node=devices_per_node) / machine.bytes_per_s
@@ -94,13 +100,24 @@ def layer_bytes(tokens: int, degree: int, shapes: Shapes, *, strategy: str = "ul
 
 def fit_machine(samples: Sequence[tuple[Sequence[int], float]], shapes: Shapes, *,
                 bytes_per_s: float, collective_s: float) -> Machine:
-    """Refit ``flops_per_s`` and ``bin_s`` from measured degree-1 seconds of bins (``(docs,
-    seconds)`` pairs, at least two of different sizes) by least squares on ``s = flops / F + c``;
-    the link constants come from a measured collective. Raises ValueError for too few samples."""
-    xs = [shapes.linear_flops * sum(d) + shapes.attention_flops * sum(n * n for n in d) for d, _ in samples]
+    """Refit the compute constants from measured degree-1 seconds of bins (``(docs, seconds)``
+    pairs) by least squares: ``s = linear_flops / F + c`` from two sizes, and with three or more
+    (one long document among them) the attention rate too, ``s = lin / F + att / A + c``. The link
+    constants come from a measured collective. Raises ValueError for fewer than two sizes."""
+    lin = [shapes.linear_flops * sum(d) for d, _ in samples]
+    att = [shapes.attention_flops * sum(n * n for n in d) for d, _ in samples]
     ys = [s for _, s in samples]
-    if len(set(xs)) < 2:
+    if len(set(lin)) < 2:
         raise ValueError("fit_machine needs measurements of at least two bins of different sizes")
+    if len(samples) >= 3:
+        import torch
+
+        a = torch.tensor([lin, att, [1.0] * len(ys)], dtype=torch.float64).T
+        coef = torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution.flatten().tolist()
+        if coef[0] > 0 and coef[1] > 0:
+            return Machine(flops_per_s=1.0 / coef[0], bytes_per_s=bytes_per_s, collective_s=collective_s,
+                           bin_s=max(coef[2], 0.0), attention_flops_per_s=1.0 / coef[1])
+    xs = [x + y for x, y in zip(lin, att, strict=True)]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     slope = max(slope, 1e-30)
