@@ -79,6 +79,13 @@ def _fit_cost(model, shapes, mesh):
                          for _ in range(5)))
         sizes = [x.numel() * 4 * 3 / 4]  # bytes leaving this rank
         times[-1] = (sizes[0], times[-1])
+    # every rank must plan with the same cost model (else the schedules differ and plan() refuses):
+    # the measurements are averaged over the ranks before the fit
+    measured = torch.tensor([s for _, s in samples] + [t for _, t in times], dtype=torch.float64)
+    dist.all_reduce(measured)
+    measured = (measured / dist.get_world_size()).tolist()
+    samples = [(d, measured[i]) for i, (d, _) in enumerate(samples)]
+    times = [(b, measured[len(samples) + i]) for i, (b, _) in enumerate(times)]
     (b0, t0), (b1, t1) = times
     bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
     latency = max(t0 - b0 / bandwidth, 0.0)
