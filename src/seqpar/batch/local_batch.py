@@ -29,7 +29,9 @@ class LocalBatch:
     grad_scale    d(out.loss)/d(local sum of token losses): ``dp_size * sp_size / N`` with
                   ``num_items_in_batch`` (N counts every dp rank), else ``sp_size / N`` (N: this dp
                   rank's targets) -- so that the *average* over the dp x sp ranks that DDP / FSDP2 /
-                  :func:`seqpar.sync_gradients` take is the exact gradient (see :mod:`seqpar.batch.loss`)
+                  :func:`seqpar.sync_gradients` take is the exact gradient (see :mod:`seqpar.batch.loss`);
+                  ``grad_ranks / N`` when given (a dynamic schedule's bin on a sub-group: the average
+                  runs over every rank of the job, :mod:`seqpar.planner.bins`)
     loss_weights  [B, S_local] per-target weights (shifted with the labels) or None
     visual        the whole batch's images / video (:class:`~seqpar.batch.visual.VisualBatch`) or None
     token_types   ``[B, S]`` the whole rows' ``token_type_ids`` (original order) or None: the model's
@@ -42,7 +44,7 @@ class LocalBatch:
                  "loss_weights", "attention_calls", "visual", "token_types", "positions_given")
 
     def __init__(self, shard: SeqShard, *, sp_rank: int, sp_size: int, dp_size: int, denominator: float,
-                 num_items_in_batch: float | None, loss_weights: Tensor | None) -> None:
+                 num_items_in_batch: float | None, loss_weights: Tensor | None, grad_ranks: int | None = None) -> None:
         self.shard = shard
         self.sp_rank, self.sp_size, self.dp_size = sp_rank, sp_size, dp_size
         self.num_items_in_batch = num_items_in_batch
@@ -52,6 +54,7 @@ class LocalBatch:
         # ranks the average divides by (all dp x sp with a global N; sp alone with a per-dp-rank
         # N, whose dp average is then the mean of the dp ranks' means)
         ranks = sp_size * dp_size if num_items_in_batch is not None else sp_size
+        ranks = grad_ranks if grad_ranks is not None else ranks  # a dynamic schedule's bin: every rank
         self.grad_scale = ranks / n
         self.loss_weights = loss_weights
         self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)

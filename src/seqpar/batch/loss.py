@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..attention.layout import inverse_permutation
 from ..attention.shard import SeqShard
 from ..comm import backward_faults, collectives, faults
+from ..comm.degrees import is_block_of
 from ..comm.gather import gather_seq
 from ..comm.guard import check_failures, pending_failure
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
@@ -148,9 +149,18 @@ def make_loss_function(mesh: DeviceMesh) -> Callable[..., Tensor]:
         per_token = token_losses(logits, targets, ignore_index)
         if batch.loss_weights is not None:
             per_token = per_token * batch.loss_weights.to(per_token)
-        return sp_token_mean(per_token.sum(), batch, group, denominator)
+        return sp_token_mean(per_token.sum(), batch, bin_group(mesh, batch, group), denominator)
 
     return seqpar_causal_lm_loss
+
+
+def bin_group(mesh: DeviceMesh, batch: LocalBatch, group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The sp group ``batch`` was sharded over: ``group`` (the job mesh's), or the block's group of a
+    dynamic schedule's bin (:mod:`seqpar.comm.degrees`)."""
+    bmesh = batch.shard.state.mesh
+    if bmesh is None or bmesh is mesh or not is_block_of(mesh, bmesh):
+        return group
+    return axis_group(bmesh, Axis.SP.value)
 
 
 def sharded_loss_inputs(kwargs: dict[str, Any], labels: Tensor | None, shift_labels: Tensor | None,

@@ -46,7 +46,8 @@ def _ulysses_degree(mesh: DeviceMesh) -> int:
 
 def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "contiguous",
                 num_items_in_batch: int | float | Tensor | None = None,
-                ignore_index: int = IGNORE_INDEX, device: torch.device | str | None = None) -> dict[str, Any]:
+                ignore_index: int = IGNORE_INDEX, device: torch.device | str | None = None,
+                grad_ranks: int | None = None) -> dict[str, Any]:
     """This SP rank's slice of a full batch, ready for ``model(**local)``.
 
     Args:
@@ -120,7 +121,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     denominator = target_count(prep, ignore_index) if num_items_in_batch is None else float(num_items_in_batch)
     info = LocalBatch(shard, sp_rank=me, sp_size=p, dp_size=dp_size(mesh),
                       denominator=denominator, num_items_in_batch=num_items_in_batch,
-                      loss_weights=None if prep.weights is None else local(prep.weights))
+                      loss_weights=None if prep.weights is None else local(prep.weights), grad_ranks=grad_ranks)
     out: dict[str, Any] = {}
     if batch.get("input_ids") is not None:
         out["input_ids"] = local(batch["input_ids"])

@@ -51,6 +51,7 @@ from ..attention.shard import chunked_documents
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.loss import make_loss_function
 from ..comm.agree import check, share
+from ..comm.degrees import degree_meshes_of
 from ..comm.mesh import Axis, as_mesh, axis_group
 from ..errors import Refused
 from .fsdp import check_gradient_reduction
@@ -76,6 +77,20 @@ class _LastBatch:
     batch: LocalBatch | None = None
 
 
+def block_groups(mesh: DeviceMesh, bmesh: DeviceMesh, strategy: str, blocks: dict[int, Any], p: int,
+                 groups: Any) -> tuple[DeviceMesh, Any, int]:
+    """``(mesh, groups, sp size)`` the attention of a batch sharded over ``bmesh`` runs on: a block
+    mesh of a dynamic schedule over the job ``mesh`` (cached in ``blocks`` by degree), else the job's
+    own (the size check then names the mismatch)."""
+    found = degree_meshes_of(mesh)
+    degree = None if found is None else found.degree_of(bmesh)
+    if degree is None:
+        return mesh, groups, p
+    if degree not in blocks:
+        blocks[degree] = mesh_groups(bmesh, strategy)
+    return bmesh, blocks[degree], degree
+
+
 def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str, config: Any,
                     last: _LastBatch, causal_mask: bool = False) -> Callable[..., Any]:
     """The attention function registered with transformers, bound to ``mesh`` by closure.
@@ -87,6 +102,7 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
     group = axis_group(mesh, Axis.SP.value)
     p, me = dist.get_world_size(group), dist.get_rank(group)
     groups = mesh_groups(mesh, strategy)  # looked up once: inside torch.compile a lookup would break the graph
+    blocks: dict[int, Any] = {}  # a dynamic schedule's block groups, by degree, looked up once each
 
     def seqpar_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                          attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
@@ -109,7 +125,11 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
             # (a prefix-LM or image mask...): it describes the local shard, seqpar cannot use it
             raise Refused(f"{type(module).__name__} passes its own attention mask, which seqpar cannot shard; "
                           "seqpar masks padding and packed documents itself (from shard_batch)")
-        if batch.sp_size != p or query.shape[2] != batch.local_len:
+        run_mesh, run_groups, run_p = mesh, groups, p
+        if batch.shard.state.mesh is not None and batch.shard.state.mesh is not mesh:
+            # a dynamic schedule's bin, sharded over a block of the job's ranks (seqpar.comm.degrees)
+            run_mesh, run_groups, run_p = block_groups(mesh, batch.shard.state.mesh, strategy, blocks, p, groups)
+        if batch.sp_size != run_p or query.shape[2] != batch.local_len:
             raise ValueError(f"the batch was sharded for sp={batch.sp_size} with {batch.local_len} tokens on rank "
                              f"{me}, but the model runs over sp={p} with {query.shape[2]}: shard the batch with "
                              "the mesh the model was parallelized with")
@@ -130,8 +150,8 @@ def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, o
             # under torch.autocast RoPE leaves q, k in float32 while v is bfloat16; the fused
             # all-to-all needs one dtype, and autocast would run attention in v's anyway
             query, key = query.to(value.dtype), key.to(value.dtype)
-        out = STRATEGIES[strategy](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=mesh,
-                                   groups=groups, causal=causal, scale=scaling, window=opts.window, chunk=chunk,
+        out = STRATEGIES[strategy](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=run_mesh,
+                                   groups=run_groups, causal=causal, scale=scaling, window=opts.window, chunk=chunk,
                                    softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=shard,
                                    validate=False)
         batch.attention_calls += 1

@@ -1,0 +1,160 @@
+"""Running a dynamic SP schedule: each bin of a step packed into one row and sharded over its block
+of ranks, with the loss scaled so that the plain average of the gradients over every rank is exact.
+
+    dyn = DynamicSP(mesh, token_budget=4096, cost=cost)   # block meshes built once (collective)
+    step = dyn.plan(rows)                                 # the step's rows, the same on every rank
+    for local in step:                                    # this rank's bins, largest degree first
+        loss = model(**local).loss                        # the bin's share of the step's token mean
+        loss.backward(); step.record(loss)
+    seqpar.sync_gradients(model, mesh)                    # or stock DDP / FSDP2: the world average
+    step.loss()                                           # the step's token mean (one all-reduce)
+
+Exactness: every bin is sharded with ``num_items_in_batch = N`` (the targets of the whole step, all
+ranks) and ``grad_ranks = W`` (the job's ranks): its loss is ``bin_sum / N`` on each of its ``k``
+ranks, and each rank back-propagates its own tokens' share times ``W / N``; each token belongs to
+one rank of one bin, so the average over the ``W`` ranks is ``d(sum of every target / N)``: the
+unsharded model's gradient of the step's token mean. The step's loss counts each bin once:
+``sum over ranks of loss_b / k_b``, all-reduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..batch.sharding import count_target_tokens, shard_batch
+from ..batch.targets import IGNORE_INDEX
+from ..comm import collectives
+from ..comm.agree import check, share
+from ..comm.degrees import degree_meshes
+from .schedule import Cost, Schedule, plan_step
+
+ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def row_tokens(row: Mapping[str, Any]) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``(input_ids [n], labels [n] or None, position_ids [n])`` of a row's real tokens: padding
+    (``attention_mask == 0``) dropped, positions as given (packed documents restart) or ``0..n-1``.
+    A row is ``[S]`` or ``[1, S]``. Raises ValueError for other keys or shapes."""
+    extra = sorted(set(row) - set(ROW_KEYS))
+    if extra:
+        raise ValueError(f"a dynamic schedule's row takes {list(ROW_KEYS)}; got {extra} too")
+    ids = row["input_ids"]
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        row = {k: v[0] for k, v in row.items()}
+        ids = row["input_ids"]
+    if ids.dim() != 1:
+        raise ValueError(f"a row's input_ids must be [S] or [1, S], got {list(ids.shape)}")
+    mask = row.get("attention_mask")
+    keep = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+    pos = row.get("position_ids")
+    if pos is None:
+        pos = torch.arange(int(keep.sum()))
+    else:
+        pos = pos[keep]
+        if pos.numel() and int(pos[0]) != 0:
+            raise ValueError(f"a row's position_ids must start at 0 (got {int(pos[0])}): rows are packed together")
+    labels = row.get("labels")
+    return ids[keep], None if labels is None else labels[keep], pos
+
+
+def row_documents(row: Mapping[str, Any]) -> list[int]:
+    """Token counts of a row's documents (split where the positions restart)."""
+    _, _, pos = row_tokens(row)
+    starts = [0, *((torch.diff(pos) != 1).nonzero().flatten() + 1).tolist(), pos.numel()]
+    return [b - a for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a]
+
+
+def pack_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+    """The rows' real tokens as one packed row ``[1, T]`` (each row's documents stay documents)."""
+    parts = [row_tokens(r) for r in rows]
+    out = {"input_ids": torch.cat([p[0] for p in parts])[None],
+           "position_ids": torch.cat([p[2] for p in parts])[None]}
+    if all(p[1] is not None for p in parts):
+        out["labels"] = torch.cat([p[1] for p in parts])[None]
+    elif any(p[1] is not None for p in parts):
+        raise ValueError("either every row of a step has labels or none has")
+    return out
+
+
+class StepBins:
+    """One step under a :class:`Schedule`: iterate it for this rank's bins (local batches)."""
+
+    def __init__(self, dyn: DynamicSP, schedule: Schedule, rows: Sequence[Mapping[str, Any]],
+                 num_items: float) -> None:
+        self.schedule, self.num_items = schedule, num_items
+        self._dyn, self._rows = dyn, rows
+        self._rank = dist.get_rank(dyn.degrees.all_group)
+        self._losses: list[tuple[Tensor, int]] = []
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for b in self.schedule.bins_for(self._rank):
+            batch = pack_rows([self._rows[i] for i in b.rows])
+            yield shard_batch(batch, self._dyn.degrees.mesh(b.degree), layout=self._dyn.layout,
+                              num_items_in_batch=self.num_items, grad_ranks=self._dyn.degrees.world,
+                              device=self._dyn.device)
+
+    def record(self, loss: Tensor) -> None:
+        """Note a bin's loss (in iteration order) for :meth:`loss`."""
+        self._losses.append((loss.detach(), self.schedule.bins_for(self._rank)[len(self._losses)].degree))
+
+    def loss(self) -> Tensor:
+        """The step's token-weighted mean over every rank's bins (one all-reduce over the job)."""
+        mine = sum((v.double() / k for v, k in self._losses), torch.zeros((), dtype=torch.float64))
+        total = mine.reshape(1).to(collectives.comm_device(self._dyn.degrees.all_group))
+        collectives.all_reduce(total, group=self._dyn.degrees.all_group)
+        return total[0]
+
+
+class DynamicSP:
+    """Per-step dynamic SP schedules over ``mesh`` (a ``dp x sp`` mesh, :func:`seqpar.init_mesh`).
+
+    ``token_budget``: tokens per rank per bin; ``cost``: predicted seconds of a bin
+    (:func:`seqpar.planner.work.bin_seconds` bound to a model and machine); ``degrees``: the degrees
+    allowed (default ``1, 2, 4, ..., sp``; ``(sp,)`` is the static schedule). Building it is
+    collective the first time over a mesh: every rank creates the block groups, once per mesh
+    (:func:`~seqpar.comm.degrees.degree_meshes`).
+    """
+
+    def __init__(self, mesh: DeviceMesh, *, token_budget: int, cost: Cost, degrees: Sequence[int] | None = None,
+                 layout: str = "contiguous", device: torch.device | str | None = None) -> None:
+        self.degrees = degree_meshes(mesh)
+        self.token_budget, self.cost, self.layout, self.device = token_budget, cost, layout, device
+        self.allowed = tuple(degrees) if degrees is not None else self.degrees.degrees
+
+    def plan(self, rows: Sequence[Mapping[str, Any]], *, ignore_index: int = IGNORE_INDEX) -> StepBins:
+        """The schedule of a step of ``rows`` (the same rows on every rank of the job). Raises the
+        same ValueError on every rank, before any other collective, for a bad row or budget, or when
+        the ranks' rows or schedules differ (one small all-gather)."""
+        problem, docs, schedule, n = None, [], None, 0.0
+        try:
+            docs = [row_documents(r) for r in rows]
+            schedule = plan_step(docs, world=self.degrees.world, sp=self.degrees.sp, token_budget=self.token_budget,
+                                 cost=self.cost, degrees=self.allowed)
+            n = float(count_target_tokens([pack_rows([r]) for r in rows], ignore_index=ignore_index))
+        except ValueError as e:
+            problem = str(e)
+        facts = {"rows": float(len(docs)), "tokens": float(sum(map(sum, docs))),
+                 "lengths": float(sum((i + 1) * sum(d) * len(d) for i, d in enumerate(docs)) % 2**50),
+                 "targets": n, "token_budget": float(self.token_budget),
+                 "bins": float(len(schedule.bins)) if schedule else -1.0,
+                 "placement": float(_fingerprint(schedule)) if schedule else -1.0}
+        table = share(facts, self.degrees.all_group, problem=problem)
+        # a rank's own problem says it all (its facts differ as a consequence): the same choice on every rank
+        check(table, what="dynamic SP step", same=[] if any(table.problems) else list(facts),
+              describe=lambda f: f"the step's {f}",
+              hint="every rank must plan the same rows with the same token budget and cost model")
+        assert schedule is not None
+        return StepBins(self, schedule, rows, n)
+
+
+def _fingerprint(schedule: Schedule) -> int:
+    h = 0
+    for i, b in enumerate(schedule.bins):
+        h = (h * 1000003 + (i + 1) * (b.degree * 7919 + b.first_rank * 131 + sum(b.rows) + len(b.rows))) % 2**50
+    return h

@@ -1,0 +1,125 @@
+"""Predicted seconds of one bin of packed documents at one SP degree: the cost model a dynamic
+schedule (:mod:`seqpar.planner.schedule`) balances with. Pure arithmetic.
+
+Per rank, for a bin of documents ``L_1..L_n`` (``T = sum L_i`` tokens) at degree ``k``::
+
+    compute = (linear * T / flops_per_s + attention * sum L_i^2 / attention_flops_per_s) / k
+    comm    = 2 * layers * bytes_per_layer(T, k) / bytes_per_s      (k > 1: forward + backward)
+            + 4 * layers * collective_s                             (two all-to-alls each way)
+    seconds = compute + comm + bin_s                                 (bin_s: a forward + backward's
+                                                                      fixed cost, whatever its size)
+
+``linear`` counts the matmul FLOPs per token of forward + backward (3x the forward's): the q, k, v
+and o projections, the SwiGLU MLP and the LM head; ``attention`` the per-document QK^T and PV
+FLOPs (half of them under a causal mask). ``bytes_per_layer`` is the planner's Ulysses (or ring)
+estimate of one layer's forward traffic (:func:`seqpar.planner.cost.estimate`). The constants of a
+:class:`Machine` are refitted from measurements where there are some (:func:`fit_machine`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .cost import estimate
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the cost model needs of a decoder model."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    layers: int
+    vocab_size: int
+    dtype_bytes: int = 2
+    causal: bool = True
+
+    @property
+    def linear_flops(self) -> float:
+        """Forward + backward matmul FLOPs per token (all layers and the LM head)."""
+        h, q, g = self.hidden_size, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = h * (q + 2 * g) + q * h + 3 * h * self.intermediate_size
+        return 6.0 * (self.layers * per_layer + h * self.vocab_size)
+
+    @property
+    def attention_flops(self) -> float:
+        """Forward + backward attention FLOPs per squared document token (all layers)."""
+        return 3.0 * 4.0 * self.heads * self.head_dim * self.layers * (0.5 if self.causal else 1.0)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Throughputs of one rank: matmul FLOP/s, link bytes/s, one collective's fixed seconds, and a
+    forward + backward's fixed seconds (kernel launches, Python)."""
+
+    flops_per_s: float
+    bytes_per_s: float
+    collective_s: float = 0.0
+    bin_s: float = 0.0
+    attention_flops_per_s: float | None = None  # None: flops_per_s (a CPU kernel may differ from matmuls)
+
+    @property
+    def attention_rate(self) -> float:
+        return self.attention_flops_per_s or self.flops_per_s
+
+
+H100 = Machine(flops_per_s=4.0e14, bytes_per_s=1.5e11, collective_s=3e-5, bin_s=5e-3)
+"""An H100 in bf16 at ~40% of its dense peak, NVLink all-to-all at ~150 GB/s per rank (guesses,
+to be refitted on the machine: :func:`fit_machine`)."""
+
+
+def bin_seconds(docs: Sequence[int], degree: int, shapes: Shapes, machine: Machine, *,
+                strategy: str = "ulysses", devices_per_node: int = 8) -> float:
+    """Predicted seconds per rank of one forward + backward of the documents ``docs`` (token
+    counts, packed into one row) at SP degree ``degree``."""
+    tokens = sum(docs)
+    compute = shapes.linear_flops * tokens / machine.flops_per_s \
+        + shapes.attention_flops * sum(n * n for n in docs) / machine.attention_rate
+    seconds = compute / degree + machine.bin_s
+    if degree > 1:
+        seconds += 2 * shapes.layers * layer_bytes(tokens, degree, shapes, strategy=strategy,
+                                                   devices_per_node=devices_per_node) / machine.bytes_per_s
+        seconds += 4 * shapes.layers * machine.collective_s
+    return seconds
+
+
+def layer_bytes(tokens: int, degree: int, shapes: Shapes, *, strategy: str = "ulysses",
+                devices_per_node: int = 8) -> float:
+    """One layer's forward bytes per rank for ``tokens`` at ``degree`` (the planner's estimate)."""
+    u, r = (degree, 1) if strategy == "ulysses" else (1, degree)
+    c = estimate(1, u, r, heads=shapes.heads, kv_heads=shapes.kv_heads, head_dim=shapes.head_dim,
+                 hidden_size=shapes.hidden_size, devices_per_node=devices_per_node, seq_len=max(tokens, degree),
+                 layers=1, dtype_bytes=shapes.dtype_bytes, batch=1, intermediate_size=shapes.intermediate_size,
+                 causal=shapes.causal, checkpointing=False)
+    return float(c.comm_bytes)
+
+
+def fit_machine(samples: Sequence[tuple[Sequence[int], float]], shapes: Shapes, *,
+                bytes_per_s: float, collective_s: float) -> Machine:
+    """Refit the compute constants from measured degree-1 seconds of bins (``(docs, seconds)``
+    pairs) by least squares: ``s = linear_flops / F + c`` from two sizes, and with three or more
+    (one long document among them) the attention rate too, ``s = lin / F + att / A + c``. The link
+    constants come from a measured collective. Raises ValueError for fewer than two sizes."""
+    lin = [shapes.linear_flops * sum(d) for d, _ in samples]
+    att = [shapes.attention_flops * sum(n * n for n in d) for d, _ in samples]
+    ys = [s for _, s in samples]
+    if len(set(lin)) < 2:
+        raise ValueError("fit_machine needs measurements of at least two bins of different sizes")
+    if len(samples) >= 3:
+        import torch
+
+        a = torch.tensor([lin, att, [1.0] * len(ys)], dtype=torch.float64).T
+        coef = torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution.flatten().tolist()
+        if coef[0] > 0 and coef[1] > 0:
+            return Machine(flops_per_s=1.0 / coef[0], bytes_per_s=bytes_per_s, collective_s=collective_s,
+                           bin_s=max(coef[2], 0.0), attention_flops_per_s=1.0 / coef[1])
+    xs = [x + y for x, y in zip(lin, att, strict=True)]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-30)
+    return Machine(flops_per_s=1.0 / slope, bytes_per_s=bytes_per_s, collective_s=collective_s,
+                   bin_s=max(my - slope * mx, 0.0))
