@@ -236,9 +236,9 @@ class ScaleGrad(torch.autograd.Function):
 
 
 def scale_grad(x: Tensor, factor: float) -> Tensor:
-    """``x`` unchanged, its gradient times ``factor`` (:class:`_ScaleGrad`): a rank's share
+    """``x`` unchanged, its gradient times ``factor`` (:class:`ScaleGrad`): a rank's share
     pre-scaled for the average over ``factor`` ranks (or dp ranks) taken afterwards."""
-    return _ScaleGrad.apply(x, float(factor))
+    return ScaleGrad.apply(x, float(factor))
 
 
 def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShard | None) -> Tensor:

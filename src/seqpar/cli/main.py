@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ["train", "export", "verify", "bench", "plan"]
+SUBCOMMANDS = ["train", "export", "verify", "bench", "plan", "env"]
 
 
 def build_parser() -> argparse.ArgumentParser:
