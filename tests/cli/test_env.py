@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib.metadata
 
+from seqpar import compat
 from seqpar.cli.env import PackageRow, package_rows
 from seqpar.cli.main import main
-from seqpar import compat
 from seqpar.compat import CHECKED_ON
 
 

@@ -20,7 +20,6 @@ import math
 import os
 import resource
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,17 +37,9 @@ from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve
 from .data import row_index, stack
 from .job import Job, make_data
 from .lora import add_lora, count_params, init_lora, with_lora_names
+from .report import EvalResult
 from .tasks import EVAL, IGNORE, answer_accuracy
 from .tokenizer import load_hf_tokenizer
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """Held-out loss per target, greedy accuracy of the targets (the task's answers), and their count."""
-
-    loss: float
-    accuracy: float
-    targets: int
 
 
 def peak_memory_mib(device: torch.device) -> tuple[float, float]:

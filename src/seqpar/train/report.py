@@ -17,7 +17,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Held-out loss per target, greedy accuracy of the targets (the task's answers), and their count."""
+
+    loss: float
+    accuracy: float
+    targets: int
 
 METRICS_FILE, SUMMARY_FILE, PLOT_FILE = "metrics.jsonl", "summary.json", "loss.png"
 TENSORBOARD_DIR, WANDB_DIR = "tensorboard", "wandb"

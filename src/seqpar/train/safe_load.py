@@ -27,6 +27,8 @@ import torch
 
 from seqpar.compat import DCP_METADATA_GLOBALS
 
+from .report import EvalResult
+
 METADATA_FILE = ".metadata"
 _DCP_MODULE = "torch.distributed.checkpoint.metadata"
 
@@ -35,11 +37,10 @@ class PickledObject(ValueError):
     """A checkpoint file holds a pickled object (a callable to run at load), not only data."""
 
 
-def _trainer_types() -> list[type]:
-    """Our own plain records a trainer state holds (imported late: loop.py imports the model stack)."""
-    from .loop import EvalResult
-
-    return [EvalResult]
+def _trainer_types() -> list[type | tuple[type, str]]:
+    """Our own plain records a trainer state holds: :class:`EvalResult`, also under the name it had
+    in checkpoints written before it moved to report.py (``seqpar.train.loop.EvalResult``)."""
+    return [EvalResult, (EvalResult, "seqpar.train.loop.EvalResult")]
 
 
 def pickled_globals(data: bytes) -> set[str] | None:
