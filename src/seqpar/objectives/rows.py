@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..attention.shard import SeqShard
 from ..batch.local_batch import LocalBatch
-from ..comm import collectives, faults
+from ..comm import backward_faults, collectives
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class _SameLossRowSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        faults.backward_started()  # its end closes the batch; still open at the next one: it failed
+        backward_faults.backward_started()  # a failure from here on is told to every rank
         return grad * ctx.p, None, None
 
 
