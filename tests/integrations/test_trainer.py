@@ -188,6 +188,13 @@ def _worker(rank: int, world: int, out: str, kinds: list[str], bad: list[str]) -
     mesh = seqpar.init_mesh(sp=2, device_type="cpu")
     res: dict = {}
     for kind in kinds:
+        if world > 2 and kind.endswith("-moe"):  # refused at dp > 1 (not yet verified exact): the message
+            try:
+                train(kind, os.path.join(out, kind), mesh=mesh)
+                res[kind] = None
+            except seqpar.Refused as e:
+                res[kind] = str(e)
+            continue
         res[kind] = train(kind, os.path.join(out, kind), mesh=mesh)
     if "trainer" in kinds:  # the same 4-step run again, resumed from its checkpoint of step 2
         path = os.path.join(out, "trainer")
@@ -210,7 +217,8 @@ def runs(request, tmp_path_factory):
     out = str(tmp_path_factory.mktemp(f"trainer{world}"))
     results = run_distributed(_worker, world, out, KINDS, BAD, timeout=600.0)
     dp = world // 2
-    refs = {kind: train(kind, os.path.join(out, f"ref-{kind}"), dp=dp) for kind in KINDS}
+    refs = {kind: train(kind, os.path.join(out, f"ref-{kind}"), dp=dp) for kind in KINDS
+            if dp == 1 or not kind.endswith("-moe")}
     return world, results, refs
 
 
@@ -225,6 +233,9 @@ def _close(a, b, what):
 @pytest.mark.parametrize("kind", KINDS)
 def test_parity(runs, kind):
     world, results, refs = runs
+    if world > 2 and kind.endswith("-moe"):  # the router aux loss at dp > 1: refused on every rank, by name
+        assert all(res[kind] and "output_router_logits" in res[kind] and "dp=2" in res[kind] for res in results)
+        return
     ref = refs[kind]
     assert len(ref["losses"]) == STEPS + (kind == "trainer")
     for rank, res in enumerate(results):

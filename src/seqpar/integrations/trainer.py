@@ -260,8 +260,18 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                          "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
                          "when seqpar runs the sequence parallelism")
     check_loss_options(trainer)
+    if state.dp > 1 and _router_aux_on(trainer):
+        raise Refused("the MoE router aux loss (output_router_logits) under the Trainer with dp > 1 is not yet "
+                      f"verified exact (dp={state.dp}): train with sp only (dp=1), or set output_router_logits=False")
     parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
     return state
+
+
+def _router_aux_on(trainer: Any) -> bool:
+    """The trainer adds a MoE router aux loss: TRL's ``aux_loss_enabled`` or the model's config."""
+    config = getattr(_unwrap(trainer.model), "config", None)
+    text = getattr(config, "text_config", None) or config
+    return bool(getattr(trainer, "aux_loss_enabled", False) or getattr(text, "output_router_logits", False))
 
 
 def _check_mesh_or_sp(mesh: DeviceMesh | None, sp: int | None, who: str) -> None:
