@@ -4,12 +4,14 @@ kernels, each family's kernel entry points, the state-passing kernels forward an
 alone, and on gloo: collectives and bytes per layer, the measured mode choice; whole models against
 float64 oracles at P = 1..4 in the heavy grid (P = 2 also in the zoo)."""
 
+import importlib.metadata
+
 import pytest
 import torch
 
 from seqpar.attention.layout import document_cuts, layout_permutation, layout_seq_lens
 from seqpar.attention.shard import SeqShard
-from seqpar.compat import calls_kernels
+from seqpar.compat import CHECKED_ON, calls_kernels
 from seqpar.integrations.features import MIXER_MODELING
 from seqpar.integrations.mixers import HANDLED_MIXERS, STATE, family_of
 from seqpar.integrations.mixers.pieces import piece_plan
@@ -792,7 +794,11 @@ def test_installed_transformers_gives_no_warning_and_a_full_report():
     assert _parallelize_warnings(0, 2) == []
     rows = {r.feature: r for r in feature_report()}
     assert {f"state passing: {c}" for c in MIXER_MODELING} <= set(rows)
-    assert all(r.available for r in rows.values()), [r for r in rows.values() if not r.available]
+    features = [r for name, r in rows.items() if not name.startswith("versions: ")]
+    assert all(r.available for r in features), [r for r in features if not r.available]
+    for package, checked in CHECKED_ON.items():  # a version row says whether the installed one was checked
+        installed = importlib.metadata.version(package).split("+")[0]
+        assert rows[f"versions: {package}"].available == (installed in checked), rows[f"versions: {package}"]
     assert set(MIXER_MODELING) == {c for c, f in HANDLED_MIXERS.items() if STATE in f.modes}
 
 
