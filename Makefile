@@ -55,7 +55,7 @@ test-latest:
 	PIP_CONSTRAINT=/dev/null $(LATEST_VENV)/bin/python -m pip install -q --upgrade -e ".[dev]" \
 	  transformers trl accelerate peft datasets
 	$(LATEST_VENV)/bin/seqpar env
-	$(LATEST_VENV)/bin/python -m pytest -p no:cacheprovider -q $(INTERNALS_TESTS)
+	$(LATEST_VENV)/bin/python -m pytest -p no:cacheprovider $(INTERNALS_TESTS)
 
 # Write the tested set from the venv that just passed (after a `make LOCK=... test` with new versions).
 lock:
