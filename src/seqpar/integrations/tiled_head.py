@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
@@ -107,6 +108,10 @@ class TiledLossFunction:
         if sharded and state.mesh is None:
             raise ValueError("a sharded batch reached a model whose reduce_memory got no mesh: pass the mesh")
         group = axis_group(state.mesh, Axis.SP.value) if sharded else None
+        if sharded and kwargs[BATCH_KWARG].sp_size != dist.get_world_size(group):  # a dynamic schedule's bin
+            raise Refused(f"reduce_memory's tiled loss in a dynamic SP schedule's bin of degree "
+                          f"{kwargs[BATCH_KWARG].sp_size}: it reduces over the whole SP group only; use a static "
+                          "schedule (DynamicSP(..., degrees=(sp,))) or reduce_memory(..., tiled_loss=False)")
         if sharded:
             batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
                                                               tuple(hidden.shape[:2]))

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ...batch.local_batch import BATCH_KWARG, LocalBatch
 from ...comm.mesh import Axis, axis_group
+from ...errors import Refused
 from .choice import Choice, choose
 from .registry import family_of, mode_named
 
@@ -147,6 +148,11 @@ class ParallelForward:
             raise ValueError(f"the batch was sharded with {batch.local_len} tokens on this rank, but "
                              f"{type(module).__name__} runs over {hidden_states.shape[1]}: shard the batch with the "
                              "mesh the model was parallelized with")
+        if batch.sp_size != dist.get_world_size(self.group):  # a dynamic schedule's bin (seqpar.comm.degrees)
+            raise Refused(f"{type(module).__name__} in a dynamic SP schedule's bin of degree {batch.sp_size} (the "
+                          f"model was parallelized over sp={dist.get_world_size(self.group)}): seqpar runs token "
+                          "mixers other than attention over the whole SP group only; use a static schedule "
+                          "(DynamicSP(..., degrees=(sp,)))")
         batch.attention_calls += 1  # a layer that read the batch (the loss checks that some did)
         family = family_of(module)
         forced = self.mode
