@@ -75,8 +75,9 @@ def tested_set() -> dict[str, str]:
     return {name.strip().lower().replace("_", "-"): version.strip() for name, version in pins}
 
 
+_TESTED = tested_set()
 CHECKED_ON: dict[str, tuple[str, ...]] = {
-    name: tuple(sorted({tested_set()[name], *earlier}))
+    name: tuple(sorted({_TESTED[name], *earlier}))
     for name, earlier in {"torch": (), "transformers": ("5.24.0",), "accelerate": ("1.15.0",)}.items()}
 """The versions every shim here was tested on (``tests/test_compat.py``), per package: the tested set's
 and the earlier releases whose internals the shims still serve (checked with those installed)."""
