@@ -127,8 +127,11 @@ class DynamicSP:
         self.token_budget, self.cost, self.layout, self.device = token_budget, cost, layout, device
         self.allowed = tuple(degrees) if degrees is not None else self.degrees.degrees
 
-    def plan(self, rows: Sequence[Mapping[str, Any]], *, ignore_index: int = IGNORE_INDEX) -> StepBins:
-        """The schedule of a step of ``rows`` (the same rows on every rank of the job). Raises the
+    def plan(self, rows: Sequence[Mapping[str, Any]], *, ignore_index: int = IGNORE_INDEX,
+             num_items: float | None = None) -> StepBins:
+        """The schedule of a step of ``rows`` (the same rows on every rank of the job). ``num_items``:
+        the loss denominator when these rows are one micro-step of several (the targets of the whole
+        step, e.g. :func:`step_targets` of all its rows; default: these rows' targets). Raises the
         same ValueError on every rank, before any other collective, for a bad row or budget, or when
         the ranks' rows or schedules differ (one small all-gather)."""
         problem, docs, schedule, n = None, [], None, 0.0
@@ -136,12 +139,13 @@ class DynamicSP:
             docs = [row_documents(r) for r in rows]
             schedule = plan_step(docs, world=self.degrees.world, sp=self.degrees.sp, token_budget=self.token_budget,
                                  cost=self.cost, degrees=self.allowed)
-            n = float(count_target_tokens([pack_rows([r]) for r in rows], ignore_index=ignore_index))
+            n = step_targets(rows, ignore_index=ignore_index)
         except ValueError as e:
             problem = str(e)
         facts = {"rows": float(len(docs)), "tokens": float(sum(map(sum, docs))),
                  "lengths": float(sum((i + 1) * sum(d) * len(d) for i, d in enumerate(docs)) % 2**50),
-                 "targets": n, "token_budget": float(self.token_budget),
+                 "targets": n, "num_items": float(n if num_items is None else num_items),
+                 "token_budget": float(self.token_budget),
                  "bins": float(len(schedule.bins)) if schedule else -1.0,
                  "placement": float(_fingerprint(schedule)) if schedule else -1.0}
         table = share(facts, self.degrees.all_group, problem=problem)
@@ -150,7 +154,13 @@ class DynamicSP:
               describe=lambda f: f"the step's {f}",
               hint="every rank must plan the same rows with the same token budget and cost model")
         assert schedule is not None
-        return StepBins(self, schedule, rows, n)
+        return StepBins(self, schedule, rows, n if num_items is None else num_items)
+
+
+def step_targets(rows: Sequence[Mapping[str, Any]], *, ignore_index: int = IGNORE_INDEX) -> float:
+    """The targets of ``rows`` (each row's own, packed documents' first tokens not predicted from
+    the previous document): the token mean's denominator of a step of these rows."""
+    return float(count_target_tokens([pack_rows([r]) for r in rows], ignore_index=ignore_index))
 
 
 def _fingerprint(schedule: Schedule) -> int:
