@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from seqpar.train.config import FIELDS, OPTIONAL_KINDS, RESUME_AUTO, TrainConfig, describe_memory, load_config_file
+from seqpar.train.dynamic import describe_degrees
 from seqpar.train.job import Job
 from seqpar.train.run import RunSummary
 
@@ -80,6 +81,8 @@ def format_summary(s: RunSummary) -> str:
     lines.append(f"  data        {s.data}")
     lines.append(f"  attention   {s.attention}; layout {s.layout}")
     lines.append(f"  memory      {s.memory}")
+    if s.sp_degrees:  # --sp-schedule dynamic
+        lines.append(f"  schedule    dynamic: {describe_degrees(s.sp_degrees)} over the run")
     if s.losses:
         (s0, l0), (s1, l1) = s.losses[0], s.losses[-1]
         lines.append(f"  loss        {l0:.4f} (step {s0}) -> {l1:.4f} (step {s1})")

@@ -10,6 +10,7 @@ from seqpar.integrations.memory import CHECKPOINT_MODES
 
 from .config import DTYPES, LORA_EXPORTS, NONFINITE, REPORT_TO, RESUME_AUTO, STRATEGIES, TrainConfig, model_overrides
 from .data import OVERFLOW
+from .dynamic import check_schedule
 from .tokenizer import TRAIN_ON
 
 EXTRAS = {"peft": "lora", "tensorboard": "logging", "wandb": "logging"}
@@ -74,6 +75,7 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
         raise ValueError(f"--strategy hybrid needs --sp >= 4 (ring x ulysses, each >= 2), got --sp {sp}: "
                          "use ulysses or ring")
     _check_fine_tuning(cfg)
+    check_schedule(cfg, sp)
     model_overrides(cfg)
     return world, sp, dp
 

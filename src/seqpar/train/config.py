@@ -24,6 +24,7 @@ from .formats import FORMATS_HELP
 from .tokenizer import TRAIN_ON
 
 STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
+SP_SCHEDULES = ("static", "dynamic")  # --sp-schedule (seqpar.train.dynamic)
 REPORT_TO = ("none", "tensorboard", "wandb")
 NONFINITE = ("stop", "skip")
 RESUME_AUTO = "auto"
@@ -81,6 +82,12 @@ class TrainConfig:
     dp: int | None = _opt(None, "data-parallel degree", shown="world size / sp")
     strategy: str = _opt("ulysses", "sequence-parallel attention: ulysses, ring, hybrid (ring x ulysses) or auto "
                          "(seqpar.plan picks)", choices=STRATEGIES)
+    sp_schedule: str = _opt("static", "static (every row over all --sp ranks) or dynamic (each step's rows binned, "
+                            "each bin at the SP degree its longest row needs -- 1, 2, 4, ... --sp -- on sub-groups of "
+                            "ranks; padding dropped; exact as static; needs --no-tiled-loss)", choices=SP_SCHEDULES)
+    token_budget: int | None = _opt(None, "with --sp-schedule dynamic: tokens per rank per step; a step (and each "
+                                    "--grad-accum micro-step) holds as many rows as fit it, in place of --micro-batch",
+                                    shown="--seq-len / --sp, with the static schedule's rows per step")
     steps: int = _opt(300, "optimizer steps")
     lr: float = _opt(1e-2, "peak learning rate (AdamW)")
     warmup: int = _opt(30, "linear warmup steps, then cosine decay to --min-lr-ratio x lr")
@@ -153,7 +160,7 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 OPTIONAL_KINDS: dict[str, type] = {"data": list, "dp": int, "nproc": int, "timeout": float, "lora_alpha": float,
-                                   "lora_targets": list}
+                                   "lora_targets": list, "token_budget": int}
 """The type of each option whose default is None (the others: their default's type)."""
 
 

@@ -35,6 +35,7 @@ from seqpar.integrations.models import BUILTIN_MODELS, build_model
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
 from .data import row_index, stack
+from .dynamic import dynamic_steps
 from .job import Job, make_data
 from .lora import add_lora, count_params, init_lora, with_lora_names
 from .report import EvalResult
@@ -143,6 +144,7 @@ class Trainer:
                                            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0
+        self.dynamic = dynamic_steps(self)  # --sp-schedule dynamic (None: static)
 
     def _build_model(self, param_dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Tensor] | None]:
         """``(model, full state dict or None)``; sets ``self.data``. A built-in, and a checkpoint
@@ -188,6 +190,8 @@ class Trainer:
     def forward_backward(self, step: int) -> tuple[float, int]:
         """Gradients of the global token-mean loss of ``step`` on every rank (complete and exact
         after this: averaged over dp x sp). Returns ``(this dp rank's share of the loss, targets)``."""
+        if self.dynamic is not None:
+            return self.dynamic.forward_backward(step)
         batches = self.micro_batches(step)
         n_items = seqpar.count_target_tokens(batches, self.mesh)
         share = 0.0

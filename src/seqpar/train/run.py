@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,7 @@ class RunSummary:
     memory: str  # the memory switches, in words
     setup_s: float
     eval_s: float
+    sp_degrees: dict[int, int] = field(default_factory=dict)  # --sp-schedule dynamic: rows run at each degree
 
     @property
     def first_loss(self) -> float | None:
@@ -181,17 +182,21 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
                     grad_norm = norm[1]
                     skipped.append(trainer.step)
             dt = time.perf_counter() - t0
+            dyn = trainer.dynamic  # --sp-schedule dynamic: the step's real tokens and degree histogram
+            tokens_per_step = dyn.last_tokens if dyn is not None else tokens_per_step
             losses.append((trainer.step, loss))
             if log is not None:
                 log.train({"step": trainer.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_targets,
                            "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                            "peak_mem_mib": [round(m, 1) for m in mem],
                            "peak_reserved_mib": [round(m, 1) for m in reserved],
+                           **({"rows_at_degree": dyn.last} if dyn is not None else {}),
                            **({"skipped": "non-finite loss or gradient norm"} if not finite else {})})
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"loss {loss:.4f} | {tokens_per_step / dt:,.0f} tok/s | peak mem/rank "
-                                    f"{'/'.join(f'{m:.0f}' for m in mem)} MiB", refresh=False)
+                                    f"{'/'.join(f'{m:.0f}' for m in mem)} MiB"
+                                    f"{' | ' + dyn.describe_last() if dyn is not None else ''}", refresh=False)
             if cfg.eval_every and trainer.step % cfg.eval_every == 0 and trainer.step < cfg.steps:
                 t_eval = time.perf_counter()
                 with faults.publishing("the evaluation"):
@@ -241,7 +246,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         replaced_previous=replaced, replaced_steps=list(job.replaces), reason=job.reason, attention=trainer.attention,
         dtype=trainer.dtype, memory=describe_memory(cfg), setup_s=setup_s, eval_s=eval_s,
         summary_file=os.path.abspath(os.path.join(cfg.save_dir, SUMMARY_FILE)), plot=plot, export=export,
-        export_lora=cfg.lora_export if cfg.lora_r and export else "")
+        export_lora=cfg.lora_export if cfg.lora_r and export else "",
+        sp_degrees=dict(trainer.dynamic.rows_at_degree) if trainer.dynamic is not None else {})
     if trainer.rank == 0:
         if plot is not None:
             plot_losses(cfg.save_dir)
