@@ -9,6 +9,9 @@ of ranks, with the loss scaled so that the plain average of the gradients over e
     seqpar.sync_gradients(model, mesh)                    # or stock DDP / FSDP2: the world average
     step.loss()                                           # the step's token mean (one all-reduce)
 
+Under FSDP2 iterate ``step.fsdp(model)`` instead of ``step``: it holds FSDP's reduce-scatter back
+until every bin of this rank has run (see :meth:`StepBins.fsdp`).
+
 Exactness: every bin is sharded with ``num_items_in_batch = N`` (the targets of the whole step, all
 ranks) and ``grad_ranks = W`` (the job's ranks): its loss is ``bin_sum / N`` on each of its ``k``
 ranks, and each rank back-propagates its own tokens' share times ``W / N``; each token belongs to
@@ -98,6 +101,23 @@ class StepBins:
             yield shard_batch(batch, self._dyn.degrees.mesh(b.degree), layout=self._dyn.layout,
                               num_items_in_batch=self.num_items, grad_ranks=self._dyn.degrees.world,
                               device=self._dyn.device)
+
+    def fsdp(self, model: Any) -> Iterator[dict[str, Any]]:
+        """This rank's bins for ``model`` under FSDP2 (``fully_shard``, best with
+        ``reshard_after_forward=False``): every bin runs with gradient sync off and the parameters
+        kept gathered; when the loop asks past the last bin, one flush pass (a 2-token degree-1 row
+        times zero) reduce-scatters the accumulated gradients. So every rank runs the same FSDP
+        collectives whatever its number of bins (none too), and none inside a bin: a reduce-scatter
+        in a bin's backward would wait on a peer still inside that bin's all-to-alls (a hang)."""
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        yield from self
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        ids = torch.zeros(1, 2, dtype=torch.long)
+        local = shard_batch({"input_ids": ids, "labels": ids}, self._dyn.degrees.mesh(1), num_items_in_batch=1.0,
+                            grad_ranks=self._dyn.degrees.world, device=self._dyn.device)
+        (model(**local).loss * 0.0).backward()  # adds exact zeros: the gradients are the bins' alone
 
     def record(self, loss: Tensor) -> None:
         """Note a bin's loss (in iteration order) for :meth:`loss`."""
