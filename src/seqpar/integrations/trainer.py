@@ -209,7 +209,7 @@ _classes: dict[type, type] = {}
 
 
 def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
-                        strategy: str = "ulysses", layout: str = "contiguous") -> Any:
+                        strategy: str = "ulysses", layout: str = "contiguous", schedule: Any = None) -> Any:
     """Make a constructed ``transformers.Trainer`` (or subclass: ``trl.SFTTrainer``) train, evaluate
     and predict with sequence parallelism over ``mesh`` (or ``seqpar.init_mesh(sp=sp)``), in place:
     its class becomes :class:`SeqParTrainerMixin` over its own.
@@ -228,7 +228,13 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     label smoothing, TRL's ``loss_type="dft"``). A MoE router aux loss is exact (the model's
     ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's SFTTrainer weighted
     as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp).
+    ``schedule``: a dynamic SP schedule over ``mesh`` (``seqpar.planner.bins.DynamicSP``): each
+    micro-batch's rows binned, each bin at the degree it needs (:mod:`.trainer_dynamic`).
     """
+    if schedule is not None:  # the dynamic schedule (issue 37) lives in its own module
+        from .trainer_dynamic import parallelize_trainer_dynamic
+
+        return parallelize_trainer_dynamic(trainer, mesh, schedule, sp=sp, strategy=strategy, layout=layout)
     if isinstance(trainer, SeqParTrainerMixin):
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
                          "seqpar.SeqParTrainerMixin)")

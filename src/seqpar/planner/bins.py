@@ -38,6 +38,8 @@ from ..comm.degrees import degree_meshes
 from .schedule import Cost, Schedule, plan_step
 
 ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+SP_SCHEDULES = ("static", "dynamic")
+"""The SP schedules of ``seqpar train --sp-schedule`` and ``parallelize_trainer(sp_schedule=)``."""
 
 
 def row_tokens(row: Mapping[str, Any]) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -146,6 +148,10 @@ class DynamicSP:
         self.degrees = degree_meshes(mesh)
         self.token_budget, self.cost, self.layout, self.device = token_budget, cost, layout, device
         self.allowed = tuple(degrees) if degrees is not None else self.degrees.degrees
+
+    def targets(self, rows: Sequence[Mapping[str, Any]], *, ignore_index: int = IGNORE_INDEX) -> float:
+        """The targets of ``rows`` (:func:`step_targets`): the ``num_items`` of a step of them."""
+        return step_targets(rows, ignore_index=ignore_index)
 
     def plan(self, rows: Sequence[Mapping[str, Any]], *, ignore_index: int = IGNORE_INDEX,
              num_items: float | None = None) -> StepBins:

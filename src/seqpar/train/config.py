@@ -18,13 +18,13 @@ import torch
 
 from seqpar.integrations.memory import CHECKPOINT_MODES, DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
 from seqpar.integrations.models import BUILTIN_MODELS
+from seqpar.planner.bins import SP_SCHEDULES
 
 from .data import OVERFLOW
 from .formats import FORMATS_HELP
 from .tokenizer import TRAIN_ON
 
 STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
-SP_SCHEDULES = ("static", "dynamic")  # --sp-schedule (seqpar.train.dynamic)
 REPORT_TO = ("none", "tensorboard", "wandb")
 NONFINITE = ("stop", "skip")
 RESUME_AUTO = "auto"

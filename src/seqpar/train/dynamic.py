@@ -20,21 +20,15 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 import seqpar
 from seqpar.comm import faults
 from seqpar.integrations.models import decoder_config
 from seqpar.planner.batches import BudgetStep, budget_steps
-from seqpar.planner.bins import DynamicSP, row_tokens, step_targets
-from seqpar.planner.work import H100, Machine, Shapes, bin_seconds
+from seqpar.planner.bins import SP_SCHEDULES, DynamicSP, row_tokens, step_targets
+from seqpar.planner.model_cost import model_cost
 
-from .config import SP_SCHEDULES, TrainConfig
+from .config import TrainConfig
 from .data import row_index
-
-CPU_GLOO = Machine(flops_per_s=2e10, bytes_per_s=1e9, collective_s=1e-3, bin_s=5e-3)
-"""A CPU rank on gloo, roughly (one thread's matmuls, an all-to-all's ~1 ms: docs/PLATFORM.md). The
-schedule's degrees and placement follow it; exactness does not depend on it."""
 
 
 def check_schedule(cfg: TrainConfig, sp: int) -> None:
@@ -68,16 +62,6 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
                              f"--sp {sp} ranks: use --token-budget >= {need}")
 
 
-def model_shapes(config: Any, dtype_bytes: int) -> Shapes:
-    """The cost model's view of a transformers decoder config."""
-    c = decoder_config(config)[0]
-    heads = int(c.num_attention_heads)
-    return Shapes(heads=heads, kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
-                  head_dim=int(getattr(c, "head_dim", None) or c.hidden_size // heads),
-                  hidden_size=int(c.hidden_size), intermediate_size=int(c.intermediate_size),
-                  layers=int(c.num_hidden_layers), vocab_size=int(c.vocab_size), dtype_bytes=dtype_bytes)
-
-
 class DynamicSteps:
     """The steps of a ``seqpar train`` run under a dynamic schedule, and the degree histogram of
     the rows it ran (``rows_at_degree``: the whole run; ``last``: the latest step)."""
@@ -86,13 +70,8 @@ class DynamicSteps:
         cfg, job = trainer.cfg, trainer.job
         self.trainer = trainer
         budget = cfg.token_budget if cfg.token_budget is not None else -(-cfg.seq_len // job.sp)
-        dtype_bytes = torch.finfo(next(trainer.model.parameters()).dtype).bits // 8
-        machine = H100 if trainer.device.type == "cuda" else CPU_GLOO
-        shapes = model_shapes(trainer.model.config, dtype_bytes)
-
-        def cost(docs: Any, k: int) -> float:
-            return bin_seconds(docs, k, shapes, machine, strategy=job.strategy)
-
+        cost = model_cost(decoder_config(trainer.model.config)[0], strategy=job.strategy,
+                          device_type=trainer.device.type, dtype_bytes=next(trainer.model.parameters()).element_size())
         self.dyn = DynamicSP(trainer.mesh, token_budget=budget, cost=cost, layout=job.layout, device=trainer.device)
         self.token_budget = budget
         self.rows_at_degree: dict[int, int] = {}

@@ -1,0 +1,131 @@
+"""A dynamic SP schedule inside ``transformers.Trainer`` (and subclasses)::
+
+    dyn = seqpar.planner.bins.DynamicSP(mesh, token_budget=1024, cost=cost)   # tokens per rank per bin
+    seqpar.parallelize_trainer(trainer, mesh, schedule=dyn)
+
+Each micro-batch's rows are binned and each bin runs at the SP degree its longest row needs, on
+sub-groups of the ``dp x sp`` ranks (:class:`~seqpar.planner.bins.DynamicSP`; a cost model:
+:func:`seqpar.planner.model_cost.model_cost`); the step stays the unsharded model's step::
+
+    data        every rank reads the same batches (the train loader is not split): a step's rows are
+                its micro-batches' rows (per_device_train_batch_size x gradient_accumulation_steps),
+                binned over all ranks -- what the run without seqpar reads on one process
+    per step    get_batch_samples: the micro-batches and N = their targets (every rank holds every
+                row: no collective)
+    per micro   training_step: schedule.plan(rows, num_items=N) -- ranks that disagree raise the same
+                ValueError before any other collective -- then this rank's bins, forward and backward
+                under DDP's no_sync; after the step's last micro-batch seqpar.sync_gradients: the world
+                average, the unsharded model's gradient of the step's token mean. Returns the
+                micro-batch's share of that mean (the same on every rank, as the Trainer logs it)
+    eval        as the static schedule (whole batches over the job's SP group)
+
+accelerate's FSDP and DeepSpeed are refused: their collectives run inside each backward, which ranks
+running different bins cannot match (in a loop of one's own, ``StepBins.fsdp`` is the way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..batch.loss import sync_gradients
+from ..comm import faults
+from .trainer import SeqParTrainerMixin, _setup
+from .trainer_data import model_batch, split_loader
+
+
+class StepSchedule(Protocol):
+    """What the Trainer needs of a dynamic schedule (:class:`seqpar.planner.bins.DynamicSP`)."""
+
+    layout: str
+
+    def targets(self, rows: Sequence[Mapping[str, Any]]) -> float: ...
+
+    def plan(self, rows: Sequence[Mapping[str, Any]], *, num_items: float | None = None) -> Any: ...
+
+
+class DynamicTrainerMixin(SeqParTrainerMixin):
+    """:class:`SeqParTrainerMixin` with a dynamic SP schedule (see the module doc)."""
+
+    _dynamic: StepSchedule
+    rows_at_degree: dict[int, int]  # rows trained at each SP degree, the run so far
+
+    def get_train_dataloader(self):
+        """The Trainer's train loader, unsplit: every rank reads every row of the step."""
+        return split_loader(super(SeqParTrainerMixin, self).get_train_dataloader(), 1, 0)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device):
+        """The step's micro-batches and N, their targets (the same on every rank)."""
+        with faults.publishing("the Trainer's batches"):
+            batches = []
+            for _ in range(num_batches):
+                try:
+                    batches.append(next(epoch_iterator))
+                except StopIteration:
+                    break
+            if batches and "labels" not in batches[0]:
+                raise ValueError("the batch has no labels: seqpar's Trainer integration trains a causal LM on labels")
+            return batches, sum(self._dynamic.targets(batch_rows(b)) for b in batches) if batches else None
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None,
+                      *args: Any) -> Tensor:
+        """This rank's bins of the micro-batch; the world average after the step's last one."""
+        with faults.publishing("the Trainer's training step"):
+            model.train()
+            n = None if num_items_in_batch is None else float(num_items_in_batch)
+            step = self._dynamic.plan(batch_rows(inputs), num_items=n)
+            no_sync = getattr(model, "no_sync", None)  # DDP: the average is sync_gradients' below
+            with no_sync() if callable(no_sync) else contextlib.nullcontext():
+                for local in step:
+                    loss = model(**local).loss
+                    self.accelerator.backward(loss)
+                    step.record(loss)
+            for k, count in step.schedule.rows_at_degree.items():
+                self.rows_at_degree[k] = self.rows_at_degree.get(k, 0) + count
+            if self.accelerator.sync_gradients:
+                sync_gradients(self.model, self._seqpar.mesh)
+            return step.loss().to(self.args.device).detach()
+
+
+def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A collated ``[B, S]`` batch as ``B`` rows (on the CPU; padding stays, marked by
+    ``attention_mask``: a bin packs real tokens only)."""
+    batch = {k: v for k, v in model_batch(batch).items() if v is not None}
+    return [{k: v[i].cpu() for k, v in batch.items()} for i in range(batch["input_ids"].shape[0])]
+
+
+_classes: dict[type, type] = {}
+
+
+def parallelize_trainer_dynamic(trainer: Any, mesh: DeviceMesh | None, schedule: StepSchedule, *,
+                                sp: int | None, strategy: str, layout: str) -> Any:
+    """:func:`seqpar.parallelize_trainer` with ``schedule=``: the trainer runs each micro-batch's
+    rows as the schedule's bins (see the module doc). Raises ValueError without the mesh the
+    schedule was built over, for a ``layout`` other than the schedule's, for FSDP or DeepSpeed
+    under accelerate, and what the static form raises."""
+    if mesh is None or sp is not None:
+        raise ValueError("parallelize_trainer(trainer, mesh, schedule=...) takes the mesh the schedule was built "
+                         "over (DynamicSP(mesh, ...)), not sp=")
+    if layout not in ("contiguous", schedule.layout):
+        raise ValueError(f"layout={layout!r} differs from the schedule's {schedule.layout!r}: give "
+                         f"DynamicSP(..., layout={layout!r}) instead")
+    if isinstance(trainer, SeqParTrainerMixin):
+        raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
+                         "seqpar.SeqParTrainerMixin)")
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError("a dynamic SP schedule runs a different number of bins on each rank, which accelerate's "
+                         "FSDP / DeepSpeed collectives inside each backward cannot follow: use plain DDP, or "
+                         "parallelize_trainer without schedule=")
+    state = _setup(trainer, mesh, sp, strategy, schedule.layout, who="parallelize_trainer")
+    base = type(trainer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(f"SeqParDynamic{base.__name__}", (DynamicTrainerMixin, base), {})
+    trainer.__class__ = cls
+    trainer._seqpar, trainer._dynamic, trainer.rows_at_degree = state, schedule, {}
+    return trainer
