@@ -205,7 +205,7 @@ def _trl_aux_term(trainer: Any, model: nn.Module, outputs: Any, num_items_in_bat
     return trainer.router_aux_loss_coef * outputs.aux_loss.to(outputs.loss) / steps
 
 
-_classes: dict[type, type] = {}
+_classes: dict[tuple[type, tuple[type, ...]], type] = {}
 
 
 def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
@@ -231,20 +231,24 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     ``schedule``: a dynamic SP schedule over ``mesh`` (``seqpar.planner.bins.DynamicSP``): each
     micro-batch's rows binned, each bin at the degree it needs (:mod:`.trainer_dynamic`).
     """
-    if schedule is not None:  # the dynamic schedule (issue 37) lives in its own module
-        from .trainer_dynamic import parallelize_trainer_dynamic
+    dynamic: tuple[type, ...] = ()
+    if schedule is not None:  # the dynamic schedule (issue 37): its methods live in their own module
+        from .trainer_dynamic import DynamicTrainerMethods, check_dynamic
 
-        return parallelize_trainer_dynamic(trainer, mesh, schedule, sp=sp, strategy=strategy, layout=layout)
+        layout, dynamic = check_dynamic(trainer, mesh, schedule, sp=sp, layout=layout), (DynamicTrainerMethods,)
     if isinstance(trainer, SeqParTrainerMixin):
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
                          "seqpar.SeqParTrainerMixin)")
     state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
     base = type(trainer)
-    cls = _classes.get(base)
+    cls = _classes.get((base, dynamic))
     if cls is None:
-        cls = _classes[base] = type(f"SeqPar{base.__name__}", (SeqParTrainerMixin, base), {})
+        cls = _classes[base, dynamic] = type(f"SeqPar{'Dynamic' * bool(dynamic)}{base.__name__}",
+                                             (*dynamic, SeqParTrainerMixin, base), {})
     trainer.__class__ = cls  # the class a user would have written; its __init__ has already run
     trainer._seqpar = state
+    if schedule is not None:
+        trainer._dynamic, trainer.rows_at_degree = schedule, {}
     return trainer
 
 

@@ -21,6 +21,8 @@ sub-groups of the ``dp x sp`` ranks (:class:`~seqpar.planner.bins.DynamicSP`; a 
 
 accelerate's FSDP and DeepSpeed are refused: their collectives run inside each backward, which ranks
 running different bins cannot match (in a loop of one's own, ``StepBins.fsdp`` is the way).
+This module imports nothing of :mod:`.trainer`: ``parallelize_trainer`` puts
+:class:`DynamicTrainerMethods` before ``SeqParTrainerMixin`` in the trainer's class.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..batch.loss import sync_gradients
 from ..comm import faults
-from .trainer import SeqParTrainerMixin, _setup
 from .trainer_data import model_batch, split_loader
 
 
@@ -49,15 +50,20 @@ class StepSchedule(Protocol):
     def plan(self, rows: Sequence[Mapping[str, Any]], *, num_items: float | None = None) -> Any: ...
 
 
-class DynamicTrainerMixin(SeqParTrainerMixin):
-    """:class:`SeqParTrainerMixin` with a dynamic SP schedule (see the module doc)."""
+class DynamicTrainerMethods:
+    """The Trainer methods a dynamic SP schedule changes (see the module doc); the trainer's class
+    becomes ``DynamicTrainerMethods, SeqParTrainerMixin, its own`` (``parallelize_trainer``)."""
 
     _dynamic: StepSchedule
+    _seqpar: Any  # the mesh's state, set by parallelize_trainer
+    accelerator: Any
+    args: Any
+    model: nn.Module
     rows_at_degree: dict[int, int]  # rows trained at each SP degree, the run so far
 
     def get_train_dataloader(self):
-        """The Trainer's train loader, unsplit: every rank reads every row of the step."""
-        return split_loader(super(SeqParTrainerMixin, self).get_train_dataloader(), 1, 0)
+        """The Trainer's train loader, unsplit (the split over dp undone): every rank reads every row."""
+        return split_loader(super().get_train_dataloader(), 1, 0)  # type: ignore[misc]
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device):
         """The step's micro-batches and N, their targets (the same on every rank)."""
@@ -99,33 +105,19 @@ def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [{k: v[i].cpu() for k, v in batch.items()} for i in range(batch["input_ids"].shape[0])]
 
 
-_classes: dict[type, type] = {}
-
-
-def parallelize_trainer_dynamic(trainer: Any, mesh: DeviceMesh | None, schedule: StepSchedule, *,
-                                sp: int | None, strategy: str, layout: str) -> Any:
-    """:func:`seqpar.parallelize_trainer` with ``schedule=``: the trainer runs each micro-batch's
-    rows as the schedule's bins (see the module doc). Raises ValueError without the mesh the
-    schedule was built over, for a ``layout`` other than the schedule's, for FSDP or DeepSpeed
-    under accelerate, and what the static form raises."""
+def check_dynamic(trainer: Any, mesh: DeviceMesh | None, schedule: StepSchedule, *, sp: int | None,
+                  layout: str) -> str:
+    """``parallelize_trainer(trainer, mesh, schedule=...)``'s own checks; returns the layout (the
+    schedule's). Raises ValueError without the mesh the schedule was built over, for a ``layout``
+    other than the schedule's, and for FSDP or DeepSpeed under accelerate."""
     if mesh is None or sp is not None:
         raise ValueError("parallelize_trainer(trainer, mesh, schedule=...) takes the mesh the schedule was built "
                          "over (DynamicSP(mesh, ...)), not sp=")
     if layout not in ("contiguous", schedule.layout):
         raise ValueError(f"layout={layout!r} differs from the schedule's {schedule.layout!r}: give "
                          f"DynamicSP(..., layout={layout!r}) instead")
-    if isinstance(trainer, SeqParTrainerMixin):
-        raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
-                         "seqpar.SeqParTrainerMixin)")
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
         raise ValueError("a dynamic SP schedule runs a different number of bins on each rank, which accelerate's "
                          "FSDP / DeepSpeed collectives inside each backward cannot follow: use plain DDP, or "
                          "parallelize_trainer without schedule=")
-    state = _setup(trainer, mesh, sp, strategy, schedule.layout, who="parallelize_trainer")
-    base = type(trainer)
-    cls = _classes.get(base)
-    if cls is None:
-        cls = _classes[base] = type(f"SeqParDynamic{base.__name__}", (DynamicTrainerMixin, base), {})
-    trainer.__class__ = cls
-    trainer._seqpar, trainer._dynamic, trainer.rows_at_degree = state, schedule, {}
-    return trainer
+    return schedule.layout

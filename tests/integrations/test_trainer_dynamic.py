@@ -1,0 +1,123 @@
+"""A dynamic SP schedule inside transformers' Trainer (``parallelize_trainer(trainer, mesh,
+schedule=DynamicSP(...))``): two optimizer steps (grad accumulation 2, padded rows of 9..30 tokens,
+bins at degrees 1 and 2) on 2 gloo ranks equal the Trainer without seqpar on one process, float64:
+every logged loss (1e-9) and every weight after plain SGD at learning rate 1 (so a weight's change is
+its gradient: 1e-8). Bad use is refused by name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from seqpar.comm.launch import run_distributed
+
+VOCAB = 128
+BUDGET = 16  # tokens per rank per bin: rows of <= 16 tokens on one rank, longer ones on both
+LOSS_TOL, WEIGHT_TOL = 1e-9, 1e-8
+
+
+def _rows(n: int, seed: int) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(9, 31, (1,), generator=g))
+        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100, -100, *ids[2:]]})
+    return rows
+
+
+def _collate(rows):
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def train(out: str, mesh=None) -> dict:
+    """The user's script; with ``mesh`` the two seqpar lines (a schedule, parallelize_trainer)."""
+    from transformers import Trainer, TrainingArguments
+
+    from seqpar.integrations.models import build_model
+
+    torch.manual_seed(0)
+    net, _ = build_model("tiny-llama", dtype=torch.float64, vocab_size=VOCAB)
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             max_steps=2, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                             max_grad_norm=0.0, weight_decay=0.0, logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = Trainer(model=net, args=args, train_dataset=_rows(32, 1), data_collator=_collate)
+    if mesh is not None:
+        from seqpar.integrations.trainer import parallelize_trainer
+        from seqpar.planner.bins import DynamicSP
+
+        def cost(docs, k):  # a sub-group only for rows that do not fit one rank
+            return sum(docs) / k + (50.0 if k > 1 else 0.0)
+
+        parallelize_trainer(trainer, mesh, schedule=DynamicSP(mesh, token_budget=BUDGET, cost=cost))
+    trainer.train()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "weights": {n: p.detach().clone() for n, p in net.named_parameters()},
+            "degrees": dict(getattr(trainer, "rows_at_degree", {}))}
+
+
+def _bad(mesh, out: str) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    from seqpar.integrations.models import build_model
+    from seqpar.integrations.trainer import parallelize_trainer
+    from seqpar.planner.bins import DynamicSP
+
+    seen = {}
+    for name, kw in [("sp", dict(sp=2)), ("layout", dict(layout="zigzag"))]:
+        net, _ = build_model("tiny-llama", dtype=torch.float64, vocab_size=VOCAB)
+        trainer = Trainer(model=net, args=TrainingArguments(output_dir=out, use_cpu=True, report_to=[]),
+                          train_dataset=_rows(4, 1), data_collator=_collate)
+        try:
+            dyn = DynamicSP(mesh, token_budget=BUDGET, cost=lambda d, k: float(sum(d)))
+            parallelize_trainer(trainer, None if name == "sp" else mesh, schedule=dyn, **kw)
+            seen[name] = None
+        except ValueError as e:
+            seen[name] = str(e)
+    return seen
+
+
+def _worker(rank: int, world: int, out: str) -> dict:
+    torch.set_num_threads(1)
+    import seqpar
+
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    return {"run": train(os.path.join(out, "dyn"), mesh), "bad": _bad(mesh, os.path.join(out, "bad"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("trainer-dyn"))
+    return run_distributed(_worker, 2, out, timeout=600.0), train(os.path.join(out, "ref"))
+
+
+@pytest.mark.distributed
+def test_a_dynamic_step_equals_the_trainer_without_seqpar(runs):
+    results, ref = runs
+    assert len(ref["losses"]) == 2
+    for rank, res in enumerate(results):
+        run = res["run"]
+        assert set(run["degrees"]) == {1, 2} and sum(run["degrees"].values()) == 2 * 2 * 4, run["degrees"]
+        for step, (a, b) in enumerate(zip(run["losses"], ref["losses"], strict=True)):
+            assert abs(a - b) <= LOSS_TOL, f"rank {rank} step {step + 1}: loss {a!r} vs {b!r}"
+        for name, w in ref["weights"].items():
+            err = float((run["weights"][name] - w).abs().max())
+            assert err <= WEIGHT_TOL, f"rank {rank}: {name} off by {err:.3g}"
+
+
+@pytest.mark.distributed
+def test_bad_use_is_refused_by_name(runs):
+    results, _ = runs
+    for res in results:
+        assert "takes the mesh the schedule was built over" in res["bad"]["sp"]
+        assert "layout='zigzag' differs from the schedule's 'contiguous'" in res["bad"]["layout"]
