@@ -36,3 +36,10 @@ class FeatureUnavailable(UserWarning):
     into moved): the model still runs exactly, in a fallback the message names with its cost. Given
     once, at ``parallelize``, on rank 0 (:func:`seqpar.integrations.features.feature_report` lists
     every feature and why)."""
+
+
+class TargetsLeftOut(UserWarning):
+    """seqpar's loss leaves out targets that transformers' own loss counts: in a left-padded row, the
+    first real token, which the padding position before it would predict (seqpar: a padding position
+    predicts nothing, :mod:`seqpar.batch.targets`). Given once per process, on rank 0, by
+    :func:`seqpar.shard_batch`, with the count in the first batch that had any."""

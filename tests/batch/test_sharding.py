@@ -3,6 +3,8 @@ batch can have, and (4 gloo processes) what each rank receives: slices that put 
 the full shifted batch, uneven, zigzag and doc-zigzag layouts (on a ulysses x ring mesh too), and
 target counts summed over dp."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -16,9 +18,11 @@ from seqpar.batch.targets import (
     segments_from_positions,
     shift_targets,
     target_count,
+    targets_after_padding,
 )
 from seqpar.batch.validate import checksum, local_problem
 from seqpar.comm.launch import run_distributed
+from seqpar.errors import TargetsLeftOut
 
 X = IGNORE_INDEX
 
@@ -73,6 +77,39 @@ def test_prepare_batch_defaults_and_counts():
     assert target_count(prep) == 4 + 2  # row 0: 2 + 2 (a boundary at 3); row 1: 2 (3 -> 4 is padding)
     w = torch.full((2, 6), 0.5, dtype=torch.float64)
     assert target_count(prepare_batch({"input_ids": ids, "labels": ids, "loss_weights": w})) == 5.0
+
+
+def _padded_both_ways(seed: int, left: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Rows of 9 tokens: row r left-padded by ``left[r]`` (negative: right-padded), labels -100 on
+    padding, row 2's first real token without a label; transformers' position ids."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(left)
+    ids = torch.randint(1, 50, (rows, 9), generator=g)
+    mask = torch.ones(rows, 9, dtype=torch.long)
+    for r, n in enumerate(left):
+        mask[r, :n] = 0 if n > 0 else 1
+        mask[r, 9 + n:] = 0 if n < 0 else 1
+    pos = (mask.cumsum(1) - 1).masked_fill(mask == 0, 1)
+    labels = ids.masked_fill(mask == 0, X)
+    if rows > 2:
+        labels[2, int(mask[2].argmax())] = X
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "labels": labels, "attention_mask": mask,
+            "position_ids": pos}
+
+
+def _left_out(batch: dict[str, torch.Tensor]) -> int:
+    """transformers' count (every shifted label that is not -100) minus seqpar's (the targets rule)."""
+    return int((batch["labels"][:, 1:] != X).sum()) - int(target_count(prepare_batch(batch)))
+
+
+def test_targets_after_padding_are_what_transformers_counts_and_seqpar_does_not():
+    batch = _padded_both_ways(0, (3, -2, 1, 0, 5))
+    prep = prepare_batch(batch)
+    assert _left_out(batch) == 2  # rows 0 and 4: their first real token (row 2: no label, row 1: right padding)
+    assert targets_after_padding(batch["labels"], prep.key_keep) == _left_out(batch)
+    right = _padded_both_ways(0, (-3, -2, 0))
+    assert targets_after_padding(right["labels"], prepare_batch(right).key_keep) == _left_out(right) == 0
+    assert targets_after_padding(batch["labels"], None) == 0
 
 
 Z = torch.zeros(2, 4, dtype=torch.long)
@@ -210,6 +247,11 @@ def _worker(rank, world):
     local = seqpar.shard_batch(mine[0], mesh, num_items_in_batch=out["count"])
     out["dp_denominator"] = local[BATCH_KWARG].denominator
     out["dp_scale"] = local[BATCH_KWARG].grad_scale
+    with warnings.catch_warnings(record=True) as told:  # left padding: said once, on rank 0
+        warnings.simplefilter("always")
+        for seed, left in ((1, (-2, 3, 1, 2)), (2, (4, 1, 0))):  # no left-out target first, then some
+            seqpar.shard_batch(_padded_both_ways(seed, left), mesh)
+    out["told"] = [(w.category.__name__, str(w.message)) for w in told if issubclass(w.category, TargetsLeftOut)]
     return out
 
 
@@ -286,6 +328,17 @@ def test_count_target_tokens_sums_over_dp(ranks):
     # bare labels know nothing of padding or documents: every shifted label counts
     assert all(r["count_labels"] == 2 * (2 * 10) + 8 for r in ranks)
     assert all(r["dp_denominator"] == expected and r["dp_scale"] == 4 / expected for r in ranks)  # dp x sp = 4
+
+
+@pytest.mark.distributed
+def test_targets_left_out_by_left_padding_are_said_once_on_rank_0(ranks):
+    first = _left_out(_padded_both_ways(1, (-2, 3, 1, 2)))
+    assert first > 0 and _left_out(_padded_both_ways(2, (4, 1, 0))) > 0  # both batches leave some out
+    assert [r["told"] for r in ranks[1:]] == [[]] * 3
+    assert len(ranks[0]["told"]) == 1, ranks[0]["told"]
+    message = ranks[0]["told"][0][1]
+    assert message.startswith(f"{first} label(s) of this batch are no position's target: the first real token")
+    assert "Said once per process, on rank 0" in message
 
 
 @pytest.mark.distributed

@@ -24,6 +24,8 @@ class Case:
     seq: int = 13
     reference: str = "none"  # none / frozen / column / adapters_off
     layout: str = "contiguous"
+    prompt: int = 3  # leading tokens of each sequence without a label (0: a left-padded row's first real
+    # token has one, which a padding position would predict: seqpar's rule leaves it out)
 
 
 def _sums(t: SeqTerms) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,13 @@ whose documents -- and chosen / rejected pairs -- straddle shards, odd lengths, 
 heads (fewer than P = 3, 4), references from a frozen copy, a precomputed column, or LoRA adapters
 off. The loss on every rank and every parameter's gradient (after sync_gradients) equal the oracle's
 on the unsharded model to model_parity's tolerances. make test runs a covering sample of the grid
-(every objective, batch kind, P and reference source), the rest runs under -m heavy."""
+(every objective, batch kind, P and reference source), the rest runs under -m heavy.
+
+The padding rule (:mod:`seqpar.batch.targets`: a padding position predicts nothing): batches whose
+left-padded row's first real token has a label -- which transformers' sdpa loss would count -- and
+9-token rows (at P = 3 and 4 that token starts rank 1's shard): every objective equals the oracle,
+which runs each sequence alone and so never predicts that token; make test runs each objective
+once (P = 1..4 in turn), -m heavy every objective at every P."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from objective_cases import NEEDS_REFERENCE, OBJECTIVES, Case, make_inputs
 
 import seqpar
 from seqpar import objectives as O
+from seqpar.batch.targets import targets_after_padding
 from seqpar.comm.launch import run_distributed
 from seqpar.integrations.models import builtin_config
 from seqpar.testing.model_parity import GRAD_TOL, LOSS_TOL, sp_meshes
@@ -43,6 +50,16 @@ def _grid() -> list[Case]:
 
 GRID = _grid()
 SAMPLE, REST = covering_sample(GRID, 5, field_values)
+
+
+def _left_padded(name: str, p: int) -> Case:
+    ref = ("frozen", "column")[p % 2] if name in NEEDS_REFERENCE else "none"
+    return Case(name, "padded", p, seq=9, reference=ref, prompt=0)
+
+
+LEFT_PADDED = [_left_padded(name, 1 + k % 4) for k, name in enumerate(OBJECTIVES)]
+LEFT_PADDED_REST = [_left_padded(name, p) for name in OBJECTIVES for p in (1, 2, 3, 4)
+                    if _left_padded(name, p) not in LEFT_PADDED]
 
 
 def _model(kind: str, seed: int) -> torch.nn.Module:
@@ -71,7 +88,7 @@ def _run(case: Case, mesh: Any) -> dict[str, Any]:
     policy = _model(model_kind, seed=1)
     if case.reference == "adapters_off":
         policy = _lora(policy)
-    batch = make_batch(case.batch, case.seq, 128, seqs=4, seed=7)
+    batch = make_batch(case.batch, case.seq, 128, seqs=4, seed=7, prompt=case.prompt)
     n = len(sequence_spans(batch))
     inputs = make_inputs(names, batch, n, seed=3)
     num_units = inputs.pop("num_units", None) if "num_units" in names else None
@@ -197,6 +214,26 @@ def test_objectives_equal_their_oracle():
     for r in results:
         for name, text in expected.items():
             assert text in r["misuse"][name], (name, r["misuse"][name])
+
+
+def _left_padding_is_exercised() -> None:
+    batch = make_batch("padded", 9, 128, seqs=4, seed=7, prompt=0)
+    assert targets_after_padding(batch["labels"], batch["attention_mask"].bool()) > 0
+
+
+@pytest.mark.distributed
+def test_every_objective_gives_a_padding_position_no_target():
+    _left_padding_is_exercised()
+    _check(run_distributed(_worker, WORLD, LEFT_PADDED, timeout=600), LEFT_PADDED)
+
+
+@pytest.mark.distributed
+@pytest.mark.heavy
+def test_every_objective_gives_a_padding_position_no_target_at_every_p():
+    _left_padding_is_exercised()
+    assert sorted(map(repr, LEFT_PADDED + LEFT_PADDED_REST)) == sorted(
+        repr(_left_padded(name, p)) for name in OBJECTIVES for p in (1, 2, 3, 4))
+    _check(run_distributed(_worker, WORLD, LEFT_PADDED_REST, timeout=1800), LEFT_PADDED_REST)
 
 
 @pytest.mark.distributed

@@ -21,6 +21,7 @@ Targets, packed-document segments and padding follow the rules of :mod:`seqpar.b
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,8 +35,9 @@ from ..attention.shard import BatchState, SeqShard
 from ..comm import collectives, faults
 from ..comm.collectives import comm_device
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, dp_size, has_axis
+from ..errors import TargetsLeftOut
 from .local_batch import BATCH_KWARG, LocalBatch
-from .targets import IGNORE_INDEX, prepare_batch, target_count
+from .targets import IGNORE_INDEX, prepare_batch, target_count, targets_after_padding
 from .validate import check_batch
 from .visual import visual_batch
 
@@ -92,6 +94,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
         raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch}")
 
     prep = prepare_batch(batch, ignore_index)
+    _tell_targets_left_out(batch, prep.key_keep, ignore_index)
     # doc-zigzag follows this batch's documents and padding: every SP rank holds the same (checked)
     # batch, so every rank derives the same cuts and permutation without communicating
     cuts = document_cuts(prep.segments, prep.key_keep) if layout == "doc-zigzag" else None
@@ -138,6 +141,28 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     info.token_types = batch.get("token_type_ids")  # whole rows: the model's family makes them span ids
     out[BATCH_KWARG] = info
     return out
+
+
+_told: set[str] = set()
+"""What this process was told once already (a fixed vocabulary: "left padding")."""
+
+
+def _tell_targets_left_out(batch: Mapping[str, Any], key_keep: Tensor | None, ignore_index: int) -> None:
+    """Once per process, on rank 0: how many labels of this batch the padding rule of
+    :mod:`seqpar.batch.targets` leaves out that transformers' sdpa loss would count. Counted from
+    the full batch on this rank (no communication); after the first warning, nothing is counted."""
+    labels = batch.get("labels")
+    if labels is None or key_keep is None or "left padding" in _told or dist.get_rank() != 0:
+        return
+    n = targets_after_padding(labels, key_keep, ignore_index)
+    if n:
+        _told.add("left padding")
+        warnings.warn(f"{n} label(s) of this batch are no position's target: the first real token of a left-padded "
+                      "row, which only the padding position before it could predict. seqpar (its loss and every "
+                      "seqpar.objectives objective) gives a padding position no target; transformers' own loss counts "
+                      "them with sdpa (NaN with eager), so its loss differs by these tokens. Give that token "
+                      f"ignore_index ({ignore_index}) or pad on the right to make this go away (README: 'Which "
+                      "positions have a target'). Said once per process, on rank 0.", TargetsLeftOut, stacklevel=3)
 
 
 def count_target_tokens(batches_or_labels: Mapping[str, Any] | Tensor | Sequence[Mapping[str, Any] | Tensor],

@@ -9,6 +9,19 @@ of a shard's last token, which lives on the next rank::
 
     labels     a  b  c | d  e  f        (| = shard boundary)
     targets    b  c  d | e  f  -        rank 0 keeps "d" as the target of "c"
+
+**A padding position predicts nothing**, so in a left-padded row the first real token is no
+position's target (its label is left out, as if the row had no padding)::
+
+    attention  0  0  1  1  1
+    labels     -  -  a  b  c
+    targets    -  -  b  c  -            "a" is left out: position 1 is padding
+
+transformers' own causal-LM loss keeps that label with ``sdpa`` (the padding position attends to
+nothing, yet its logits predict "a") and gets NaN with ``eager``. Every seqpar objective follows
+this rule (their per-token quantities are counted where the target is kept);
+:func:`targets_after_padding` counts the labels it leaves out, and :func:`seqpar.shard_batch` says
+so once (:class:`seqpar.errors.TargetsLeftOut`). README: "Which positions have a target".
 """
 
 from __future__ import annotations
@@ -142,3 +155,13 @@ def target_count(prep: Prepared, ignore_index: int = IGNORE_INDEX) -> float:
     if prep.weights is not None:
         return float(prep.weights.sum())
     return float((prep.targets != ignore_index).sum())
+
+
+def targets_after_padding(labels: Tensor, key_keep: Tensor | None, ignore_index: int = IGNORE_INDEX) -> int:
+    """Labels that a padding position would predict -- the first real token of a left-padded row --
+    which transformers' sdpa loss counts and the rule of the module docstring leaves out. ``labels``,
+    ``key_keep`` (False on padding, None: none): ``[B, S]``, unshifted."""
+    if key_keep is None or labels.shape[1] < 2:
+        return 0
+    after_pad = ~key_keep[:, :-1] & key_keep[:, 1:] & (labels[:, 1:] != ignore_index)  # [B, S - 1]
+    return int(after_pad.sum())

@@ -1,8 +1,9 @@
 """Any transformers causal LM, sequence-parallel in one call, through public registration points only.
 
 ``parallelize(model, mesh)`` registers a seqpar attention function with
-``transformers.AttentionInterface`` under a fresh name, bound to the mesh by closure, and switches the
-model's decoder (``config`` or ``config.text_config``) to it with ``model.set_attn_implementation``.
+``transformers.AttentionInterface`` under a fresh name, bound to the mesh once (the function and
+its named pieces: :mod:`.hf_attention`), and switches the model's decoder (``config`` or
+``config.text_config``) to it with ``model.set_attn_implementation``.
 The name is not registered with ``AttentionMaskInterface``, so transformers builds no mask at all
 (its masks would describe the local shard); seqpar's masks come from the batch's SeqShard, built
 once by :func:`seqpar.shard_batch` and carried to every layer in ``model(**local)`` keywords (and
@@ -36,27 +37,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import compat
-from ..attention.dispatch import STRATEGIES, check_strategy, mesh_groups, resolve_strategy
+from ..attention.dispatch import STRATEGIES, check_strategy, resolve_strategy
 from ..attention.kernels import KernelArg
-from ..attention.shard import chunked_documents
-from ..batch.local_batch import BATCH_KWARG, LocalBatch
+from ..batch.local_batch import BATCH_KWARG
 from ..batch.loss import make_loss_function
 from ..comm.agree import check, share
-from ..comm.degrees import degree_meshes_of
 from ..comm.mesh import Axis, as_mesh, axis_group
 from ..errors import Refused
 from .fsdp import check_gradient_reduction
-from .hf_kernel import ModelKernel, eager_function, original_function
-from .layer_spec import layer_options
+from .hf_attention import AttentionBinding, LastBatch, make_attention
+from .hf_kernel import original_function
 from .mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
 from .models import decoder_config
 from .peft import unwrap_peft
@@ -67,97 +66,6 @@ from .vlm import install_vision
 from .vlm_families import family_of
 
 _names = itertools.count()
-
-
-class _LastBatch:
-    """The LocalBatch of the model's latest call, caught by a forward pre-hook on the model: the
-    way seqpar's batch reaches attention in models whose decoder layers drop ``**kwargs`` on the
-    way (StableLM, Nemotron). Replaced at every call, None when a call carries no batch."""
-
-    batch: LocalBatch | None = None
-
-
-def block_groups(mesh: DeviceMesh, bmesh: DeviceMesh, strategy: str, blocks: dict[int, Any], p: int,
-                 groups: Any) -> tuple[DeviceMesh, Any, int]:
-    """``(mesh, groups, sp size)`` the attention of a batch sharded over ``bmesh`` runs on: a block
-    mesh of a dynamic schedule over the job ``mesh`` (cached in ``blocks`` by degree), else the job's
-    own (the size check then names the mismatch)."""
-    found = degree_meshes_of(mesh)
-    degree = None if found is None else found.degree_of(bmesh)
-    if degree is None:
-        return mesh, groups, p
-    if degree not in blocks:
-        blocks[degree] = mesh_groups(bmesh, strategy)
-    return bmesh, blocks[degree], degree
-
-
-def _make_attention(mesh: DeviceMesh, strategy: str, kernel: KernelArg | None, original: str, config: Any,
-                    last: _LastBatch, causal_mask: bool = False) -> Callable[..., Any]:
-    """The attention function registered with transformers, bound to ``mesh`` by closure.
-    ``causal_mask``: the model's own mask is causal whatever its layers' ``is_causal`` says
-    (:attr:`~seqpar.integrations.vlm_families.Family.causal_mask`)."""
-    import torch.distributed as dist
-    from transformers import AttentionInterface
-
-    group = axis_group(mesh, Axis.SP.value)
-    p, me = dist.get_world_size(group), dist.get_rank(group)
-    groups = mesh_groups(mesh, strategy)  # looked up once: inside torch.compile a lookup would break the graph
-    blocks: dict[int, Any] = {}  # a dynamic schedule's block groups, by degree, looked up once each
-
-    def seqpar_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                         attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                         **kwargs: Any) -> tuple[Tensor, None]:
-        # query [B, H, S/P, D] (a non-contiguous view), key / value [B, H_kv, S/P, D]
-        batch = kwargs.get(BATCH_KWARG, last.batch)
-        if not isinstance(batch, LocalBatch):
-            raise ValueError("this model is sequence-parallel (seqpar.parallelize): feed it "
-                             "model(**seqpar.shard_batch(batch, mesh)), or call seqpar.unparallelize(model)")
-        if key.shape[2] != query.shape[2]:
-            # Not self-attention over the sharded sequence (cross-attention, a cache): per-query
-            # attention against keys every rank holds whole is already exact locally.
-            fn = eager_function(module) if original == "eager" else AttentionInterface().get(original)
-            if fn is None:
-                raise Refused(f"seqpar cannot run a {original!r} attention whose keys are not the sharded "
-                              "sequence; use attn_implementation='sdpa' or 'eager'")
-            return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if attention_mask is not None:
-            # transformers builds no mask for seqpar's name, so this one is the model's own
-            # (a prefix-LM or image mask...): it describes the local shard, seqpar cannot use it
-            raise Refused(f"{type(module).__name__} passes its own attention mask, which seqpar cannot shard; "
-                          "seqpar masks padding and packed documents itself (from shard_batch)")
-        run_mesh, run_groups, run_p = mesh, groups, p
-        if batch.shard.state.mesh is not None and batch.shard.state.mesh is not mesh:
-            # a dynamic schedule's bin, sharded over a block of the job's ranks (seqpar.comm.degrees)
-            run_mesh, run_groups, run_p = block_groups(mesh, batch.shard.state.mesh, strategy, blocks, p, groups)
-        if batch.sp_size != run_p or query.shape[2] != batch.local_len:
-            raise ValueError(f"the batch was sharded for sp={batch.sp_size} with {batch.local_len} tokens on rank "
-                             f"{me}, but the model runs over sp={p} with {query.shape[2]}: shard the batch with "
-                             "the mesh the model was parallelized with")
-        causal = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", True) if causal is None else causal) or causal_mask
-        opts = layer_options(module, config, kwargs)
-        shard, chunk = batch.shard, opts.chunk
-        if chunk is not None and shard.segments is not None:
-            # a packed document's chunks start at the document (as if it were alone), not at the
-            # row: each chunk of each document becomes a segment of its own, the layer runs unchunked
-            shard, chunk = chunked_documents(shard, chunk), None
-        softcap = kwargs.get("softcap")
-        kern = kernel
-        if kern is None and strategy == "ulysses":
-            fn, kind = original_function(original, module)
-            kern = ModelKernel(fn, module, kind) if fn is not None else "auto"
-        if not query.dtype == key.dtype == value.dtype:
-            # under torch.autocast RoPE leaves q, k in float32 while v is bfloat16; the fused
-            # all-to-all needs one dtype, and autocast would run attention in v's anyway
-            query, key = query.to(value.dtype), key.to(value.dtype)
-        out = STRATEGIES[strategy](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mesh=run_mesh,
-                                   groups=run_groups, causal=causal, scale=scaling, window=opts.window, chunk=chunk,
-                                   softcap=softcap, sinks=opts.sinks, dropout=dropout, kernel=kern, shard=shard,
-                                   validate=False)
-        batch.attention_calls += 1
-        return out, None  # [B, S/P, H, D]
-
-    return seqpar_attention
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses", kernel: KernelArg | None = None
@@ -212,9 +120,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         raise Refused(f"{type(model).__name__} uses attn_logit_softcapping, which transformers' sdpa does not "
                       "support: load it with attn_implementation='eager' (or pass kernel='auto')")
     name = f"seqpar_{strategy}_{next(_names)}"  # no "flash" in it: transformers would fetch a Hub kernel
-    last = _LastBatch()
-    AttentionInterface.register(name, _make_attention(mesh, strategy, kernel, original, config, last,
-                                                      family_of(model).causal_mask))
+    last = LastBatch()
+    AttentionInterface.register(name, make_attention(AttentionBinding(mesh, strategy, kernel, original, config, last,
+                                                                      family_of(model).causal_mask)))
     model.set_attn_implementation(name if sub is None else {sub: name})
     if compat.attn_implementation(config) != name:
         AttentionInterface.register(name, _released)

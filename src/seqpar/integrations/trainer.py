@@ -227,7 +227,9 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
     label smoothing, TRL's ``loss_type="dft"``). A MoE router aux loss is exact (the model's
     ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's SFTTrainer weighted
-    as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp).
+    as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp;
+    at dp > 1 each dp rank's own, as under DDP without seqpar). Another TRL trainer adding a router
+    aux loss at dp > 1 is Refused (not yet held against DDP).
     ``schedule``: a dynamic SP schedule over ``mesh`` (``seqpar.planner.bins.DynamicSP``): each
     micro-batch's rows binned, each bin at the degree it needs (:mod:`.trainer_dynamic`).
     """
@@ -270,8 +272,9 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                          "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
                          "when seqpar runs the sequence parallelism")
     check_loss_options(trainer)
-    if state.dp > 1 and _router_aux_on(trainer):
-        raise Refused("the MoE router aux loss (output_router_logits) under the Trainer with dp > 1 is not yet "
+    unverified = _router_aux_unverified(trainer) if state.dp > 1 else None
+    if unverified is not None:
+        raise Refused(f"the MoE router aux loss (output_router_logits) under {unverified} with dp > 1 is not yet "
                       f"verified exact (dp={state.dp}): train with sp only (dp=1), or set output_router_logits=False")
     parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
     return state
@@ -282,6 +285,15 @@ def _router_aux_on(trainer: Any) -> bool:
     config = getattr(_unwrap(trainer.model), "config", None)
     text = getattr(config, "text_config", None) or config
     return bool(getattr(trainer, "aux_loss_enabled", False) or getattr(text, "output_router_logits", False))
+
+
+def _router_aux_unverified(trainer: Any) -> str | None:
+    """The TRL trainer class whose router aux loss at dp > 1 has not been held against DDP without
+    seqpar, or None: ``Trainer`` and ``SFTTrainer`` (and subclasses) have (test_trainer, dp2 x sp2)."""
+    if not _router_aux_on(trainer):
+        return None
+    trl = [c for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"]
+    return None if not trl or any(c.__name__ == "SFTTrainer" for c in trl) else trl[0].__name__
 
 
 def _check_mesh_or_sp(mesh: DeviceMesh | None, sp: int | None, who: str) -> None:
