@@ -91,6 +91,7 @@ class SeqParTrainerMixin:
     Raises what :func:`parallelize_trainer` raises, from the constructor."""
 
     loss_is_scaled_for_ga = True  # the loss is normalised by N over the whole accumulation window
+    seqpar_batch_keys: tuple[str, ...] = ()  # a TRL trainer's own batch columns (trl_trainers)
     _seqpar: _State
 
     def __init__(self, *args: Any, sp: int | None = None, mesh: DeviceMesh | None = None,
@@ -136,7 +137,7 @@ class SeqParTrainerMixin:
                 except StopIteration:
                     break
             state = self._seqpar
-            check_sp_groups(batches, num_batches, state.mesh)
+            check_sp_groups(batches, num_batches, state.mesh, self.seqpar_batch_keys)
             if not batches or "labels" not in batches[0]:
                 return batches, None
             return batches, count_target_tokens([model_batch(b) for b in batches], state.mesh)
@@ -225,18 +226,24 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     size, if the model cannot be parallelized (:func:`seqpar.parallelize`), if the mesh does not
     span every process of the trainer, if accelerate's own context / sequence parallelism is on, or
     if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
-    label smoothing, TRL's ``loss_type="dft"``). A MoE router aux loss is exact (the model's
+    label smoothing, TRL's ``loss_type="dft"``). TRL's ``DPOTrainer`` and ``RewardTrainer`` keep
+    their own loss, exact (:mod:`.trl_objectives`); what of them seqpar cannot make exact is
+    Refused by its option name (:func:`.trl_trainers.check_trl_options`). A MoE router aux loss is exact (the model's
     ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's SFTTrainer weighted
     as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp).
     """
     if isinstance(trainer, SeqParTrainerMixin):
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
                          "seqpar.SeqParTrainerMixin)")
+    from .trl_trainers import mixin_for
+
+    mixin = mixin_for(type(trainer)) or SeqParTrainerMixin  # TRL's DPO / Reward trainers: their own
     state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
     base = type(trainer)
     cls = _classes.get(base)
-    if cls is None:
-        cls = _classes[base] = type(f"SeqPar{base.__name__}", (SeqParTrainerMixin, base), {})
+    if cls is None:  # the base's own loss_is_scaled_for_ga where its compute_loss stays TRL's
+        own = {} if mixin is SeqParTrainerMixin else {"loss_is_scaled_for_ga": base.loss_is_scaled_for_ga}
+        cls = _classes[base] = type(f"SeqPar{base.__name__}", (mixin, base), own)
     trainer.__class__ = cls  # the class a user would have written; its __init__ has already run
     trainer._seqpar = state
     return trainer
@@ -259,6 +266,17 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                          "would shard the batch a second time (and torch context_parallel drops the attention "
                          "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
                          "when seqpar runs the sequence parallelism")
+    from .trl_trainers import mixin_for, setup_trl
+
+    mixin = mixin_for(type(trainer))
+    if mixin is not None:  # TRL's DPO / Reward trainers: TRL's own loss, sharded
+        if who != "parallelize_trainer" and not isinstance(trainer, mixin):
+            raise ValueError(f"{who} is over TRL's {mixin.__name__.removeprefix('SeqPar').removesuffix('Mixin')}"
+                             f"Trainer, whose loss SeqParTrainerMixin does not compute: build it plainly and call "
+                             "seqpar.parallelize_trainer(trainer, sp=...)")
+        setup_trl(trainer, mesh, strategy)
+        parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
+        return state
     check_loss_options(trainer)
     if state.dp > 1 and _router_aux_on(trainer):
         raise Refused("the MoE router aux loss (output_router_logits) under the Trainer with dp > 1 is not yet "

@@ -1,0 +1,218 @@
+"""TRL's DPOTrainer and RewardTrainer under ``seqpar.parallelize_trainer`` (issue 36 item 7).
+
+Each case is one user script, run twice: in this process without seqpar (the reference) and on gloo
+workers with the one added line ``parallelize_trainer(trainer, sp=P)`` -- P=2 in the default suite, 3
+under ``-m heavy``. Tiny float64 models, pre-tokenized rows of odd lengths (a pair split across the
+shards), one SGD step: the logged loss must agree to 1e-9, every weight after the step to 1e-8, and
+every metric TRL logs (rewards, margins, log-probs, entropy, token counts...) to 1e-9. The workers
+start once per P and run every case in one go. GRPO is refused by name until it is exact (checked
+without workers).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from seqpar.comm.launch import run_distributed
+
+LOSS_TOL, WEIGHT_TOL, METRIC_TOL = 1e-9, 1e-8, 1e-9
+VOCAB = 64
+ROWS = 4  # pairs per step (one dp rank)
+# TRL's fused LM head accumulates the LM head's weight gradient in float32 even for a float64 model
+# (its kernel's fp32 GEMM accumulators), over whichever tokens a process holds: the script without
+# seqpar carries that rounding itself, ~6e-8 x |grad| (measured: 4e-8 on a gradient of norm 10). A
+# step moves the weights by LR x that: LR=0.01 keeps the step visible (the test checks that the
+# weights moved by more than 1e-4) and the baseline's own rounding under WEIGHT_TOL. For the same
+# reason the logged grad_norm is compared to float32's relative precision, every other metric to 1e-9.
+LR = 0.01
+GRAD_NORM_RTOL = 2.0 ** -23
+
+
+# ---------------------------------------------------------------------------------------------
+# the script: data, models, trainer -- the same with and without seqpar
+# ---------------------------------------------------------------------------------------------
+
+def _ids(g: torch.Generator, lo: int, hi: int) -> list[int]:
+    return torch.randint(3, VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+
+
+def _pairs(seed: int) -> list[dict]:
+    """Preference rows of word-level tokens: a prompt of 3..9 tokens, completions of 2..11."""
+    g = torch.Generator().manual_seed(seed)
+    return [{k: " ".join(f"t{i}" for i in _ids(g, *span)) for k, span in
+             (("prompt", (3, 9)), ("chosen", (2, 11)), ("rejected", (2, 11)))} for _ in range(ROWS)]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def _causal_lm(seed: int = 0):
+    from seqpar.integrations.models import build_model
+
+    torch.manual_seed(seed)
+    model, _ = build_model("tiny-llama", dtype=torch.float64, vocab_size=VOCAB)
+    return model
+
+
+def _reward_model():
+    from transformers import LlamaForSequenceClassification
+
+    config = copy.deepcopy(_causal_lm().config)
+    config.num_labels, config.pad_token_id = 1, 0
+    torch.manual_seed(1)
+    return LlamaForSequenceClassification(config).to(torch.float64)
+
+
+def _common(out: str) -> dict:
+    return dict(output_dir=out, per_device_train_batch_size=ROWS, max_steps=1, learning_rate=LR, optim="sgd",
+                max_grad_norm=0.0, logging_steps=1, report_to=[], use_cpu=True, bf16=False, seed=0,
+                disable_tqdm=True, save_strategy="no", lr_scheduler_type="constant")
+
+
+DPO_CASES = {
+    "dpo-sigmoid": dict(loss_type=["sigmoid"]),
+    "dpo-ipo+sft": dict(loss_type=["ipo", "sft"], loss_weights=[1.0, 0.5], beta=0.2),
+    "dpo-robust-precomputed": dict(loss_type=["robust"], label_smoothing=0.1, precompute_ref_log_probs=True),
+    "dpo-weighted-ld": dict(loss_type=["sigmoid", "nca_pair"], use_weighting=True, ld_alpha=0.5),
+}
+REWARD_CASES = {
+    "reward": dict(),
+    "reward-margin-centered": dict(center_rewards_coefficient=0.01),
+}
+CASES = [*DPO_CASES, *REWARD_CASES]
+
+
+def train(case: str, out: str, sp: int | None = None) -> dict:
+    """One step of ``case``; with ``sp`` the one seqpar line is added. Returns the logged loss and
+    metrics and the weights after the step."""
+    import seqpar
+
+    if case in DPO_CASES:
+        from trl import DPOConfig, DPOTrainer
+
+        extra = DPO_CASES[case]
+        model = _causal_lm()
+        # a reference other than the policy's start, so that rewards and margins are not all 0
+        ref = None if extra.get("precompute_ref_log_probs") else _causal_lm(seed=2)
+        trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**_common(out), **extra),
+                             train_dataset=_dataset(_pairs(1), out, on_disk=ref is None), processing_class=_tokenizer())
+    else:
+        from trl import RewardConfig, RewardTrainer
+
+        rows = [{"chosen": f"{r['prompt']} {r['chosen']}", "rejected": f"{r['prompt']} {r['rejected']}"}
+                for r in _pairs(2)]
+        if case == "reward-margin-centered":
+            rows = [{**r, "margin": 0.25 * i} for i, r in enumerate(rows)]
+        model = _reward_model()
+        trainer = RewardTrainer(model=model, args=RewardConfig(**_common(out), **REWARD_CASES[case]),
+                                train_dataset=_dataset(rows, out), processing_class=_tokenizer())
+    if sp is not None:
+        seqpar.parallelize_trainer(trainer, sp=sp)  # the line a user adds
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 1, logs
+    metrics = {k: float(v) for k, v in logs[0].items() if isinstance(v, (int, float)) and k not in ("epoch", "step")}
+    return {"metrics": metrics, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _dataset(rows: list[dict], out: str, on_disk: bool = False):
+    """The rows as a datasets.Dataset; ``on_disk``: saved and loaded back, so that its cache files
+    live where every process finds them (TRL's precomputed reference log-probs are one, written by
+    the main process and read by the others)."""
+    import torch.distributed as dist
+    from datasets import Dataset, load_from_disk
+
+    data = Dataset.from_list(rows)
+    if not on_disk:
+        return data
+    path = os.path.join(out, "data")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        data.save_to_disk(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return load_from_disk(path)
+
+
+def _worker(rank: int, world: int, out: str, cases: list[str]) -> dict:
+    torch.set_num_threads(1)
+    return {case: train(case, os.path.join(out, case), sp=world) for case in cases}
+
+
+# ---------------------------------------------------------------------------------------------
+# the tests
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.heavy)], ids=["sp2", "sp3"])
+def runs(request, tmp_path_factory):
+    """(P, every rank's results, the single-process references)."""
+    world = request.param
+    out = str(tmp_path_factory.mktemp(f"trl{world}"))
+    results = run_distributed(_worker, world, out, CASES, timeout=600.0)
+    refs = {case: train(case, os.path.join(out, f"ref-{case}")) for case in CASES}
+    return world, results, refs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES)
+def test_one_step_equals_the_script_without_seqpar(runs, case):
+    world, results, refs = runs
+    ref = refs[case]
+    keys = set(ref["metrics"])
+    assert "loss" in keys and ("rewards/margins" in keys if case.startswith("dpo") else "margin" in keys), keys
+    for rank, res in enumerate(results):
+        got = res[case]
+        assert set(got["metrics"]) == keys, f"P={world} rank {rank} {case}: logged {sorted(got['metrics'])}"
+        for key, want in ref["metrics"].items():
+            err = abs(got["metrics"][key] - want)
+            if key == "grad_norm":
+                tol = GRAD_NORM_RTOL * abs(want)
+            else:
+                tol = LOSS_TOL if key == "loss" else METRIC_TOL
+            assert err <= tol, f"P={world} rank {rank} {case} {key}: {got['metrics'][key]} vs {want}"
+        for name, w in ref["weights"].items():
+            err = float((got["weights"][name] - w).abs().max())
+            assert err <= WEIGHT_TOL, f"P={world} rank {rank} {case} weight {name}: max difference {err:.3g}"
+    start = (_causal_lm() if case.startswith("dpo") else _reward_model()).state_dict()
+    moved = max(float((w - start[n]).abs().max()) for n, w in ref["weights"].items())
+    assert moved > 1e-4, f"{case}: the step did not move the weights ({moved:.3g})"
+
+
+def test_grpo_is_refused_by_name():
+    """GRPO is not exact yet under seqpar: refused before any step, naming why."""
+    from trl import GRPOTrainer
+
+    import seqpar
+    from seqpar.integrations.trl_trainers import mixin_for
+
+    with pytest.raises(seqpar.Refused, match="GRPOTrainer.*device_specific"):
+        mixin_for(GRPOTrainer)
+
+
+@pytest.mark.parametrize("option", ["use_liger_kernel", "compute_loss_func"])
+def test_refuses_trl_options_by_name(option):
+    from types import SimpleNamespace
+
+    from trl import DPOTrainer
+
+    import seqpar
+    from seqpar.integrations.trl_trainers import check_trl_options
+
+    trainer = object.__new__(DPOTrainer)
+    trainer.args = SimpleNamespace(use_liger_kernel=option == "use_liger_kernel")
+    trainer.compute_loss_func = (lambda *a: 0) if option == "compute_loss_func" else None
+    trainer.ref_model, trainer.precompute_ref_logps, trainer.model = object(), False, torch.nn.Linear(1, 1)
+    with pytest.raises(seqpar.Refused, match=option):
+        check_trl_options(trainer)
