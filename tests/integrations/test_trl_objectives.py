@@ -107,8 +107,10 @@ def train(case: str, out: str, sp: int | None = None) -> dict:
         model = _causal_lm()
         # a reference other than the policy's start, so that rewards and margins are not all 0
         ref = None if extra.get("precompute_ref_log_probs") else _causal_lm(seed=2)
+        evals = {"eval_dataset": _dataset(_pairs(3), out)} if case == "dpo-sigmoid" else {}
         trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**_common(out), **extra),
-                             train_dataset=_dataset(_pairs(1), out, on_disk=ref is None), processing_class=_tokenizer())
+                             train_dataset=_dataset(_pairs(1), out, on_disk=ref is None), processing_class=_tokenizer(),
+                             **evals)
     else:
         from trl import RewardConfig, RewardTrainer
 
@@ -121,11 +123,16 @@ def train(case: str, out: str, sp: int | None = None) -> dict:
                                 train_dataset=_dataset(rows, out), processing_class=_tokenizer())
     if sp is not None:
         seqpar.parallelize_trainer(trainer, sp=sp)  # the line a user adds
+    result = {}
+    if trainer.eval_dataset is not None:  # before the step, on equal weights: loss, TRL's metrics, logits
+        timing = ("runtime", "per_second")
+        result["eval"] = {k: float(v) for k, v in trainer.evaluate().items() if not any(t in k for t in timing)}
+        result["predict"] = torch.as_tensor(trainer.predict(trainer.eval_dataset).predictions)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 1, logs
     metrics = {k: float(v) for k, v in logs[0].items() if isinstance(v, (int, float)) and k not in ("epoch", "step")}
-    return {"metrics": metrics, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {**result, "metrics": metrics, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def _dataset(rows: list[dict], out: str, on_disk: bool = False):
@@ -185,6 +192,14 @@ def test_one_step_equals_the_script_without_seqpar(runs, case):
         for name, w in ref["weights"].items():
             err = float((got["weights"][name] - w).abs().max())
             assert err <= WEIGHT_TOL, f"P={world} rank {rank} {case} weight {name}: max difference {err:.3g}"
+    if "eval" in ref:
+        for rank, res in enumerate(results):
+            got = res[case]
+            assert set(got["eval"]) == set(ref["eval"]), f"P={world} rank {rank} {case}: eval {sorted(got['eval'])}"
+            for key, want in ref["eval"].items():
+                assert abs(got["eval"][key] - want) <= METRIC_TOL, f"P={world} rank {rank} {case} {key}"
+            err = float((got["predict"] - ref["predict"]).abs().max())
+            assert got["predict"].shape == ref["predict"].shape and err <= METRIC_TOL, f"{case} predict: {err:.3g}"
     start = (_causal_lm() if case.startswith("dpo") else _reward_model()).state_dict()
     moved = max(float((w - start[n]).abs().max()) for n, w in ref["weights"].items())
     assert moved > 1e-4, f"{case}: the step did not move the weights ({moved:.3g})"

@@ -68,8 +68,9 @@ class ShardedModel:
     """Stands in for the model while TRL's ``compute_loss`` runs: called with TRL's whole batch, it
     runs ``model`` (parallelized over ``mesh``) on this rank's shard and returns whole-batch outputs,
     the same on every SP rank (see the module doc). ``fused_lm_head=True`` calls return TRL's
-    per-token fields ``[B, S-1]``; other calls of a sequence-classification model return the
-    score of each row's last non-padding token ``[B, K]`` (transformers' rule, ``pad_token_id``).
+    per-token fields ``[B, S-1]``; other calls return a sequence-classification model's score of
+    each row's last non-padding token ``[B, K]`` (transformers' rule, ``pad_token_id``), or a causal
+    LM's logits ``[B, S, V]`` (DPO's ``return_outputs``, for evaluation: no tiling).
     ``unread``: batch columns the trainer passes to the model, which the model does not read
     (RewardTrainer's ``margin``); any other input it cannot shard is Refused."""
 
@@ -89,7 +90,7 @@ class ShardedModel:
         if labels is not None:
             raise Refused("seqpar's TRL integration runs TRL's fused LM head or a score head, not the model's own "
                           "loss")
-        return self._scores(batch)
+        return self._scores(batch) if score_module(self.model, required=False) is not None else self._logits(batch)
 
     def _fused(self, batch: dict[str, Tensor | None], labels: Tensor | None) -> Any:
         if labels is None:
@@ -101,6 +102,14 @@ class ShardedModel:
         fields = {name: self._whole(getattr(out, name), local[BATCH_KWARG])[:, :-1].contiguous()
                   for name in FUSED_FIELDS if getattr(out, name, None) is not None}
         return type(out)(**fields)  # loss / aux_loss left out: TRL's trainers here do not read them
+
+    def _logits(self, batch: dict[str, Tensor | None]) -> Any:
+        local = shard_batch(batch, self.mesh, layout=self.layout)
+        local.pop("labels", None)
+        local.pop("shift_labels", None)
+        out = self.model(**local)
+        out.logits = self._whole(out.logits, local[BATCH_KWARG])  # [B, S, V]
+        return out
 
     def _scores(self, batch: dict[str, Tensor | None]) -> Any:
         head = score_module(self.model)
@@ -168,13 +177,16 @@ def last_non_pad(input_ids: Tensor, pad_token_id: int | None) -> Tensor:
     return (torch.arange(input_ids.shape[1], device=input_ids.device) * keep).argmax(-1)
 
 
-def score_module(model: nn.Module) -> nn.Module:
-    """The score head (``score`` / ``classifier``) of a sequence-classification model, inside any wrapper."""
+def score_module(model: nn.Module, *, required: bool = True) -> nn.Module | None:
+    """The score head (``score`` / ``classifier``) of a sequence-classification model, inside any
+    wrapper; without one, None or (``required``) Refused."""
     inner = _inner(model)
     for name in ("score", "classifier"):
         head = getattr(inner, name, None)
         if isinstance(head, nn.Module):
             return head
+    if not required:
+        return None
     raise Refused(f"{type(inner).__name__} has no score / classifier head: seqpar's RewardTrainer integration "
                   "trains an AutoModelForSequenceClassification")
 

@@ -33,9 +33,6 @@ class SeqParDPOMixin(SeqParTrainerMixin):
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
         """TRL's DPO loss, the policy and the reference run on this rank's shard."""
-        if return_outputs:
-            raise Refused("seqpar's DPOTrainer integration computes the loss and TRL's metrics, not the logits "
-                          "compute_metrics reads: set prediction_loss_only=True (or drop compute_metrics)")
         state = self._seqpar
         ref = self.ref_model
         swap = (swapped(self, "ref_model", ShardedModel(ref, state.mesh, state.layout)) if ref is not None
