@@ -36,6 +36,8 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     init_weights_override            PreTrainedModel._init_weights (shadowed)          integrations/materialize.py
     split_prepared_loader            accelerate's BatchSamplerShard and                integrations/trainer.py
                                      IterableDatasetShard: num_processes, process_index
+    trl_grpo_gathers                 trl.trainer.grpo_trainer's module globals gather, integrations/trl_grpo.py
+                                     gather_object (swapped for a block; trl 1.16.0)
     kernels_replaced, KernelCall,    a recurrent mixer's modeling-module globals       integrations/mixers/
       calls_kernels, kernel_route,   (causal_conv1d_fn, torch_chunk_gated_delta_rule,  state_*, testing/scans64,
       modeling_module,               chunk_kimi_delta_attention, mamba2_chunk_scan,    integrations/features
@@ -101,7 +103,7 @@ __all__ = [
     "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
-    "queue_backward_callback", "split_prepared_loader", "tested_set",
+    "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -468,3 +470,17 @@ def split_prepared_loader(loader: Any, num: int, index: int) -> bool:
         dataset.num_processes, dataset.process_index = num, index
         return True
     return False
+
+
+@contextlib.contextmanager
+def trl_grpo_gathers(gather: Callable[[Any], Any], gather_object: Callable[[Any], Any]) -> Iterator[None]:
+    """For the block, TRL's GRPO module calls ``gather`` / ``gather_object`` in place of accelerate's
+    (it imports them as module globals: its reward gather, its completion logs); restored after."""
+    from trl.trainer import grpo_trainer
+
+    old = grpo_trainer.gather, grpo_trainer.gather_object
+    grpo_trainer.gather, grpo_trainer.gather_object = gather, gather_object
+    try:
+        yield
+    finally:
+        grpo_trainer.gather, grpo_trainer.gather_object = old

@@ -1,12 +1,14 @@
-"""TRL's DPOTrainer and RewardTrainer under ``seqpar.parallelize_trainer`` (issue 36 item 7).
+"""TRL's DPOTrainer, RewardTrainer and GRPOTrainer under ``seqpar.parallelize_trainer`` (issue 36 item 7).
 
 Each case is one user script, run twice: in this process without seqpar (the reference) and on gloo
-workers with the one added line ``parallelize_trainer(trainer, sp=P)`` -- P=2 in the default suite, 3
-under ``-m heavy``. Tiny float64 models, pre-tokenized rows of odd lengths (a pair split across the
-shards), one SGD step: the logged loss must agree to 1e-9, every weight after the step to 1e-8, and
-every metric TRL logs (rewards, margins, log-probs, entropy, token counts...) to 1e-9. The workers
-start once per P and run every case in one go. GRPO is refused by name until it is exact (checked
-without workers).
+workers with the one added line ``parallelize_trainer(trainer, sp=P)``. The default suite runs one
+case per trainer (two for DPO) at P=2; ``-m heavy`` every case at P=2 and 3. Tiny float64 models, rows
+of odd lengths (pairs and completions split across the shards), one SGD step: the logged loss must
+agree to 1e-9, every weight after the step to 1e-8, every other metric TRL logs (rewards, margins,
+log-probs, entropy, token counts, GRPO's completion lengths and reward statistics...) to 1e-9, DPO's
+eval metrics and predicted logits to 1e-9. GRPO samples its completions on every rank from the seed:
+equal completions are what make its metrics and weights equal. The workers start once per P and run
+every case in one go.
 """
 
 from __future__ import annotations
@@ -92,7 +94,19 @@ REWARD_CASES = {
     "reward": dict(),
     "reward-margin-centered": dict(center_rewards_coefficient=0.01),
 }
-CASES = [*DPO_CASES, *REWARD_CASES]
+GRPO_CASES = {
+    "grpo-dapo": dict(),
+    "grpo-grpo-batch-scaled": dict(loss_type="grpo", scale_rewards="batch"),
+    "grpo-dr_grpo": dict(loss_type="dr_grpo", epsilon_high=0.28),
+}
+CASES = [*DPO_CASES, *REWARD_CASES, *GRPO_CASES]
+# make test: one case per trainer with its richest options (~35 s); -m heavy: every case at sp=2 and 3
+DEFAULT_CASES = ["dpo-sigmoid", "dpo-ipo+sft", "reward-margin-centered", "grpo-grpo-batch-scaled"]
+
+
+def _reward(completions, **kwargs) -> list[float]:
+    """A deterministic reward that differs between completions of one prompt."""
+    return [sum(int(w[1:]) % 5 for w in c.split() if w[1:].isdigit()) / 10 for c in completions]
 
 
 def train(case: str, out: str, sp: int | None = None) -> dict:
@@ -111,6 +125,15 @@ def train(case: str, out: str, sp: int | None = None) -> dict:
         trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**_common(out), **extra),
                              train_dataset=_dataset(_pairs(1), out, on_disk=ref is None), processing_class=_tokenizer(),
                              **evals)
+    elif case in GRPO_CASES:
+        from trl import GRPOConfig, GRPOTrainer
+
+        model = _causal_lm()
+        prompts = [{"prompt": r["prompt"]} for r in _pairs(4)]
+        args = GRPOConfig(**_common(out), num_generations=ROWS, max_completion_length=7, shuffle_dataset=False,
+                          **GRPO_CASES[case])
+        trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(prompts, out),
+                              processing_class=_tokenizer())
     else:
         from trl import RewardConfig, RewardTrainer
 
@@ -131,7 +154,8 @@ def train(case: str, out: str, sp: int | None = None) -> dict:
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 1, logs
-    metrics = {k: float(v) for k, v in logs[0].items() if isinstance(v, (int, float)) and k not in ("epoch", "step")}
+    metrics = {k: float(v) for k, v in logs[0].items()
+               if isinstance(v, (int, float)) and k not in ("epoch", "step", "step_time")}  # step_time: a timing
     return {**result, "metrics": metrics, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -162,23 +186,42 @@ def _worker(rank: int, world: int, out: str, cases: list[str]) -> dict:
 # the tests
 # ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.heavy)], ids=["sp2", "sp3"])
-def runs(request, tmp_path_factory):
-    """(P, every rank's results, the single-process references)."""
-    world = request.param
-    out = str(tmp_path_factory.mktemp(f"trl{world}"))
-    results = run_distributed(_worker, world, out, CASES, timeout=600.0)
-    refs = {case: train(case, os.path.join(out, f"ref-{case}")) for case in CASES}
-    return world, results, refs
+def _run(world: int, cases: list[str], out: str) -> tuple[int, list[dict], dict]:
+    """(P, every rank's results, the single-process references) of ``cases``, one worker start."""
+    results = run_distributed(_worker, world, out, cases, timeout=600.0)
+    return world, results, {case: train(case, os.path.join(out, f"ref-{case}")) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The default suite's cases at sp=2 (the grid at sp=2 and 3: heavy_runs)."""
+    return _run(2, DEFAULT_CASES, str(tmp_path_factory.mktemp("trl2")))
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["sp2", "sp3"])
+def heavy_runs(request, tmp_path_factory):
+    return _run(request.param, CASES, str(tmp_path_factory.mktemp(f"trl{request.param}-all")))
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", DEFAULT_CASES)
 def test_one_step_equals_the_script_without_seqpar(runs, case):
+    check_case(runs, case)
+
+
+@pytest.mark.distributed
+@pytest.mark.heavy
+@pytest.mark.parametrize("case", CASES)
+def test_every_case_at_sp2_and_sp3(heavy_runs, case):
+    check_case(heavy_runs, case)
+
+
+def check_case(runs: tuple[int, list[dict], dict], case: str) -> None:
     world, results, refs = runs
     ref = refs[case]
     keys = set(ref["metrics"])
-    assert "loss" in keys and ("rewards/margins" in keys if case.startswith("dpo") else "margin" in keys), keys
+    expect = {"dpo": "rewards/margins", "reward": "margin", "grpo": "reward_std"}[case.split("-")[0]]
+    assert "loss" in keys and expect in keys, keys
     for rank, res in enumerate(results):
         got = res[case]
         assert set(got["metrics"]) == keys, f"P={world} rank {rank} {case}: logged {sorted(got['metrics'])}"
@@ -200,20 +243,9 @@ def test_one_step_equals_the_script_without_seqpar(runs, case):
                 assert abs(got["eval"][key] - want) <= METRIC_TOL, f"P={world} rank {rank} {case} {key}"
             err = float((got["predict"] - ref["predict"]).abs().max())
             assert got["predict"].shape == ref["predict"].shape and err <= METRIC_TOL, f"{case} predict: {err:.3g}"
-    start = (_causal_lm() if case.startswith("dpo") else _reward_model()).state_dict()
+    start = (_reward_model() if case.startswith("reward") else _causal_lm()).state_dict()
     moved = max(float((w - start[n]).abs().max()) for n, w in ref["weights"].items())
     assert moved > 1e-4, f"{case}: the step did not move the weights ({moved:.3g})"
-
-
-def test_grpo_is_refused_by_name():
-    """GRPO is not exact yet under seqpar: refused before any step, naming why."""
-    from trl import GRPOTrainer
-
-    import seqpar
-    from seqpar.integrations.trl_trainers import mixin_for
-
-    with pytest.raises(seqpar.Refused, match="GRPOTrainer.*device_specific"):
-        mixin_for(GRPOTrainer)
 
 
 @pytest.mark.parametrize("option", ["use_liger_kernel", "compute_loss_func"])

@@ -75,8 +75,8 @@ from .trainer_data import check_sp_groups, drop_remainder, model_batch, split_lo
 class _State:
     """The mesh and layout a trainer runs on, and its sizes: world = dp * sp ranks."""
 
-    def __init__(self, mesh: DeviceMesh, layout: str) -> None:
-        self.mesh, self.layout = mesh, layout
+    def __init__(self, mesh: DeviceMesh, layout: str, strategy: str = "ulysses") -> None:
+        self.mesh, self.layout, self.strategy = mesh, layout, strategy
         self.world, self.dp = int(mesh.mesh.numel()), dp_size(mesh)
         self.sp = self.world // self.dp
         self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
@@ -254,7 +254,7 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
     """Check the trainer and parallelize its model over ``mesh`` (or ``init_mesh(sp=sp)``)."""
     _check_mesh_or_sp(mesh, sp, who)
     mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, who)
-    state = _State(mesh, layout)
+    state = _State(mesh, layout, strategy)
     processes = int(trainer.accelerator.num_processes)
     if state.world != processes:
         raise ValueError(f"the mesh spans {state.world} ranks but the trainer runs {processes} processes: "
@@ -274,8 +274,7 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
             raise ValueError(f"{who} is over TRL's {mixin.__name__.removeprefix('SeqPar').removesuffix('Mixin')}"
                              f"Trainer, whose loss SeqParTrainerMixin does not compute: build it plainly and call "
                              "seqpar.parallelize_trainer(trainer, sp=...)")
-        setup_trl(trainer, mesh, strategy)
-        parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
+        setup_trl(trainer, state)
         return state
     check_loss_options(trainer)
     if state.dp > 1 and _router_aux_on(trainer):

@@ -12,12 +12,12 @@ import contextlib
 from typing import Any
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import Refused
 from .hf import parallelize
 from .peft import is_peft_model, unwrap_peft
 from .trainer import SeqParTrainerMixin
+from .trl_grpo import SeqParGRPOMixin, setup_grpo
 from .trl_objectives import DPGather, ShardedModel, swapped, trl_kind
 
 DPO_BATCH_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
@@ -77,26 +77,27 @@ def dp_metrics(trainer: Any) -> contextlib.AbstractContextManager[None]:
     return swapped(trainer, "accelerator", DPGather(trainer.accelerator, state.mesh, state.dp))
 
 
-MIXINS: dict[str, type[SeqParTrainerMixin]] = {"DPOTrainer": SeqParDPOMixin, "RewardTrainer": SeqParRewardMixin}
+MIXINS: dict[str, type[SeqParTrainerMixin]] = {"DPOTrainer": SeqParDPOMixin, "RewardTrainer": SeqParRewardMixin,
+                                                "GRPOTrainer": SeqParGRPOMixin}
 
 
 def mixin_for(cls: type) -> type[SeqParTrainerMixin] | None:
     """The mixin for a TRL objective trainer class (None for other trainers)."""
     kind = trl_kind(cls)
-    if kind == "GRPOTrainer":
-        raise Refused("seqpar's GRPOTrainer integration is not exact yet: GRPO seeds generation per process "
-                      "(set_seed(device_specific=True)) and sums num_items_in_batch over every process, so the SP "
-                      "ranks would sample different completions and count each token sp times; train GRPO "
-                      "without seqpar, or with seqpar.objectives.PolicyGradient in your own loop")
     return MIXINS.get(kind) if kind else None
 
 
-def setup_trl(trainer: Any, mesh: DeviceMesh, strategy: str) -> None:
-    """Refuse what seqpar cannot make exact, and parallelize DPO's reference model."""
+def setup_trl(trainer: Any, state: Any) -> None:
+    """Refuse what seqpar cannot make exact; parallelize the model and DPO's reference model (GRPO's
+    model only for its training forward: :mod:`.trl_grpo`)."""
+    if trl_kind(type(trainer)) == "GRPOTrainer":
+        setup_grpo(trainer, state)
+        return
     check_trl_options(trainer)
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
-        parallelize(unwrap_peft(trainer.accelerator.unwrap_model(ref)), mesh, strategy=strategy)
+        parallelize(unwrap_peft(trainer.accelerator.unwrap_model(ref)), state.mesh, strategy=state.strategy)
+    parallelize(unwrap_peft(trainer.model), state.mesh, strategy=state.strategy)
 
 
 def check_trl_options(trainer: Any) -> None:
