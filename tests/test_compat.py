@@ -420,3 +420,17 @@ def test_load_balancing_loss_func_is_the_modeling_modules():
     llama = importlib.import_module("transformers.models.llama.modeling_llama")
     with pytest.raises(ValueError, match="no load_balancing_loss_func"):
         compat.load_balancing_loss_func(llama.LlamaForCausalLM)
+
+
+def test_trl_grpo_gathers_are_the_module_globals_grpo_calls_and_come_back():
+    """GRPOTrainer reads gather / gather_object as its module's globals (its reward gather, its logs)."""
+    import inspect
+
+    from trl.trainer import grpo_trainer
+
+    source = inspect.getsource(grpo_trainer.GRPOTrainer)
+    assert "rewards_per_func = gather(rewards_per_func)" in source and "gather_object(" in source
+    old = grpo_trainer.gather, grpo_trainer.gather_object
+    with compat.trl_grpo_gathers(len, list):
+        assert (grpo_trainer.gather, grpo_trainer.gather_object) == (len, list)
+    assert (grpo_trainer.gather, grpo_trainer.gather_object) == old

@@ -263,3 +263,17 @@ def test_refuses_trl_options_by_name(option):
     trainer.ref_model, trainer.precompute_ref_logps, trainer.model = object(), False, torch.nn.Linear(1, 1)
     with pytest.raises(seqpar.Refused, match=option):
         check_trl_options(trainer)
+
+
+@pytest.mark.parametrize("option,value", [("use_vllm", True), ("beta", 0.04), ("eval_strategy", "steps")])
+def test_refuses_grpo_options_by_name(option, value):
+    from types import SimpleNamespace
+
+    import seqpar
+    from seqpar.integrations.trl_grpo import check_grpo_options
+
+    args = SimpleNamespace(use_vllm=False, beta=0.0, use_liger_kernel=False, eval_strategy="no")
+    check_grpo_options(SimpleNamespace(args=args, tools=None, rollout_func=None))  # the defaults pass
+    setattr(args, option, value)
+    with pytest.raises(seqpar.Refused, match=option):
+        check_grpo_options(SimpleNamespace(args=args, tools=None, rollout_func=None))

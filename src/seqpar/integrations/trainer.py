@@ -226,9 +226,10 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     size, if the model cannot be parallelized (:func:`seqpar.parallelize`), if the mesh does not
     span every process of the trainer, if accelerate's own context / sequence parallelism is on, or
     if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
-    label smoothing, TRL's ``loss_type="dft"``). TRL's ``DPOTrainer`` and ``RewardTrainer`` keep
-    their own loss, exact (:mod:`.trl_objectives`); what of them seqpar cannot make exact is
-    Refused by its option name (:func:`.trl_trainers.check_trl_options`). A MoE router aux loss is exact (the model's
+    label smoothing, TRL's ``loss_type="dft"``). TRL's ``DPOTrainer``, ``RewardTrainer`` and
+    ``GRPOTrainer`` keep their own loss, exact (:mod:`.trl_objectives`, :mod:`.trl_grpo`); what of
+    them seqpar cannot make exact is Refused by its option name (:func:`.trl_trainers.check_trl_options`,
+    :func:`.trl_grpo.check_grpo_options`). A MoE router aux loss is exact (the model's
     ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's SFTTrainer weighted
     as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp).
     """

@@ -1,5 +1,6 @@
 """The mixins :func:`seqpar.parallelize_trainer` puts over TRL's ``DPOTrainer`` and ``RewardTrainer``
-(how they are exact: :mod:`seqpar.integrations.trl_objectives`), and the TRL options they refuse.
+(how they are exact: :mod:`seqpar.integrations.trl_objectives`), and the TRL options they refuse;
+``GRPOTrainer``'s lives in :mod:`seqpar.integrations.trl_grpo`.
 
 Each mixin overrides ``compute_loss`` only to hand TRL's own ``compute_loss`` a
 :class:`~seqpar.integrations.trl_objectives.ShardedModel` in place of the model (and of DPO's
