@@ -434,3 +434,21 @@ def test_trl_grpo_gathers_are_the_module_globals_grpo_calls_and_come_back():
     with compat.trl_grpo_gathers(len, list):
         assert (grpo_trainer.gather, grpo_trainer.gather_object) == (len, list)
     assert (grpo_trainer.gather, grpo_trainer.gather_object) == old
+
+
+def test_float64_loss_log_is_the_trainers_running_loss_sum():
+    """transformers' Trainer sums the step losses in place into _tr_loss (reset by train()) and logs
+    its mean over the processes; made float64, a mean of equal float32 copies is exact."""
+    import inspect
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    source = inspect.getsource(Trainer)
+    assert "self._tr_loss = torch.tensor(0.0" in source and "self._tr_loss += tr_loss_step" in source
+    trainer = SimpleNamespace(_tr_loss=torch.tensor(0.0))
+    compat.float64_loss_log(trainer)
+    assert trainer._tr_loss.dtype == torch.float64
+    x = torch.tensor(-0.06009571999311447, dtype=torch.float32)
+    copies = x.to(torch.float64).repeat(3)
+    assert copies.mean().item() == x.item()

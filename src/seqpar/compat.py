@@ -36,6 +36,8 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     init_weights_override            PreTrainedModel._init_weights (shadowed)          integrations/materialize.py
     split_prepared_loader            accelerate's BatchSamplerShard and                integrations/trainer.py
                                      IterableDatasetShard: num_processes, process_index
+    float64_loss_log                 Trainer._tr_loss (the loss summed between logs,   integrations/
+                                     then averaged over every process)                trl_trainers.py
     trl_grpo_gathers                 trl.trainer.grpo_trainer's module globals gather, integrations/trl_grpo.py
                                      gather_object (swapped for a block; trl 1.16.0)
     kernels_replaced, KernelCall,    a recurrent mixer's modeling-module globals       integrations/mixers/
@@ -100,7 +102,7 @@ __all__ = [
     "attn_implementation", "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward",
     "cuda_efficient_attention", "cuda_efficient_attention_backward", "cuda_flash_attention",
     "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward", "decoder_block_classes",
-    "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes",
+    "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "float64_loss_log", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
     "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers",
@@ -470,6 +472,16 @@ def split_prepared_loader(loader: Any, num: int, index: int) -> bool:
         dataset.num_processes, dataset.process_index = num, index
         return True
     return False
+
+
+def float64_loss_log(trainer: Any) -> None:
+    """Make the Trainer's running loss sum (``_tr_loss``, reset by ``train()``, summed in place each
+    step, averaged over every process at logging) float64: a float32 mean over equal copies
+    (``(3 x) / 3``) can move the logged loss by an ulp of float32; in float64 it is exact. No-op when
+    it already is, or before ``train()`` made it."""
+    acc = getattr(trainer, "_tr_loss", None)
+    if isinstance(acc, Tensor) and acc.dtype != torch.float64:
+        trainer._tr_loss = acc.to(torch.float64)
 
 
 @contextlib.contextmanager

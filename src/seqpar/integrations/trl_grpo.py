@@ -78,6 +78,7 @@ class SeqParGRPOMixin(SeqParTrainerMixin):
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None):
         """GRPO's step (generation, rewards, loss) in a world of dp ranks."""
         world = DPWorld(self.accelerator, self._seqpar)
+        compat.float64_loss_log(self)  # as SeqParTRLMixin: the log averages the SP copies exactly
         try:
             with faults.publishing("the Trainer's training step"), swapped(self, "accelerator", world), \
                     compat.trl_grpo_gathers(world.gather, world.gather_object):

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import compat
 from ..errors import Refused
 from .hf import parallelize
 from .peft import is_peft_model, unwrap_peft
@@ -25,7 +26,17 @@ DPO_BATCH_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 REWARD_BATCH_KEYS = ("margin",)
 
 
-class SeqParDPOMixin(SeqParTrainerMixin):
+class SeqParTRLMixin(SeqParTrainerMixin):
+    """What the TRL objective trainers' mixins share: the logged loss averaged in float64."""
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        """The Trainer's step; its running loss sum in float64 (the log averages the SP copies of
+        TRL's float32 loss: exact only in float64, :func:`seqpar.compat.float64_loss_log`)."""
+        compat.float64_loss_log(self)
+        return super().training_step(*args, **kwargs)
+
+
+class SeqParDPOMixin(SeqParTRLMixin):
     """Sequence parallelism for TRL's ``DPOTrainer``: its loss types, its reference (a model, or
     ``precompute_ref_log_probs``), its metrics."""
 
@@ -53,7 +64,7 @@ class SeqParDPOMixin(SeqParTrainerMixin):
         return super(SeqParTrainerMixin, self).prediction_step(*args, **kwargs)
 
 
-class SeqParRewardMixin(SeqParTrainerMixin):
+class SeqParRewardMixin(SeqParTRLMixin):
     """Sequence parallelism for TRL's ``RewardTrainer``: Bradley-Terry on chosen / rejected rows,
     with its ``margin`` column and ``center_rewards_coefficient``, and its metrics."""
 
