@@ -438,7 +438,8 @@ def test_trl_grpo_gathers_are_the_module_globals_grpo_calls_and_come_back():
 
 def test_float64_loss_log_is_the_trainers_running_loss_sum():
     """transformers' Trainer sums the step losses in place into _tr_loss (reset by train()) and logs
-    its mean over the processes; made float64, a mean of equal float32 copies is exact."""
+    its mean over the processes; made float64 with float32 steps, it holds the float32 sum and a mean
+    of equal copies is exact."""
     import inspect
     from types import SimpleNamespace
 
@@ -447,8 +448,11 @@ def test_float64_loss_log_is_the_trainers_running_loss_sum():
     source = inspect.getsource(Trainer)
     assert "self._tr_loss = torch.tensor(0.0" in source and "self._tr_loss += tr_loss_step" in source
     trainer = SimpleNamespace(_tr_loss=torch.tensor(0.0))
-    compat.float64_loss_log(trainer)
-    assert trainer._tr_loss.dtype == torch.float64
-    x = torch.tensor(-0.06009571999311447, dtype=torch.float32)
-    copies = x.to(torch.float64).repeat(3)
-    assert copies.mean().item() == x.item()
+    plain = torch.tensor(0.0)
+    for loss in (0.6975272562512633, 0.1234567891234, -0.06009571999311447):
+        step = torch.tensor(loss, dtype=torch.float64)
+        plain += step  # the script without seqpar: float32 += a float64 loss
+        returned = compat.float64_loss_log(trainer, step)  # training_step's value, then the Trainer's +=
+        trainer._tr_loss += returned
+        assert trainer._tr_loss.dtype == torch.float64 and trainer._tr_loss.item() == plain.item()
+    assert trainer._tr_loss.repeat(3).mean().item() == plain.item()

@@ -474,14 +474,21 @@ def split_prepared_loader(loader: Any, num: int, index: int) -> bool:
     return False
 
 
-def float64_loss_log(trainer: Any) -> None:
-    """Make the Trainer's running loss sum (``_tr_loss``, reset by ``train()``, summed in place each
-    step, averaged over every process at logging) float64: a float32 mean over equal copies
-    (``(3 x) / 3``) can move the logged loss by an ulp of float32; in float64 it is exact. No-op when
-    it already is, or before ``train()`` made it."""
+def float64_loss_log(trainer: Any, step_loss: Tensor) -> Tensor:
+    """The value to return from ``training_step`` so that the Trainer's running loss sum
+    (``_tr_loss``: reset by ``train()``, ``+=`` each step, averaged over every process at logging)
+    holds what a float32 sum holds in the script without seqpar, and its mean over SP copies is exact.
+
+    The sum is made float64 (a float32 mean of equal copies, ``(3 y) / 3``, can move by an ulp); the
+    step adds ``fl32(acc + loss) - acc``, so the float64 sum stays the float32 sum the plain script
+    keeps (float32 += a float64 loss rounds too)."""
     acc = getattr(trainer, "_tr_loss", None)
-    if isinstance(acc, Tensor) and acc.dtype != torch.float64:
-        trainer._tr_loss = acc.to(torch.float64)
+    if not isinstance(acc, Tensor):
+        return step_loss
+    if acc.dtype != torch.float64:
+        acc = trainer._tr_loss = acc.to(torch.float64)
+    total = (acc + step_loss.detach().to(torch.float64)).to(torch.float32).to(torch.float64)
+    return total - acc
 
 
 @contextlib.contextmanager

@@ -42,11 +42,11 @@ def _ids(g: torch.Generator, lo: int, hi: int) -> list[int]:
     return torch.randint(3, VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
 
 
-def _pairs(seed: int) -> list[dict]:
+def _pairs(seed: int, dp: int = 1) -> list[dict]:
     """Preference rows of word-level tokens: a prompt of 3..9 tokens, completions of 2..11."""
     g = torch.Generator().manual_seed(seed)
     return [{k: " ".join(f"t{i}" for i in _ids(g, *span)) for k, span in
-             (("prompt", (3, 9)), ("chosen", (2, 11)), ("rejected", (2, 11)))} for _ in range(ROWS)]
+             (("prompt", (3, 9)), ("chosen", (2, 11)), ("rejected", (2, 11)))} for _ in range(ROWS * dp)]
 
 
 def _tokenizer():
@@ -109,7 +109,7 @@ def _reward(completions, **kwargs) -> list[float]:
     return [sum(int(w[1:]) % 5 for w in c.split() if w[1:].isdigit()) / 10 for c in completions]
 
 
-def train(case: str, out: str, sp: int | None = None) -> dict:
+def train(case: str, out: str, sp: int | None = None, dp: int = 1) -> dict:
     """One step of ``case``; with ``sp`` the one seqpar line is added. Returns the logged loss and
     metrics and the weights after the step."""
     import seqpar
@@ -121,15 +121,16 @@ def train(case: str, out: str, sp: int | None = None) -> dict:
         model = _causal_lm()
         # a reference other than the policy's start, so that rewards and margins are not all 0
         ref = None if extra.get("precompute_ref_log_probs") else _causal_lm(seed=2)
-        evals = {"eval_dataset": _dataset(_pairs(3), out)} if case == "dpo-sigmoid" else {}
-        trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**_common(out), **extra),
-                             train_dataset=_dataset(_pairs(1), out, on_disk=ref is None), processing_class=_tokenizer(),
-                             **evals)
+        # eval at dp=1 (at dp > 1 seqpar refuses it: every rank evaluates every batch)
+        evals = {"eval_dataset": _dataset(_pairs(3), out)} if case == "dpo-sigmoid" and dp == 1 else {}
+        data = _dataset(_pairs(1, dp), out, on_disk=ref is None)
+        trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**_common(out), **extra), train_dataset=data,
+                             processing_class=_tokenizer(), **evals)
     elif case in GRPO_CASES:
         from trl import GRPOConfig, GRPOTrainer
 
         model = _causal_lm()
-        prompts = [{"prompt": r["prompt"]} for r in _pairs(4)]
+        prompts = [{"prompt": r["prompt"]} for r in _pairs(4, dp)]
         args = GRPOConfig(**_common(out), num_generations=ROWS, max_completion_length=7, shuffle_dataset=False,
                           **GRPO_CASES[case])
         trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(prompts, out),
@@ -138,7 +139,7 @@ def train(case: str, out: str, sp: int | None = None) -> dict:
         from trl import RewardConfig, RewardTrainer
 
         rows = [{"chosen": f"{r['prompt']} {r['chosen']}", "rejected": f"{r['prompt']} {r['rejected']}"}
-                for r in _pairs(2)]
+                for r in _pairs(2, dp)]
         if case == "reward-margin-centered":
             rows = [{**r, "margin": 0.25 * i} for i, r in enumerate(rows)]
         model = _reward_model()
@@ -177,9 +178,11 @@ def _dataset(rows: list[dict], out: str, on_disk: bool = False):
     return load_from_disk(path)
 
 
-def _worker(rank: int, world: int, out: str, cases: list[str]) -> dict:
+def _worker(rank: int, world: int, out: str, cases: list[str], sp: int | None = -1, dp: int = 1) -> dict:
+    """``sp=-1``: sp = the world; None: the script without seqpar (on ``world`` = dp processes)."""
     torch.set_num_threads(1)
-    return {case: train(case, os.path.join(out, case), sp=world) for case in cases}
+    sp = world if sp == -1 else sp
+    return {case: train(case, os.path.join(out, case), sp=sp, dp=dp) for case in cases}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +217,27 @@ def test_one_step_equals_the_script_without_seqpar(runs, case):
 @pytest.mark.parametrize("case", CASES)
 def test_every_case_at_sp2_and_sp3(heavy_runs, case):
     check_case(heavy_runs, case)
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """dp=2 x sp=2 (4 processes) against the same script on 2 processes without seqpar."""
+    out = str(tmp_path_factory.mktemp("trl-dp2"))
+    results = run_distributed(_worker, 4, os.path.join(out, "seqpar"), CASES, 2, 2, timeout=900.0)
+    plain = run_distributed(_worker, 2, os.path.join(out, "plain"), CASES, None, 2, timeout=900.0)
+    assert all(_same(plain[0][case], plain[1][case]) for case in CASES)
+    return 4, results, plain[0]
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["metrics"] == b["metrics"] and all(torch.equal(a["weights"][n], w) for n, w in b["weights"].items())
+
+
+@pytest.mark.distributed
+@pytest.mark.heavy
+@pytest.mark.parametrize("case", CASES)
+def test_dp2_sp2_equals_the_script_on_two_processes(dp_runs, case):
+    check_case(dp_runs, case)
 
 
 def check_case(runs: tuple[int, list[dict], dict], case: str) -> None:

@@ -78,11 +78,11 @@ class SeqParGRPOMixin(SeqParTrainerMixin):
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None):
         """GRPO's step (generation, rewards, loss) in a world of dp ranks."""
         world = DPWorld(self.accelerator, self._seqpar)
-        compat.float64_loss_log(self)  # as SeqParTRLMixin: the log averages the SP copies exactly
         try:
             with faults.publishing("the Trainer's training step"), swapped(self, "accelerator", world), \
                     compat.trl_grpo_gathers(world.gather, world.gather_object):
-                return super(SeqParTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
+                loss = super(SeqParTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
+            return compat.float64_loss_log(self, loss)  # the log averages the SP copies exactly
         finally:  # parallelized by compute_loss, through the backward (activation checkpointing recomputes)
             inner = unwrap_peft(_unwrap_ddp(model))
             if is_parallelized(inner):

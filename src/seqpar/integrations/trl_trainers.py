@@ -27,13 +27,12 @@ REWARD_BATCH_KEYS = ("margin",)
 
 
 class SeqParTRLMixin(SeqParTrainerMixin):
-    """What the TRL objective trainers' mixins share: the logged loss averaged in float64."""
+    """What the TRL objective trainers' mixins share: the logged loss, averaged over the SP copies exactly."""
 
     def training_step(self, *args: Any, **kwargs: Any):
-        """The Trainer's step; its running loss sum in float64 (the log averages the SP copies of
-        TRL's float32 loss: exact only in float64, :func:`seqpar.compat.float64_loss_log`)."""
-        compat.float64_loss_log(self)
-        return super().training_step(*args, **kwargs)
+        """The Trainer's step; its logged loss averaged over the SP copies exactly
+        (:func:`seqpar.compat.float64_loss_log`)."""
+        return compat.float64_loss_log(self, super().training_step(*args, **kwargs))
 
 
 class SeqParDPOMixin(SeqParTRLMixin):
@@ -61,7 +60,7 @@ class SeqParDPOMixin(SeqParTRLMixin):
 
     def prediction_step(self, *args: Any, **kwargs: Any):
         """TRL's (its loss through :meth:`compute_loss`)."""
-        return super(SeqParTrainerMixin, self).prediction_step(*args, **kwargs)
+        return super(SeqParTrainerMixin, self).prediction_step(*args, **refuse_eval_over_dp(self, kwargs))
 
 
 class SeqParRewardMixin(SeqParTRLMixin):
@@ -80,7 +79,16 @@ class SeqParRewardMixin(SeqParTRLMixin):
 
     def prediction_step(self, *args: Any, **kwargs: Any):
         """The Trainer's (its loss through :meth:`compute_loss`)."""
-        return super(SeqParTrainerMixin, self).prediction_step(*args, **kwargs)
+        return super(SeqParTrainerMixin, self).prediction_step(*args, **refuse_eval_over_dp(self, kwargs))
+
+
+def refuse_eval_over_dp(trainer: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Refused at dp > 1: under seqpar every rank evaluates every batch, while TRL's eval metrics
+    gather one share per process (not verified exact); ``kwargs`` back otherwise."""
+    if trainer._seqpar.dp > 1:
+        raise Refused(f"seqpar's {trl_kind(type(trainer))} integration evaluates with dp=1 only (dp="
+                      f"{trainer._seqpar.dp} here): evaluate on sp ranks only, or without seqpar")
+    return kwargs
 
 
 def dp_metrics(trainer: Any) -> contextlib.AbstractContextManager[None]:
