@@ -237,10 +237,14 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.heavy
 @pytest.mark.parametrize("case", CASES)
 def test_dp2_sp2_equals_the_script_on_two_processes(dp_runs, case):
-    check_case(dp_runs, case)
+    # the plain script on 2 processes logs the float32 mean of their two float32 losses (the Trainer's
+    # running loss is float32), which rounds; seqpar's log averages the same losses exactly: its
+    # logged loss may differ from the plain script's by that rounding, one float32 ulp (measured:
+    # 1 ulp in 3 of 9 cases), and nothing else does
+    check_case(dp_runs, case, loss_rtol=2.0 ** -23)
 
 
-def check_case(runs: tuple[int, list[dict], dict], case: str) -> None:
+def check_case(runs: tuple[int, list[dict], dict], case: str, loss_rtol: float = 0.0) -> None:
     world, results, refs = runs
     ref = refs[case]
     keys = set(ref["metrics"])
@@ -253,6 +257,8 @@ def check_case(runs: tuple[int, list[dict], dict], case: str) -> None:
             err = abs(got["metrics"][key] - want)
             if key == "grad_norm":
                 tol = GRAD_NORM_RTOL * abs(want)
+            elif key == "loss" and loss_rtol:
+                tol = loss_rtol * abs(want)
             else:
                 tol = LOSS_TOL if key == "loss" else METRIC_TOL
             assert err <= tol, f"P={world} rank {rank} {case} {key}: {got['metrics'][key]} vs {want}"
