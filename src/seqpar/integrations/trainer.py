@@ -53,7 +53,7 @@ boundaries; ``sp_size``: DeepSpeed Ulysses) is refused: it would shard the batch
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,6 +70,7 @@ from ..errors import Refused
 from .hf import parallelize
 from .router_losses import model_setting
 from .trainer_data import check_sp_groups, drop_remainder, model_batch, split_loader
+from .trl_objectives import trl_kind
 
 
 class _State:
@@ -208,6 +209,22 @@ def _trl_aux_term(trainer: Any, model: nn.Module, outputs: Any, num_items_in_bat
 
 _classes: dict[type, type] = {}
 
+TRL_MIXINS: dict[str, tuple[type[SeqParTrainerMixin], Callable[[Any, _State], None]]] = {}
+"""TRL's objective trainers (by class name: "DPOTrainer"...): their mixin and setup, registered by
+:mod:`.trl_trainers` (which ``import seqpar`` imports; it subclasses the mixin above, so this module
+cannot import it)."""
+
+
+def trl_entry(cls: type) -> tuple[type[SeqParTrainerMixin], Callable[[Any, _State], None]] | None:
+    """``(mixin, setup)`` for a TRL objective trainer class, None for other trainers."""
+    kind = trl_kind(cls)
+    if kind is None:
+        return None
+    if kind not in TRL_MIXINS:
+        raise Refused(f"seqpar's {kind} integration is not loaded: import seqpar (or "
+                      "seqpar.integrations.trl_trainers) before parallelize_trainer")
+    return TRL_MIXINS[kind]
+
 
 def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
                         strategy: str = "ulysses", layout: str = "contiguous") -> Any:
@@ -236,9 +253,8 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     if isinstance(trainer, SeqParTrainerMixin):
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
                          "seqpar.SeqParTrainerMixin)")
-    from .trl_trainers import mixin_for
-
-    mixin = mixin_for(type(trainer)) or SeqParTrainerMixin  # TRL's DPO / Reward trainers: their own
+    entry = trl_entry(type(trainer))
+    mixin = entry[0] if entry else SeqParTrainerMixin  # TRL's DPO / Reward / GRPO trainers: their own
     state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
     base = type(trainer)
     cls = _classes.get(base)
@@ -267,10 +283,9 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                          "would shard the batch a second time (and torch context_parallel drops the attention "
                          "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
                          "when seqpar runs the sequence parallelism")
-    from .trl_trainers import mixin_for, setup_trl
-
-    mixin = mixin_for(type(trainer))
-    if mixin is not None:  # TRL's DPO / Reward trainers: TRL's own loss, sharded
+    entry = trl_entry(type(trainer))
+    if entry is not None:  # TRL's DPO / Reward / GRPO trainers: TRL's own loss, sharded
+        mixin, setup_trl = entry
         if who != "parallelize_trainer" and not isinstance(trainer, mixin):
             raise ValueError(f"{who} is over TRL's {mixin.__name__.removeprefix('SeqPar').removesuffix('Mixin')}"
                              f"Trainer, whose loss SeqParTrainerMixin does not compute: build it plainly and call "

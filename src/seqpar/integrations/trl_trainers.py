@@ -18,7 +18,7 @@ from .. import compat
 from ..errors import Refused
 from .hf import parallelize
 from .peft import is_peft_model, unwrap_peft
-from .trainer import SeqParTrainerMixin
+from .trainer import TRL_MIXINS, SeqParTrainerMixin, trl_entry
 from .trl_grpo import SeqParGRPOMixin, setup_grpo
 from .trl_objectives import DPGather, ShardedModel, swapped, trl_kind
 
@@ -97,27 +97,23 @@ def dp_metrics(trainer: Any) -> contextlib.AbstractContextManager[None]:
     return swapped(trainer, "accelerator", DPGather(trainer.accelerator, state.mesh, state.dp))
 
 
-MIXINS: dict[str, type[SeqParTrainerMixin]] = {"DPOTrainer": SeqParDPOMixin, "RewardTrainer": SeqParRewardMixin,
-                                                "GRPOTrainer": SeqParGRPOMixin}
-
-
 def mixin_for(cls: type) -> type[SeqParTrainerMixin] | None:
     """The mixin for a TRL objective trainer class (None for other trainers)."""
-    kind = trl_kind(cls)
-    return MIXINS.get(kind) if kind else None
+    entry = trl_entry(cls)
+    return entry[0] if entry else None
 
 
 def setup_trl(trainer: Any, state: Any) -> None:
-    """Refuse what seqpar cannot make exact; parallelize the model and DPO's reference model (GRPO's
-    model only for its training forward: :mod:`.trl_grpo`)."""
-    if trl_kind(type(trainer)) == "GRPOTrainer":
-        setup_grpo(trainer, state)
-        return
+    """Refuse what seqpar cannot make exact; parallelize the model and DPO's reference model."""
     check_trl_options(trainer)
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
         parallelize(unwrap_peft(trainer.accelerator.unwrap_model(ref)), state.mesh, strategy=state.strategy)
     parallelize(unwrap_peft(trainer.model), state.mesh, strategy=state.strategy)
+
+
+TRL_MIXINS.update({"DPOTrainer": (SeqParDPOMixin, setup_trl), "RewardTrainer": (SeqParRewardMixin, setup_trl),
+                   "GRPOTrainer": (SeqParGRPOMixin, setup_grpo)})  # GRPO's model: parallelized per step
 
 
 def check_trl_options(trainer: Any) -> None:
