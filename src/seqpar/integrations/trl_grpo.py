@@ -9,8 +9,10 @@ are one "process" of the script without seqpar, so while a step runs GRPO sees a
     generation, rewards       the plain model on whole prompts, on every SP rank: the same completions
     gathers                   rewards, token counts, metrics and logs over the dp ranks only (one copy
                               of each SP group), advantages sliced by the dp rank
-    training forward          the model parallelized for compute_loss only: TRL's loss on the
+    training forward          the model parallelized from compute_loss to the end of the step's backward
+                              (activation checkpointing recomputes under it): TRL's loss on the
                               whole-batch log-probs of :class:`~seqpar.integrations.trl_objectives.ShardedModel`
+    logged loss               TRL's float32 loss averaged over the SP copies exactly (compat.float64_loss_log)
 
 Anything GRPO does that is not listed here and reads the process count stays TRL's: it is Refused by
 option (:func:`check_grpo_options`) where seqpar knows it is not exact.
