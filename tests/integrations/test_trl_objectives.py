@@ -98,6 +98,8 @@ GRPO_CASES = {
     "grpo-dapo": dict(),
     "grpo-grpo-batch-scaled": dict(loss_type="grpo", scale_rewards="batch"),
     "grpo-dr_grpo": dict(loss_type="dr_grpo", epsilon_high=0.28),
+    # two micro-batches of one generation batch, each trained on twice (old log-probs from generation)
+    "grpo-iterations-accumulation": dict(num_iterations=2, gradient_accumulation_steps=2),
 }
 CASES = [*DPO_CASES, *REWARD_CASES, *GRPO_CASES]
 # make test: one case per trainer with its richest options (~35 s); -m heavy: every case at sp=2 and 3
