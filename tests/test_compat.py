@@ -420,3 +420,39 @@ def test_load_balancing_loss_func_is_the_modeling_modules():
     llama = importlib.import_module("transformers.models.llama.modeling_llama")
     with pytest.raises(ValueError, match="no load_balancing_loss_func"):
         compat.load_balancing_loss_func(llama.LlamaForCausalLM)
+
+
+def test_trl_grpo_gathers_are_the_module_globals_grpo_calls_and_come_back():
+    """GRPOTrainer reads gather / gather_object as its module's globals (its reward gather, its logs)."""
+    import inspect
+
+    from trl.trainer import grpo_trainer
+
+    source = inspect.getsource(grpo_trainer.GRPOTrainer)
+    assert "rewards_per_func = gather(rewards_per_func)" in source and "gather_object(" in source
+    old = grpo_trainer.gather, grpo_trainer.gather_object
+    with compat.trl_grpo_gathers(len, list):
+        assert (grpo_trainer.gather, grpo_trainer.gather_object) == (len, list)
+    assert (grpo_trainer.gather, grpo_trainer.gather_object) == old
+
+
+def test_float64_loss_log_is_the_trainers_running_loss_sum():
+    """transformers' Trainer sums the step losses in place into _tr_loss (reset by train()) and logs
+    its mean over the processes; made float64 with float32 steps, it holds the float32 sum and a mean
+    of equal copies is exact."""
+    import inspect
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    source = inspect.getsource(Trainer)
+    assert "self._tr_loss = torch.tensor(0.0" in source and "self._tr_loss += tr_loss_step" in source
+    trainer = SimpleNamespace(_tr_loss=torch.tensor(0.0))
+    plain = torch.tensor(0.0)
+    for loss in (0.6975272562512633, 0.1234567891234, -0.06009571999311447):
+        step = torch.tensor(loss, dtype=torch.float64)
+        plain += step  # the script without seqpar: float32 += a float64 loss
+        returned = compat.float64_loss_log(trainer, step)  # training_step's value, then the Trainer's +=
+        trainer._tr_loss += returned
+        assert trainer._tr_loss.dtype == torch.float64 and trainer._tr_loss.item() == plain.item()
+    assert trainer._tr_loss.repeat(3).mean().item() == plain.item()

@@ -22,6 +22,7 @@ from .comm.collectives import all_to_all
 from .comm.gather import gather_seq, split_seq
 from .comm.mesh import init_mesh
 from .errors import Refused
+from .integrations import trl_trainers as _trl_trainers  # noqa: F401  registers TRL's DPO / Reward / GRPO mixins
 from .integrations.export import save_pretrained
 from .integrations.fsdp import apply_ddp, apply_fsdp
 from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize

@@ -36,6 +36,10 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     init_weights_override            PreTrainedModel._init_weights (shadowed)          integrations/materialize.py
     split_prepared_loader            accelerate's BatchSamplerShard and                integrations/trainer.py
                                      IterableDatasetShard: num_processes, process_index
+    float64_loss_log                 Trainer._tr_loss (the loss summed between logs,   integrations/
+                                     then averaged over every process)                trl_trainers.py
+    trl_grpo_gathers                 trl.trainer.grpo_trainer's module globals gather, integrations/trl_grpo.py
+                                     gather_object (swapped for a block; trl 1.16.0)
     kernels_replaced, KernelCall,    a recurrent mixer's modeling-module globals       integrations/mixers/
       calls_kernels, kernel_route,   (causal_conv1d_fn, torch_chunk_gated_delta_rule,  state_*, testing/scans64,
       modeling_module,               chunk_kimi_delta_attention, mamba2_chunk_scan,    integrations/features
@@ -98,10 +102,10 @@ __all__ = [
     "attn_implementation", "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward",
     "cuda_efficient_attention", "cuda_efficient_attention_backward", "cuda_flash_attention",
     "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward", "decoder_block_classes",
-    "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "fsdp_meshes",
+    "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "float64_loss_log", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
-    "queue_backward_callback", "split_prepared_loader", "tested_set",
+    "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -468,3 +472,34 @@ def split_prepared_loader(loader: Any, num: int, index: int) -> bool:
         dataset.num_processes, dataset.process_index = num, index
         return True
     return False
+
+
+def float64_loss_log(trainer: Any, step_loss: Tensor) -> Tensor:
+    """The value to return from ``training_step`` so that the Trainer's running loss sum
+    (``_tr_loss``: reset by ``train()``, ``+=`` each step, averaged over every process at logging)
+    holds what a float32 sum holds in the script without seqpar, and its mean over SP copies is exact.
+
+    The sum is made float64 (a float32 mean of equal copies, ``(3 y) / 3``, can move by an ulp); the
+    step adds ``fl32(acc + loss) - acc``, so the float64 sum stays the float32 sum the plain script
+    keeps (float32 += a float64 loss rounds too)."""
+    acc = getattr(trainer, "_tr_loss", None)
+    if not isinstance(acc, Tensor):
+        return step_loss
+    if acc.dtype != torch.float64:
+        acc = trainer._tr_loss = acc.to(torch.float64)
+    total = (acc + step_loss.detach().to(torch.float64)).to(torch.float32).to(torch.float64)
+    return total - acc
+
+
+@contextlib.contextmanager
+def trl_grpo_gathers(gather: Callable[[Any], Any], gather_object: Callable[[Any], Any]) -> Iterator[None]:
+    """For the block, TRL's GRPO module calls ``gather`` / ``gather_object`` in place of accelerate's
+    (it imports them as module globals: its reward gather, its completion logs); restored after."""
+    from trl.trainer import grpo_trainer
+
+    old = grpo_trainer.gather, grpo_trainer.gather_object
+    grpo_trainer.gather, grpo_trainer.gather_object = gather, gather_object
+    try:
+        yield
+    finally:
+        grpo_trainer.gather, grpo_trainer.gather_object = old

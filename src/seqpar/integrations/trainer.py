@@ -53,7 +53,7 @@ boundaries; ``sp_size``: DeepSpeed Ulysses) is refused: it would shard the batch
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,13 +70,14 @@ from ..errors import Refused
 from .hf import parallelize
 from .router_losses import model_setting
 from .trainer_data import check_sp_groups, drop_remainder, model_batch, split_loader
+from .trl_objectives import trl_kind
 
 
 class _State:
     """The mesh and layout a trainer runs on, and its sizes: world = dp * sp ranks."""
 
-    def __init__(self, mesh: DeviceMesh, layout: str) -> None:
-        self.mesh, self.layout = mesh, layout
+    def __init__(self, mesh: DeviceMesh, layout: str, strategy: str = "ulysses") -> None:
+        self.mesh, self.layout, self.strategy = mesh, layout, strategy
         self.world, self.dp = int(mesh.mesh.numel()), dp_size(mesh)
         self.sp = self.world // self.dp
         self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
@@ -91,6 +92,7 @@ class SeqParTrainerMixin:
     Raises what :func:`parallelize_trainer` raises, from the constructor."""
 
     loss_is_scaled_for_ga = True  # the loss is normalised by N over the whole accumulation window
+    seqpar_batch_keys: tuple[str, ...] = ()  # a TRL trainer's own batch columns (trl_trainers)
     _seqpar: _State
 
     def __init__(self, *args: Any, sp: int | None = None, mesh: DeviceMesh | None = None,
@@ -136,7 +138,7 @@ class SeqParTrainerMixin:
                 except StopIteration:
                     break
             state = self._seqpar
-            check_sp_groups(batches, num_batches, state.mesh)
+            check_sp_groups(batches, num_batches, state.mesh, self.seqpar_batch_keys)
             if not batches or "labels" not in batches[0]:
                 return batches, None
             return batches, count_target_tokens([model_batch(b) for b in batches], state.mesh)
@@ -207,6 +209,22 @@ def _trl_aux_term(trainer: Any, model: nn.Module, outputs: Any, num_items_in_bat
 
 _classes: dict[tuple[type, tuple[type, ...]], type] = {}
 
+TRL_MIXINS: dict[str, tuple[type[SeqParTrainerMixin], Callable[[Any, _State], None]]] = {}
+"""TRL's objective trainers (by class name: "DPOTrainer"...): their mixin and setup, registered by
+:mod:`.trl_trainers` (which ``import seqpar`` imports; it subclasses the mixin above, so this module
+cannot import it)."""
+
+
+def trl_entry(cls: type) -> tuple[type[SeqParTrainerMixin], Callable[[Any, _State], None]] | None:
+    """``(mixin, setup)`` for a TRL objective trainer class, None for other trainers."""
+    kind = trl_kind(cls)
+    if kind is None:
+        return None
+    if kind not in TRL_MIXINS:
+        raise Refused(f"seqpar's {kind} integration is not loaded: import seqpar (or "
+                      "seqpar.integrations.trl_trainers) before parallelize_trainer")
+    return TRL_MIXINS[kind]
+
 
 def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
                         strategy: str = "ulysses", layout: str = "contiguous", schedule: Any = None) -> Any:
@@ -225,7 +243,10 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     size, if the model cannot be parallelized (:func:`seqpar.parallelize`), if the mesh does not
     span every process of the trainer, if accelerate's own context / sequence parallelism is on, or
     if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
-    label smoothing, TRL's ``loss_type="dft"``). A MoE router aux loss is exact (the model's
+    label smoothing, TRL's ``loss_type="dft"``). TRL's ``DPOTrainer``, ``RewardTrainer`` and
+    ``GRPOTrainer`` keep their own loss, exact (:mod:`.trl_objectives`, :mod:`.trl_grpo`); what of
+    them seqpar cannot make exact is Refused by its option name (:func:`.trl_trainers.check_trl_options`,
+    :func:`.trl_grpo.check_grpo_options`). A MoE router aux loss is exact (the model's
     ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's SFTTrainer weighted
     as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp;
     at dp > 1 each dp rank's own, as under DDP without seqpar). Another TRL trainer adding a router
@@ -241,12 +262,15 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     if isinstance(trainer, SeqParTrainerMixin):
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
                          "seqpar.SeqParTrainerMixin)")
+    entry = trl_entry(type(trainer))
+    mixin = entry[0] if entry else SeqParTrainerMixin  # TRL's DPO / Reward / GRPO trainers: their own
     state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
     base = type(trainer)
     cls = _classes.get((base, dynamic))
-    if cls is None:
+    if cls is None:  # the base's own loss_is_scaled_for_ga where its compute_loss stays TRL's
+        own = {} if mixin is SeqParTrainerMixin else {"loss_is_scaled_for_ga": base.loss_is_scaled_for_ga}
         cls = _classes[base, dynamic] = type(f"SeqPar{'Dynamic' * bool(dynamic)}{base.__name__}",
-                                             (*dynamic, SeqParTrainerMixin, base), {})
+                                             (*dynamic, mixin, base), own)
     trainer.__class__ = cls  # the class a user would have written; its __init__ has already run
     trainer._seqpar = state
     if schedule is not None:
@@ -259,7 +283,7 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
     """Check the trainer and parallelize its model over ``mesh`` (or ``init_mesh(sp=sp)``)."""
     _check_mesh_or_sp(mesh, sp, who)
     mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, who)
-    state = _State(mesh, layout)
+    state = _State(mesh, layout, strategy)
     processes = int(trainer.accelerator.num_processes)
     if state.world != processes:
         raise ValueError(f"the mesh spans {state.world} ranks but the trainer runs {processes} processes: "
@@ -271,6 +295,15 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                          "would shard the batch a second time (and torch context_parallel drops the attention "
                          "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
                          "when seqpar runs the sequence parallelism")
+    entry = trl_entry(type(trainer))
+    if entry is not None:  # TRL's DPO / Reward / GRPO trainers: TRL's own loss, sharded
+        mixin, setup_trl = entry
+        if who != "parallelize_trainer" and not isinstance(trainer, mixin):
+            raise ValueError(f"{who} is over TRL's {mixin.__name__.removeprefix('SeqPar').removesuffix('Mixin')}"
+                             f"Trainer, whose loss SeqParTrainerMixin does not compute: build it plainly and call "
+                             "seqpar.parallelize_trainer(trainer, sp=...)")
+        setup_trl(trainer, state)
+        return state
     check_loss_options(trainer)
     unverified = _router_aux_unverified(trainer) if state.dp > 1 else None
     if unverified is not None:

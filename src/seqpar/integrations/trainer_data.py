@@ -63,14 +63,16 @@ def model_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k not in DERIVED_KEYS}
 
 
-def check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: DeviceMesh) -> None:
+def check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: DeviceMesh,
+                    extra_keys: tuple[str, ...] = ()) -> None:
     """Every rank of an SP group must hold the same micro-batches; raise on every rank if not.
 
     One all-gather of a row of facts over all ranks (not only the SP group: a failing group must
     not leave the other dp groups waiting in the gradient all-reduce), then the same verdict on
     every rank from the same table. A vision-language collator's images (``pixel_values``, grids,
     ``mm_token_type_ids``: :data:`~seqpar.batch.visual.ROUTED_KEYS`) are compared too; a key of a
-    mechanism seqpar does not run (:data:`~seqpar.batch.visual.REFUSED_KEYS`) is a Refused."""
+    mechanism seqpar does not run (:data:`~seqpar.batch.visual.REFUSED_KEYS`) is a Refused.
+    ``extra_keys``: a TRL trainer's own columns (DPO's ``completion_mask``...), compared too."""
     facts: dict[str, float] = {"count": float(len(batches))}
     problem, refused = None, False
     for m in range(expected):
@@ -82,9 +84,12 @@ def check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: Devic
         facts[f"{m}.ids"] = checksum(ids) if ok else -1.0
         visual = {k: b[k] for k in ROUTED_KEYS if isinstance(b.get(k), Tensor)} if b is not None else {}
         facts[f"{m}.visual"] = fingerprint(visual)
+        own = {k: b[k] for k in extra_keys if isinstance(b.get(k), Tensor)} if b is not None else {}
+        facts[f"{m}.extra"] = fingerprint(own)
         if b is None or problem is not None:
             continue
-        unknown = set(b) - set(BATCH_KEYS) - set(CU_SEQLENS_KEYS) - set(DERIVED_KEYS) - set(ROUTED_KEYS) - {BATCH_KWARG}
+        known = {*BATCH_KEYS, *CU_SEQLENS_KEYS, *DERIVED_KEYS, *ROUTED_KEYS, BATCH_KWARG, *extra_keys}
+        unknown = set(b) - known
         mechanism = refused_key_problem(b)
         if mechanism is not None:  # e.g. Gemma 3's token_type_ids: a refusal, not a malformed batch
             problem, refused = f"micro-batch {m}: {mechanism}", True
@@ -97,7 +102,8 @@ def check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: Devic
     check(table, what="Trainer batches")  # a malformed batch anywhere: every rank raises
     names = {f"{m}.{k}": f"micro-batch {m}'s {what}" for m in range(expected)
              for k, what in (("batch", "batch size"), ("seq", "sequence length"), ("ids", "content (input_ids)"),
-                             ("visual", f"images (its {list(ROUTED_KEYS)})"))}
+                             ("visual", f"images (its {list(ROUTED_KEYS)})"),
+                             ("extra", f"columns {list(extra_keys)}"))}
     names["count"] = "number of micro-batches in the step"
     for ranks in sp_groups(mesh):  # every rank checks every group: the same verdict everywhere
         check(Table([table.rows[r] for r in ranks], [None] * len(ranks)),
