@@ -1,21 +1,24 @@
 """Dynamic SP schedule vs static sp=4: step time on the same rows, 4 gloo ranks, a tiny Llama.
 
-    python benchmarks/bench_dynamic_sp.py            # ratios from one run; ~2-3 min on 2 shared cores
+    python benchmarks/bench_dynamic_sp.py            # ratios from one run; ~1-2 min on 2 shared cores
 
-Two mixes, each one step of the same rows under both schedules (same tokens per step, same token
-budget per rank per bin):
+Two mixes, each stepped under both schedules (same rows, same tokens per step, same token budget
+per rank per bin):
   long-tailed   lognormal lengths (mean ~512 tokens, capped at 8192), fixed seed
-  all-long      every row 8192 tokens: nothing to gain, shows the schedule's overhead
+  all-long      every row 8192 tokens: nothing to gain; the two schedules must be the same (asserted),
+                so the ratio shows what the dynamic path itself adds per step
 
-First the cost model is refitted on this machine (degree-1 bins of two sizes for the compute
-constants, all-to-alls of two sizes at degree 4 for the link); then each schedule's predicted step
-time is printed beside the measured one (the fastest of ``--repeat`` steps -- on a shared machine
-contention only adds -- static and dynamic alternating, each step's time the slowest rank's).
+First the cost model is refitted on this machine (:func:`calibrate`); then each mix runs
+``--repeat`` rounds of one static and one dynamic step, alternating which goes first (ABBA...), so
+a burst of load from another job hits both. Each round gives a ratio (dynamic / static, each step's
+time the slowest rank's); the median ratio is reported with its spread (min-max over the rounds),
+and the cost model's prediction beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -24,6 +27,7 @@ from seqpar.comm.launch import run_distributed
 
 WORLD = 4
 MAX_LEN = 8192
+TARGETS = {"long-tailed": 0.75, "all-long": 1.02}
 
 
 def lognormal_lengths(n: int, *, mean: float, cap: int, seed: int) -> list[int]:
@@ -44,67 +48,102 @@ def _rows(lengths: list[int], vocab: int, seed: int) -> list[dict]:
     return rows
 
 
-def _timed(fn, group) -> float:
+def _timed(fn) -> float:
+    """Seconds of ``fn`` on the slowest rank (a barrier over every rank on each side)."""
     import torch.distributed as dist
 
-    dist.barrier(group=group)
+    dist.barrier()
     t0 = time.perf_counter()
     fn()
-    dist.barrier(group=group)
+    dist.barrier()
     return time.perf_counter() - t0
 
 
-def _fit_cost(model, shapes, mesh):
-    """This machine's constants: degree-1 forward + backward of two bin sizes, all-to-alls of two sizes."""
+def _fastest(fn, n: int = 3) -> float:
+    """The fastest of ``n`` runs: another job's load only ever adds, so this is the machine's own."""
+    return min(_timed(fn) for _ in range(n))
+
+
+def calibrate(model, shapes, mesh):
+    """This machine's cost model, the same on every rank (each measurement the fastest of a few,
+    averaged over the ranks):
+
+    - compute: degree-1 bins on every rank at once (one short, one at the budget, the budget as 8
+      documents, one 8k document for the attention rate) -> :func:`fit_machine`;
+    - link: all-to-alls of two sizes over the sp group -> bandwidth and one collective's latency;
+    - each degree k > 1: bins of k x 512 and k x 2048 tokens on every block at once ->
+      :func:`fit_degrees` (how much slower a rank computes at degree k, and a layer's fixed cost);
+    - a step's fixed cost: gradient sync and zeroing after a backward.
+    """
     import torch.distributed as dist
 
     import seqpar
     from seqpar.comm.degrees import degree_meshes
     from seqpar.planner.bins import pack_rows
-    from seqpar.planner.work import fit_machine
+    from seqpar.planner.work import fit_degrees, fit_machine
 
-    one = degree_meshes(mesh).mesh(1)
-    samples = []
-    for n in (512, 2048, MAX_LEN):  # the longest one is mostly attention
-        batch = pack_rows(_rows([n], shapes.vocab_size, n))
-        run = lambda b=batch: model(**seqpar.shard_batch(b, one)).loss.backward()  # noqa: E731
+    meshes = degree_meshes(mesh)
+    bins = [([512], 1), ([2048], 1), ([256] * 8, 1), ([MAX_LEN], 1)]
+    bins += [([k * n], k) for k in meshes.degrees if k > 1 for n in (512, 2048)]
+    measured = []
+    for docs, k in bins:
+        lengths = [n for n in docs]
+        batch = pack_rows(_rows(lengths, shapes.vocab_size, sum(docs))) if len(docs) == 1 else \
+            pack_rows([{"input_ids": torch.cat([r["input_ids"] for r in _rows(lengths, shapes.vocab_size, 7)]),
+                        "position_ids": torch.cat([torch.arange(n) for n in lengths]),
+                        "labels": torch.cat([r["labels"] for r in _rows(lengths, shapes.vocab_size, 7)])}])
+        local = seqpar.shard_batch(batch, meshes.mesh(k))
+        run = lambda local=local: model(**local).loss.backward()  # noqa: E731
         run()
-        samples.append(([n], min(_timed(run, None) for _ in range(3))))
+        measured.append(_fastest(run))
     group = mesh.get_group("sp")
-    times = []
+    link = []
     for n in (1024, 8192):
         x = torch.randn(n * shapes.heads * shapes.head_dim)
         out = torch.empty_like(x)
-        times.append(min(_timed(lambda x=x, out=out: dist.all_to_all_single(out, x, group=group), group)
-                         for _ in range(5)))
-        sizes = [x.numel() * 4 * 3 / 4]  # bytes leaving this rank
-        times[-1] = (sizes[0], times[-1])
-    # every rank must plan with the same cost model (else the schedules differ and plan() refuses):
-    # the measurements are averaged over the ranks before the fit
-    measured = torch.tensor([s for _, s in samples] + [t for _, t in times], dtype=torch.float64)
-    dist.all_reduce(measured)
-    measured = (measured / dist.get_world_size()).tolist()
-    samples = [(d, measured[i]) for i, (d, _) in enumerate(samples)]
-    times = [(b, measured[len(samples) + i]) for i, (b, _) in enumerate(times)]
-    (b0, t0), (b1, t1) = times
+        link.append((x.numel() * 4 * (WORLD - 1) / WORLD,  # bytes leaving this rank
+                     _fastest(lambda x=x, out=out: dist.all_to_all_single(out, x, group=group), 5)))
+    measured += [t for _, t in link]
+
+    def sync():
+        seqpar.sync_gradients(model, mesh)
+        model.zero_grad(set_to_none=True)
+
+    model(**local).loss.backward()
+    measured.append(_timed(sync))
+    # every rank must plan with the same cost model (else the schedules differ and plan() refuses)
+    mean = torch.tensor(measured, dtype=torch.float64)
+    dist.all_reduce(mean)
+    mean = (mean / dist.get_world_size()).tolist()
+    (b0, _), (b1, _) = link
+    t0, t1 = mean[len(bins)], mean[len(bins) + 1]
     bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
     latency = max(t0 - b0 / bandwidth, 0.0)
-    return fit_machine(samples, shapes, bytes_per_s=bandwidth, collective_s=latency)
+    samples = [(docs, k, s) for (docs, k), s in zip(bins, mean, strict=False)]
+    machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=bandwidth,
+                          collective_s=latency)
+    machine = fit_degrees(samples, shapes, machine)
+    from dataclasses import replace
+
+    return replace(machine, step_s=mean[-1]), samples
 
 
-def _step(model, mesh, dyn, rows) -> tuple[float, object]:
+def _step(model, mesh, dyn, rows) -> tuple[float, object, float]:
+    """(seconds of one optimizer step on the slowest rank, its schedule, seconds spent planning)."""
     import seqpar
 
     def run():
+        t = time.perf_counter()
         step = dyn.plan(rows)
+        run.plan_s = time.perf_counter() - t
         for local in step:
             model(**local).loss.backward()
         seqpar.sync_gradients(model, mesh)
         model.zero_grad(set_to_none=True)
         run.schedule = step.schedule
 
-    elapsed = _timed(run, None)
-    return elapsed, run.schedule
+    elapsed = _timed(run)
+    return elapsed, run.schedule, run.plan_s
 
 
 def _worker(rank: int, world: int, repeat: int) -> dict:
@@ -124,50 +163,66 @@ def _worker(rank: int, world: int, repeat: int) -> dict:
     shapes = Shapes(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                     hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                     layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, dtype_bytes=4)
-    machine = _fit_cost(model, shapes, mesh)
+    machine, samples = calibrate(model, shapes, mesh)
     cost = functools.partial(bin_seconds, shapes=shapes, machine=machine)
     budget = MAX_LEN // world  # tokens per rank per bin: an 8k row needs all 4 ranks
     schedules = {"dynamic": DynamicSP(mesh, token_budget=budget, cost=cost),
                  "static": DynamicSP(mesh, token_budget=budget, cost=cost, degrees=(world,))}
     tail = lognormal_lengths(48, mean=512, cap=MAX_LEN, seed=37)
     mixes = {"long-tailed": tail, "all-long": [MAX_LEN] * max(1, round(sum(tail) / MAX_LEN))}
-    out: dict = {"machine": machine}
+    out: dict = {"machine": machine, "samples": [(d, k, s, cost(d, k)) for d, k, s in samples]}
     for mix, lengths in mixes.items():
         rows = _rows(lengths, cfg.vocab_size, seed=1)
         times: dict[str, list[float]] = {"static": [], "dynamic": []}
+        planning: dict[str, list[float]] = {"static": [], "dynamic": []}
         plans = {}
-        for i in range(repeat + 1):  # the first round warms up
+        for i in range(repeat + 1):  # round 0 warms up
             for name in ("static", "dynamic") if i % 2 == 0 else ("dynamic", "static"):
-                t, plans[name] = _step(model, mesh, schedules[name], rows)
+                t, plans[name], p = _step(model, mesh, schedules[name], rows)
                 if i:
                     times[name].append(t)
-        out[mix] = {"tokens": sum(lengths), "rows": len(lengths),
-                    **{name: (min(ts), plans[name].predicted_step_s, dict(plans[name].rows_at_degree))
+                    planning[name].append(p)
+        if mix == "all-long":  # nothing to gain: the dynamic schedule must be the static one, bin for bin
+            assert plans["dynamic"].bins == plans["static"].bins, (plans["dynamic"].bins, plans["static"].bins)
+        ratios = [d / s for d, s in zip(times["dynamic"], times["static"], strict=True)]
+        out[mix] = {"tokens": sum(lengths), "rows": len(lengths), "ratios": ratios,
+                    "same_bins": plans["dynamic"].bins == plans["static"].bins,
+                    **{name: (statistics.median(ts), plans[name].predicted_step_s + machine.step_s,
+                              dict(plans[name].rows_at_degree), statistics.median(planning[name]))
                        for name, ts in times.items()}}
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=3, help="timed steps per schedule and mix (default 3)")
-    args = ap.parse_args()
-    res = run_distributed(_worker, WORLD, args.repeat, timeout=1800)[0]
+def report(res: dict) -> list[str]:
     m = res["machine"]
-    print(f"cost model refitted here: linear {m.flops_per_s / 1e9:.2f} GFLOP/s, attention "
-          f"{m.attention_flops_per_s / 1e9:.2f} GFLOP/s, {m.bytes_per_s / 1e6:.0f} MB/s, "
-          f"collective {m.collective_s * 1e3:.2f} ms, per bin {m.bin_s * 1e3:.1f} ms")
-    print(f"{'mix':<12} {'schedule':<8} {'rows at degree':<26} {'measured':>9} {'predicted':>9}")
-    for mix in ("long-tailed", "all-long"):
+    lines = [f"cost model refitted here: linear {m.flops_per_s / 1e9:.2f} GFLOP/s, attention "
+             f"{m.attention_rate / 1e9:.2f} GFLOP/s, {m.bytes_per_s / 1e6:.0f} MB/s, collective "
+             f"{m.collective_s * 1e3:.2f} ms, per bin {m.bin_s * 1e3:.1f} ms, per layer "
+             + ", ".join(f"sp={k}: {s * 1e3:.1f} ms" for k, s in m.layer_s)
+             + f", per step {m.step_s * 1e3:.1f} ms",
+             "calibration bins (measured / refitted model): "
+             + "; ".join(f"{len(d)}x{d[0]}@sp={k} {s * 1e3:.0f}/{p * 1e3:.0f} ms" for d, k, s, p in res["samples"]),
+             f"{'mix':<12} {'schedule':<8} {'rows at degree':<26} {'measured':>9} {'predicted':>9} {'planning':>9}"]
+    for mix, target in TARGETS.items():
         r = res[mix]
         for name in ("static", "dynamic"):
-            t, p, hist = r[name]
+            t, p, hist, plan_s = r[name]
             text = ", ".join(f"sp={k}: {n}" for k, n in sorted(hist.items()))
-            print(f"{mix:<12} {name:<8} {text:<26} {t:>8.3f}s {p:>8.3f}s")
-        ratio, pred = r["dynamic"][0] / r["static"][0], r["dynamic"][1] / r["static"][1]
-        target = 0.75 if mix == "long-tailed" else 1.02
-        print(f"{mix:<12} dynamic / static: measured {ratio:.3f}x, predicted {pred:.3f}x "
-              f"(target <= {target}x: {'met' if ratio <= target else 'MISSED'}; "
-              f"{r['rows']} rows, {r['tokens']} tokens)")
+            lines.append(f"{mix:<12} {name:<8} {text:<26} {t:>8.3f}s {p:>8.3f}s {plan_s * 1e3:>7.2f}ms")
+        ratio, pred = statistics.median(r["ratios"]), r["dynamic"][1] / r["static"][1]
+        same = "; the same bins as static" if r["same_bins"] else ""
+        lines.append(f"{mix:<12} dynamic / static: measured {ratio:.3f}x (median of {len(r['ratios'])} rounds, "
+                     f"{min(r['ratios']):.3f}-{max(r['ratios']):.3f}), predicted {pred:.3f}x "
+                     f"(target <= {target}x: {'met' if ratio <= target else 'MISSED'}; "
+                     f"{r['rows']} rows, {r['tokens']} tokens{same})")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=7, help="timed rounds per mix (default 7)")
+    args = ap.parse_args()
+    print("\n".join(report(run_distributed(_worker, WORLD, args.repeat, timeout=1800)[0])))
 
 
 if __name__ == "__main__":

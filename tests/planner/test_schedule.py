@@ -4,11 +4,14 @@ the cost model's bin prediction."""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import pytest
 
 from seqpar.comm.degrees import degree_chain
 from seqpar.planner.schedule import plan_step, steps_by_tokens
-from seqpar.planner.work import H100, Machine, Shapes, bin_seconds, fit_machine
+from seqpar.planner.work import H100, Machine, Shapes, bin_seconds, fit_degrees, fit_machine
 
 
 def _tokens(docs, k):
@@ -122,3 +125,66 @@ def test_fit_machine_recovers_the_constants():
     assert fit.flops_per_s == pytest.approx(2e10, rel=1e-6) and fit.attention_rate == pytest.approx(5e10, rel=1e-6)
     with pytest.raises(ValueError, match="two bins of different sizes"):
         fit_machine(samples[:1], SHAPES, bytes_per_s=1e9, collective_s=1e-3)
+
+
+def test_a_degree_costs_its_measured_scale_and_fixed_cost_per_layer():
+    plain = Machine(flops_per_s=1e12, bytes_per_s=1e9, collective_s=1e-4)
+    assert plain.layer_overhead(1) == 0.0 and plain.layer_overhead(4) == pytest.approx(4e-4)  # 4 collectives
+    assert plain.scale(4) == 1.0
+    cpu = Machine(flops_per_s=1e12, bytes_per_s=1e9, collective_s=1e-4, layer_s=((4, 0.03),),
+                  compute_scale=((4, 2.0),))
+    assert cpu.layer_overhead(4) == 0.03 and cpu.layer_overhead(2) == pytest.approx(4e-4)
+    docs = [3000, 500]
+    compute = (SHAPES.linear_flops * 3500 + SHAPES.attention_flops * (3000 ** 2 + 500 ** 2)) / 1e12
+    extra = bin_seconds(docs, 4, SHAPES, cpu) - bin_seconds(docs, 4, SHAPES, plain)
+    assert extra == pytest.approx(compute / 4 + SHAPES.layers * (0.03 - 4e-4), rel=1e-12)
+    assert bin_seconds(docs, 1, SHAPES, cpu) == bin_seconds(docs, 1, SHAPES, plain)  # degree 1 pays neither
+
+
+def test_fit_degrees_recovers_each_degrees_scale_and_fixed_cost():
+    true = Machine(flops_per_s=2e10, bytes_per_s=1e9, bin_s=0.02, attention_flops_per_s=5e10,
+                   layer_s=((2, 0.001), (4, 0.004)), compute_scale=((2, 1.25), (4, 1.8)))
+    start = Machine(flops_per_s=2e10, bytes_per_s=1e9, bin_s=0.02, attention_flops_per_s=5e10, collective_s=1e-5)
+    samples = [([k * n], k, bin_seconds([k * n], k, SHAPES, true)) for k in (2, 4) for n in (512, 2048)]
+    samples.append(([100], 1, 123.0))  # degree 1 is fit_machine's: ignored here
+    fit = fit_degrees(samples, SHAPES, start)
+    assert dict(fit.compute_scale) == pytest.approx({2: 1.25, 4: 1.8}, rel=1e-9)
+    assert dict(fit.layer_s) == pytest.approx({2: 0.001, 4: 0.004}, rel=1e-6)
+    for docs, k, s in samples[:-1]:
+        assert bin_seconds(docs, k, SHAPES, fit) == pytest.approx(s, rel=1e-9)
+    # one size per degree: its fixed cost alone, at scale 1
+    one = fit_degrees(samples[:1], SHAPES, start)
+    assert one.scale(2) == 1.0 and bin_seconds(*samples[0][:2], SHAPES, one) == pytest.approx(samples[0][2])
+    with pytest.raises(ValueError, match="a degree above 1"):
+        fit_degrees(samples[-1:], SHAPES, start)
+
+
+TINY = Shapes(heads=4, kv_heads=2, head_dim=8, hidden_size=32, intermediate_size=64, layers=2, vocab_size=128,
+             dtype_bytes=4)  # seqpar's tiny-llama
+CPU = Machine(flops_per_s=3e9, bytes_per_s=5e8, bin_s=0.035, attention_flops_per_s=1.5e10,
+              layer_s=((2, 0.002), (4, 0.006)), compute_scale=((2, 1.3), (4, 1.5)))  # 4 ranks on 2 cores
+
+
+def test_fit_degrees_clamps_what_no_measurement_can_mean():
+    start = replace(CPU, layer_s=(), compute_scale=())
+    # faster than its compute at every size: no negative fixed cost, the slope through the origin
+    fast = replace(start, compute_scale=((4, 0.8),))
+    samples = [([n], 4, bin_seconds([n], 4, TINY, fast) - 0.01) for n in (2048, 8192)]
+    fit = fit_degrees(samples, TINY, start)
+    assert dict(fit.layer_s)[4] == 0.0 and 0.5 <= fit.scale(4) < 0.8
+    # a falling line (noise): scale held at 1/2, the fixed cost from the mean
+    noisy = [([1024], 4, 0.3), ([2048], 4, 0.2)]
+    fit = fit_degrees(noisy, TINY, start)
+    assert fit.scale(4) == 0.5 and dict(fit.layer_s)[4] > 0
+    assert sum(bin_seconds(d, k, TINY, fit) - s for d, k, s in noisy) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_costly_degree_keeps_short_rows_apart_and_the_prediction_says_so():
+    cost = functools.partial(bin_seconds, shapes=TINY, machine=CPU)
+    lengths = (4000, 1500, 900, 700, 600, 500, 400, 300, 200, 100, 100, 80)
+    dyn = plan_step([[n] for n in lengths], world=4, sp=4, token_budget=2048, cost=cost)
+    static = plan_step([[n] for n in lengths], world=4, sp=4, token_budget=2048, cost=cost, degrees=(4,))
+    assert dyn.rows_at_degree == {1: len(lengths) - 1, 2: 1}  # each row at the smallest degree it fits
+    assert static.predicted_step_s == pytest.approx(sum(b.predicted_s for b in static.bins))
+    assert dyn.predicted_step_s == pytest.approx(max(sum(b.predicted_s for b in dyn.bins_for(r)) for r in range(4)))
+    assert dyn.predicted_step_s < static.predicted_step_s
