@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from seqpar.comm.degrees import degree_chain
+from seqpar.planner.gain import lognormal_lengths, predict_gain
 from seqpar.planner.schedule import plan_step, steps_by_tokens
 from seqpar.planner.work import H100, Machine, Shapes, bin_seconds, fit_degrees, fit_machine
 
@@ -44,7 +45,8 @@ def test_every_row_in_exactly_one_bin_within_the_budget_at_its_smallest_degree()
 
 def test_execution_order_is_by_degree_and_predictions_add_up():
     lengths = [3, 17, 8, 9, 30, 1, 16, 5, 12, 7, 7, 2]
-    s = plan_step([[n] for n in lengths], world=4, sp=4, token_budget=8, cost=_tokens)
+    s = plan_step([[n] for n in lengths], world=4, sp=4, token_budget=8, cost=lambda d, k: _tokens(d, k) + (k > 1) * 9)
+    assert set(s.rows_at_degree) == {1, 2, 4}  # a mixed schedule (static is predicted slower)
     assert [b.degree for b in s.bins] == sorted((b.degree for b in s.bins), reverse=True)
     for r in range(4):
         assert s.predicted_rank_s[r] == pytest.approx(sum(b.predicted_s for b in s.bins_for(r)))
@@ -188,3 +190,42 @@ def test_a_costly_degree_keeps_short_rows_apart_and_the_prediction_says_so():
     assert static.predicted_step_s == pytest.approx(sum(b.predicted_s for b in static.bins))
     assert dyn.predicted_step_s == pytest.approx(max(sum(b.predicted_s for b in dyn.bins_for(r)) for r in range(4)))
     assert dyn.predicted_step_s < static.predicted_step_s
+
+
+def test_a_dynamic_schedule_is_never_predicted_slower_than_static():
+    # few bins per step, each paying a large fixed cost: LPT cannot spread 5 bins over 8 ranks,
+    # while static packs them into one bin over all 8
+    def cost(docs, k):
+        return sum(docs) / k + 50.0
+
+    docs = [[2000], [1500], [1200], [900], [300]]
+    dyn = plan_step(docs, world=8, sp=8, token_budget=2048, cost=cost)
+    static = plan_step(docs, world=8, sp=8, token_budget=2048, cost=cost, degrees=(8,))
+    greedy = plan_step(docs, world=8, sp=8, token_budget=2048, cost=cost, max_raises=0)
+    assert greedy.predicted_step_s > static.predicted_step_s  # the greedy alone would lose
+    assert dyn == static and dyn.rows_at_degree == {8: 5}
+
+
+def test_lognormal_lengths_are_seeded_and_bounded():
+    a = lognormal_lengths(2000, mean=512, cap=8192, seed=3)
+    assert a == lognormal_lengths(2000, mean=512, cap=8192, seed=3) != lognormal_lengths(2000, mean=512, cap=8192,
+                                                                                          seed=4)
+    assert min(a) >= 16 and max(a) <= 8192 and 400 < sum(a) / len(a) < 620  # mean 512 before the cap
+    with pytest.raises(ValueError, match="mean > 0"):
+        lognormal_lengths(3, mean=0, cap=10, seed=0)
+
+
+def test_predict_gain_sums_each_steps_two_schedules():
+    cost = functools.partial(bin_seconds, shapes=TINY, machine=CPU)
+    lengths = lognormal_lengths(60, mean=512, cap=8192, seed=37)
+    g = predict_gain(lengths, world=4, sp=4, token_budget=2048, tokens_per_step=8192, cost=cost)
+    steps = steps_by_tokens(lengths, 8192)
+    plans = [(plan_step([[lengths[i]] for i in s], world=4, sp=4, token_budget=2048, cost=cost),
+              plan_step([[lengths[i]] for i in s], world=4, sp=4, token_budget=2048, cost=cost, degrees=(4,)))
+             for s in steps]
+    assert (g.steps, g.rows, g.tokens) == (len(steps), 60, sum(lengths))
+    assert g.dynamic_s == pytest.approx(sum(d.predicted_step_s for d, _ in plans), rel=1e-12)
+    assert g.static_s == pytest.approx(sum(s.predicted_step_s for _, s in plans), rel=1e-12)
+    assert sum(g.rows_at_degree.values()) == 60 and g.ratio <= 1.0
+    same = predict_gain([8192] * 5, world=4, sp=4, token_budget=2048, tokens_per_step=8192, cost=cost)
+    assert same.ratio == 1.0 and same.rows_at_degree == {4: 5}
