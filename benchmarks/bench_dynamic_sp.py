@@ -18,25 +18,18 @@ and the cost model's prediction beside it.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
 from seqpar.comm.launch import run_distributed
+from seqpar.planner.gain import lognormal_lengths
 
 WORLD = 4
 MAX_LEN = 8192
 TARGETS = {"long-tailed": 0.75, "all-long": 1.02}
-
-
-def lognormal_lengths(n: int, *, mean: float, cap: int, seed: int) -> list[int]:
-    """``n`` lengths ~ lognormal(mu, sigma=1.2) with mean ``mean`` before the cap, in [16, cap]."""
-    sigma = 1.2
-    mu = torch.log(torch.tensor(mean)).item() - sigma ** 2 / 2
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.exp(mu + sigma * torch.randn(n, generator=g, dtype=torch.float64))
-    return [int(min(max(16, round(float(x))), cap)) for x in draws]
 
 
 def _rows(lengths: list[int], vocab: int, seed: int) -> list[dict]:
@@ -71,7 +64,7 @@ def calibrate(model, shapes, mesh):
     - compute: degree-1 bins on every rank at once (one short, one at the budget, the budget as 8
       documents, one 8k document for the attention rate) -> :func:`fit_machine`;
     - link: all-to-alls of two sizes over the sp group -> bandwidth and one collective's latency;
-    - each degree k > 1: bins of k x 512 and k x 2048 tokens on every block at once ->
+    - each degree k > 1: bins of k x 512 tokens, k x 2048 (one document, and eight) on every block at once ->
       :func:`fit_degrees` (how much slower a rank computes at degree k, and a layer's fixed cost);
     - a step's fixed cost: gradient sync and zeroing after a backward.
     """
@@ -84,15 +77,10 @@ def calibrate(model, shapes, mesh):
 
     meshes = degree_meshes(mesh)
     bins = [([512], 1), ([2048], 1), ([256] * 8, 1), ([MAX_LEN], 1)]
-    bins += [([k * n], k) for k in meshes.degrees if k > 1 for n in (512, 2048)]
+    bins += [(docs, k) for k in meshes.degrees if k > 1 for docs in ([k * 512], [k * 256] * 8, [k * 2048])]
     measured = []
     for docs, k in bins:
-        lengths = [n for n in docs]
-        batch = pack_rows(_rows(lengths, shapes.vocab_size, sum(docs))) if len(docs) == 1 else \
-            pack_rows([{"input_ids": torch.cat([r["input_ids"] for r in _rows(lengths, shapes.vocab_size, 7)]),
-                        "position_ids": torch.cat([torch.arange(n) for n in lengths]),
-                        "labels": torch.cat([r["labels"] for r in _rows(lengths, shapes.vocab_size, 7)])}])
-        local = seqpar.shard_batch(batch, meshes.mesh(k))
+        local = seqpar.shard_batch(pack_rows(_rows(docs, shapes.vocab_size, sum(docs))), meshes.mesh(k))
         run = lambda local=local: model(**local).loss.backward()  # noqa: E731
         run()
         measured.append(_fastest(run))
@@ -186,6 +174,7 @@ def _worker(rank: int, world: int, repeat: int) -> dict:
             assert plans["dynamic"].bins == plans["static"].bins, (plans["dynamic"].bins, plans["static"].bins)
         ratios = [d / s for d, s in zip(times["dynamic"], times["static"], strict=True)]
         out[mix] = {"tokens": sum(lengths), "rows": len(lengths), "ratios": ratios,
+                    "fastest": min(times["dynamic"]) / min(times["static"]), "times": times,
                     "same_bins": plans["dynamic"].bins == plans["static"].bins,
                     **{name: (statistics.median(ts), plans[name].predicted_step_s + machine.step_s,
                               dict(plans[name].rows_at_degree), statistics.median(planning[name]))
@@ -212,7 +201,8 @@ def report(res: dict) -> list[str]:
         ratio, pred = statistics.median(r["ratios"]), r["dynamic"][1] / r["static"][1]
         same = "; the same bins as static" if r["same_bins"] else ""
         lines.append(f"{mix:<12} dynamic / static: measured {ratio:.3f}x (median of {len(r['ratios'])} rounds, "
-                     f"{min(r['ratios']):.3f}-{max(r['ratios']):.3f}), predicted {pred:.3f}x "
+                     f"{min(r['ratios']):.3f}-{max(r['ratios']):.3f}; fastest / fastest {r['fastest']:.3f}x), "
+                     f"predicted {pred:.3f}x "
                      f"(target <= {target}x: {'met' if ratio <= target else 'MISSED'}; "
                      f"{r['rows']} rows, {r['tokens']} tokens{same})")
     return lines
@@ -220,9 +210,19 @@ def report(res: dict) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=7, help="timed rounds per mix (default 7)")
+    ap.add_argument("--repeat", type=int, default=9, help="timed rounds per mix (default 9)")
+    ap.add_argument("--verbose", action="store_true", help="print every round's two step times too")
     args = ap.parse_args()
-    print("\n".join(report(run_distributed(_worker, WORLD, args.repeat, timeout=1800)[0])))
+    before = os.getloadavg()[0]
+    res = run_distributed(_worker, WORLD, args.repeat, timeout=1800)[0]
+    print("\n".join(report(res)))
+    print(f"load average (1 min) before / after: {before:.1f} / {os.getloadavg()[0]:.1f} "
+          f"({os.cpu_count()} cores; this benchmark's {WORLD} ranks alone make {WORLD})")
+    if args.verbose:
+        for mix in TARGETS:
+            print(mix, "static / dynamic per round:", ", ".join(
+                f"{s:.2f}/{d:.2f}" for s, d in zip(res[mix]["times"]["static"], res[mix]["times"]["dynamic"],
+                                                   strict=True)))
 
 
 if __name__ == "__main__":
