@@ -229,3 +229,11 @@ def test_predict_gain_sums_each_steps_two_schedules():
     assert sum(g.rows_at_degree.values()) == 60 and g.ratio <= 1.0
     same = predict_gain([8192] * 5, world=4, sp=4, token_budget=2048, tokens_per_step=8192, cost=cost)
     assert same.ratio == 1.0 and same.rows_at_degree == {4: 5}
+
+
+def test_rows_that_all_need_sp_give_the_static_schedule_itself():
+    cost = functools.partial(bin_seconds, shapes=TINY, machine=CPU)
+    docs = [[8192], [8000], [5000, 3000], [4500]]
+    dyn = plan_step(docs, world=8, sp=4, token_budget=2048, cost=cost)
+    assert dyn == plan_step(docs, world=8, sp=4, token_budget=2048, cost=cost, degrees=(4,))
+    assert dyn.rows_at_degree == {4: 4} and {b.first_rank for b in dyn.bins} == {0, 4}

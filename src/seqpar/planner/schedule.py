@@ -109,8 +109,8 @@ def plan_step(docs: Sequence[Sequence[int]], *, world: int, sp: int, token_budge
             break
         degree, best = raised
     mixed = _schedule(groups, best, docs, world, sp, token_budget, cost)
-    if chain[-1] != sp or chain == (sp,) or max_raises == 0:
-        return mixed
+    if chain[-1] != sp or chain == (sp,) or max_raises == 0 or all(k == sp for k in need):
+        return mixed  # (every row needing sp: packed and placed as static already, no second plan)
     # the greedy can end above the static schedule (few bins that LPT cannot spread, each paying
     # its fixed cost): then the static schedule is this step's dynamic choice too
     static = plan_step(docs, world=world, sp=sp, token_budget=token_budget, cost=cost, degrees=(sp,))
