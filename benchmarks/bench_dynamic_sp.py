@@ -1,6 +1,6 @@
 """Dynamic SP schedule vs static sp=4: step time on the same rows, 4 gloo ranks, a tiny Llama.
 
-    python benchmarks/bench_dynamic_sp.py            # ratios from one run; ~1-2 min on 2 shared cores
+    python benchmarks/bench_dynamic_sp.py            # ratios from one run; ~2-3 min on 2 shared cores
 
 Two mixes, each stepped under both schedules (same rows, same tokens per step, same token budget
 per rank per bin):
@@ -8,8 +8,8 @@ per rank per bin):
   all-long      every row 8192 tokens: nothing to gain; the two schedules must be the same (asserted),
                 so the ratio shows what the dynamic path itself adds per step
 
-First the cost model is refitted on this machine (:func:`calibrate`); then each mix runs
-``--repeat`` rounds of one static and one dynamic step, alternating which goes first (ABBA...), so
+First the cost model is refitted on this machine (:func:`calibrate`: medians of interleaved probes);
+then each mix runs ``--repeat`` rounds of one static and one dynamic step, alternating which goes first (ABBA...), so
 a burst of load from another job hits both. Each round gives a ratio (dynamic / static, each step's
 time the slowest rank's); the median ratio is reported with its spread (min-max over the rounds),
 and the cost model's prediction beside it.
@@ -52,22 +52,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _fastest(fn, n: int = 3) -> float:
-    """The fastest of ``n`` runs: another job's load only ever adds, so this is the machine's own."""
-    return min(_timed(fn) for _ in range(n))
-
-
-def calibrate(model, shapes, mesh):
-    """This machine's cost model, the same on every rank (each measurement the fastest of a few,
-    averaged over the ranks):
+def calibrate(model, shapes, mesh, rounds: int = 5):
+    """This machine's cost model, the same on every rank. Every probe runs once per round, all of
+    them in turn for ``rounds`` rounds, and counts with its median: a burst of another job's load
+    then lands on every probe alike instead of on whichever ran during it. Then averaged over ranks.
 
     - compute: degree-1 bins on every rank at once (one short, one at the budget, the budget as 8
-      documents, one 8k document for the attention rate) -> :func:`fit_machine`;
-    - link: all-to-alls of two sizes over the sp group -> bandwidth and one collective's latency;
-    - each degree k > 1: bins of k x 512 tokens, k x 2048 (one document, and eight) on every block at once ->
-      :func:`fit_degrees` (how much slower a rank computes at degree k, and a layer's fixed cost);
-    - a step's fixed cost: gradient sync and zeroing after a backward.
+      and as 16 documents for a document's cost, one 4k document for the attention rate) ->
+      :func:`fit_machine`;
+    - each degree k > 1: bins of k x 512 tokens, k x 2048 (one document, and eight) on every block at
+      once -> :func:`fit_degrees` (how much slower a rank computes at degree k, a layer's fixed cost);
+    - a step's fixed cost: gradient sync and zeroing after a backward;
+    - link: all-to-alls of two sizes over the sp group -> bandwidth and one collective's latency.
     """
+    from dataclasses import replace
+
     import torch.distributed as dist
 
     import seqpar
@@ -76,44 +75,40 @@ def calibrate(model, shapes, mesh):
     from seqpar.planner.work import fit_degrees, fit_machine
 
     meshes = degree_meshes(mesh)
-    bins = [([512], 1), ([2048], 1), ([256] * 8, 1), ([MAX_LEN], 1)]
+    bins = [([512], 1), ([2048], 1), ([256] * 8, 1), ([128] * 16, 1), ([4096], 1)]
     bins += [(docs, k) for k in meshes.degrees if k > 1 for docs in ([k * 512], [k * 256] * 8, [k * 2048])]
-    measured = []
+    probes = []
     for docs, k in bins:
         local = seqpar.shard_batch(pack_rows(_rows(docs, shapes.vocab_size, sum(docs))), meshes.mesh(k))
-        run = lambda local=local: model(**local).loss.backward()  # noqa: E731
-        run()
-        measured.append(_fastest(run))
-    group = mesh.get_group("sp")
-    link = []
-    for n in (1024, 8192):
-        x = torch.randn(n * shapes.heads * shapes.head_dim)
-        out = torch.empty_like(x)
-        link.append((x.numel() * 4 * (WORLD - 1) / WORLD,  # bytes leaving this rank
-                     _fastest(lambda x=x, out=out: dist.all_to_all_single(out, x, group=group), 5)))
-    measured += [t for _, t in link]
+        probes.append(lambda local=local: model(**local).loss.backward())
 
     def sync():
         seqpar.sync_gradients(model, mesh)
         model.zero_grad(set_to_none=True)
 
-    model(**local).loss.backward()
-    measured.append(_timed(sync))
+    probes.append(sync)  # right after the bins' backwards: the gradients are there
+    group = mesh.get_group("sp")
+    link = []
+    for n in (1024, 8192):
+        x = torch.randn(n * shapes.heads * shapes.head_dim)
+        out = torch.empty_like(x)
+        link.append(x.numel() * 4 * (WORLD - 1) / WORLD)  # bytes leaving this rank
+        probes.append(lambda x=x, out=out: dist.all_to_all_single(out, x, group=group))
+    for probe in probes:  # warm-up
+        probe()
+    times = [[_timed(probe) for probe in probes] for _ in range(rounds)]
     # every rank must plan with the same cost model (else the schedules differ and plan() refuses)
-    mean = torch.tensor(measured, dtype=torch.float64)
+    mean = torch.tensor([statistics.median(t[i] for t in times) for i in range(len(probes))], dtype=torch.float64)
     dist.all_reduce(mean)
     mean = (mean / dist.get_world_size()).tolist()
-    (b0, _), (b1, _) = link
-    t0, t1 = mean[len(bins)], mean[len(bins) + 1]
+    (b0, b1), (t0, t1) = link, mean[-2:]
     bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
     latency = max(t0 - b0 / bandwidth, 0.0)
     samples = [(docs, k, s) for (docs, k), s in zip(bins, mean, strict=False)]
     machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=bandwidth,
                           collective_s=latency)
     machine = fit_degrees(samples, shapes, machine)
-    from dataclasses import replace
-
-    return replace(machine, step_s=mean[-1]), samples
+    return replace(machine, step_s=mean[len(bins)]), samples
 
 
 def _step(model, mesh, dyn, rows) -> tuple[float, object, float, float]:
@@ -195,7 +190,9 @@ def report(res: dict) -> list[str]:
     m = res["machine"]
     lines = [f"cost model refitted here: linear {m.flops_per_s / 1e9:.2f} GFLOP/s, attention "
              f"{m.attention_rate / 1e9:.2f} GFLOP/s, {m.bytes_per_s / 1e6:.0f} MB/s, collective "
-             f"{m.collective_s * 1e3:.2f} ms, per bin {m.bin_s * 1e3:.1f} ms, per layer "
+             f"{m.collective_s * 1e3:.2f} ms, per bin {m.bin_s * 1e3:.1f} ms, per document "
+             f"{m.doc_s * 1e3:.2f} ms, scale " + ", ".join(f"sp={k}: {x:.2f}" for k, x in m.compute_scale)
+             + ", per layer "
              + ", ".join(f"sp={k}: {s * 1e3:.1f} ms" for k, s in m.layer_s)
              + f", per step {m.step_s * 1e3:.1f} ms",
              "calibration bins (measured / refitted model): "

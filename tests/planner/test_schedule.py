@@ -237,3 +237,21 @@ def test_rows_that_all_need_sp_give_the_static_schedule_itself():
     dyn = plan_step(docs, world=8, sp=4, token_budget=2048, cost=cost)
     assert dyn == plan_step(docs, world=8, sp=4, token_budget=2048, cost=cost, degrees=(4,))
     assert dyn.rows_at_degree == {4: 4} and {b.first_rank for b in dyn.bins} == {0, 4}
+
+
+def test_every_rank_of_a_bin_pays_for_each_of_its_documents_and_the_fit_finds_it():
+    m = replace(CPU, doc_s=0.004)
+    # a rank at degree 4 attends over all 12 documents (its heads): 12 x doc_s, scaled like its work
+    extra = bin_seconds([512] * 12, 4, TINY, m) - bin_seconds([512] * 12, 4, TINY, CPU)
+    assert extra == pytest.approx(CPU.scale(4) * 12 * 0.004, rel=1e-12)
+    assert bin_seconds([512] * 3, 1, TINY, m) - bin_seconds([512] * 3, 1, TINY, CPU) == pytest.approx(0.012)
+    true = Machine(flops_per_s=3e9, bytes_per_s=5e8, bin_s=0.03, attention_flops_per_s=1.5e10, doc_s=0.004)
+    docs = [[512], [2048], [256] * 8, [128] * 16, [4096]]
+    fit = fit_machine([(d, bin_seconds(d, 1, TINY, true)) for d in docs], TINY, bytes_per_s=5e8, collective_s=0.0)
+    assert (fit.flops_per_s, fit.attention_rate, fit.doc_s, fit.bin_s) == pytest.approx(
+        (3e9, 1.5e10, 0.004, 0.03), rel=1e-6)
+    # the degrees' fit keeps the document term (scaled like the rest of a rank's work)
+    deg = replace(true, compute_scale=((4, 1.7),), layer_s=((4, 0.01),))
+    samples = [(d, 4, bin_seconds(d, 4, TINY, deg)) for d in ([2048], [256] * 8, [8192])]
+    refit = fit_degrees(samples, TINY, fit)
+    assert refit.scale(4) == pytest.approx(1.7, rel=1e-6) and dict(refit.layer_s)[4] == pytest.approx(0.01, rel=1e-5)

@@ -3,9 +3,10 @@ schedule (:mod:`seqpar.planner.schedule`) balances with. Pure arithmetic.
 
 Per rank, for a bin of documents ``L_1..L_n`` (``T = sum L_i`` tokens) at degree ``k``::
 
-    compute = (linear * T / flops_per_s + attention * sum L_i^2 / attention_flops_per_s) / k
-    seconds = bin_s + compute                                        (k = 1)
-    seconds = bin_s + scale(k) * compute                             (k > 1)
+    work    = (linear * T / flops_per_s + attention * sum L_i^2 / attention_flops_per_s) / k
+            + n * doc_s                                             (every rank, whatever k)
+    seconds = bin_s + work                                           (k = 1)
+    seconds = bin_s + scale(k) * work                                (k > 1)
             + 2 * layers * bytes_per_layer(T, k) / bytes_per_s      (forward + backward)
             + layers * layer_s(k)                                   (a layer's fixed cost at degree k)
 
@@ -13,7 +14,10 @@ Per rank, for a bin of documents ``L_1..L_n`` (``T = sum L_i`` tokens) at degree
 and o projections, the SwiGLU MLP and the LM head; ``attention`` the per-document QK^T and PV
 FLOPs (half of them under a causal mask). ``bytes_per_layer`` is the planner's Ulysses (or ring)
 estimate of one layer's forward traffic (:func:`seqpar.planner.cost.estimate`). ``bin_s`` is a
-forward + backward's fixed cost whatever its size (kernel launches, Python).
+forward + backward's fixed cost whatever its size (kernel launches, Python); ``doc_s`` a document's
+(its attention kernel calls in every layer): every rank of a bin pays it for every document of the
+bin, since each rank attends over all of them (for its heads, or its chunk), so a static schedule
+that packs 48 short rows into sp=4 bins pays it 4 times over.
 
 What a degree ``k > 1`` adds beyond its bytes is measured, not assumed:
 
@@ -75,6 +79,7 @@ class Machine:
     collective_s: float = 0.0
     bin_s: float = 0.0
     attention_flops_per_s: float | None = None  # None: flops_per_s (a CPU kernel may differ from matmuls)
+    doc_s: float = 0.0  # per document of a bin, on each of its ranks (fwd + bwd, all layers)
     layer_s: tuple[tuple[int, float], ...] = ()  # (degree, fixed seconds per layer, fwd + bwd), k > 1
     compute_scale: tuple[tuple[int, float], ...] = ()  # (degree, slowdown of a rank's compute), k > 1
     step_s: float = 0.0
@@ -107,7 +112,7 @@ def bin_seconds(docs: Sequence[int], degree: int, shapes: Shapes, machine: Machi
     tokens = sum(docs)
     compute = shapes.linear_flops * tokens / machine.flops_per_s \
         + shapes.attention_flops * sum(n * n for n in docs) / machine.attention_rate
-    seconds = machine.scale(degree) * compute / degree + machine.bin_s
+    seconds = machine.scale(degree) * (compute / degree + machine.doc_s * len(docs)) + machine.bin_s
     if degree > 1:
         seconds += 2 * shapes.layers * layer_bytes(tokens, degree, shapes, strategy=strategy,
                                                    devices_per_node=devices_per_node) / machine.bytes_per_s
@@ -129,29 +134,39 @@ def layer_bytes(tokens: int, degree: int, shapes: Shapes, *, strategy: str = "ul
 def fit_machine(samples: Sequence[tuple[Sequence[int], float]], shapes: Shapes, *,
                 bytes_per_s: float, collective_s: float) -> Machine:
     """Refit the compute constants from measured degree-1 seconds of bins (``(docs, seconds)``
-    pairs) by least squares: ``s = linear_flops / F + c`` from two sizes, and with three or more
-    (one long document among them) the attention rate too, ``s = lin / F + att / A + c``. The link
+    pairs) by least squares: ``s = linear_flops / F + c`` from two sizes; with three or more (one
+    long document among them) the attention rate too, ``s = lin / F + att / A + c``; with four or
+    more, some packing several documents, a document's cost too, ``+ n * doc_s``. The link
     constants come from a measured collective. Raises ValueError for fewer than two sizes."""
     lin = [shapes.linear_flops * sum(d) for d, _ in samples]
     att = [shapes.attention_flops * sum(n * n for n in d) for d, _ in samples]
+    docs = [float(len(d)) for d, _ in samples]
     ys = [s for _, s in samples]
     if len(set(lin)) < 2:
         raise ValueError("fit_machine needs measurements of at least two bins of different sizes")
+    link = dict(bytes_per_s=bytes_per_s, collective_s=collective_s)
+    if len(samples) >= 4 and len(set(docs)) > 1:
+        coef = _lstsq([lin, att, docs, [1.0] * len(ys)], ys)
+        if coef[0] > 0 and coef[1] > 0 and coef[2] >= 0:
+            return Machine(flops_per_s=1.0 / coef[0], attention_flops_per_s=1.0 / coef[1], doc_s=coef[2],
+                           bin_s=max(coef[3], 0.0), **link)
     if len(samples) >= 3:
-        import torch
-
-        a = torch.tensor([lin, att, [1.0] * len(ys)], dtype=torch.float64).T
-        coef = torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution.flatten().tolist()
+        coef = _lstsq([lin, att, [1.0] * len(ys)], ys)
         if coef[0] > 0 and coef[1] > 0:
-            return Machine(flops_per_s=1.0 / coef[0], bytes_per_s=bytes_per_s, collective_s=collective_s,
-                           bin_s=max(coef[2], 0.0), attention_flops_per_s=1.0 / coef[1])
+            return Machine(flops_per_s=1.0 / coef[0], bin_s=max(coef[2], 0.0), attention_flops_per_s=1.0 / coef[1],
+                           **link)
     xs = [x + y for x, y in zip(lin, att, strict=True)]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     slope = max(slope, 1e-30)
-    return Machine(flops_per_s=1.0 / slope, bytes_per_s=bytes_per_s, collective_s=collective_s,
-                   bin_s=max(my - slope * mx, 0.0))
+    return Machine(flops_per_s=1.0 / slope, bin_s=max(my - slope * mx, 0.0), **link)
 
+
+def _lstsq(columns: list[list[float]], ys: list[float]) -> list[float]:
+    import torch
+
+    a = torch.tensor(columns, dtype=torch.float64).T
+    return torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution.flatten().tolist()
 
 
 def fit_degrees(samples: Sequence[tuple[Sequence[int], int, float]], shapes: Shapes, machine: Machine, *,
@@ -168,7 +183,7 @@ def fit_degrees(samples: Sequence[tuple[Sequence[int], int, float]], shapes: Sha
     for docs, k, seconds in samples:
         if k > 1:
             x = bin_seconds(docs, k, shapes, base, strategy=strategy, devices_per_node=devices_per_node)
-            bytes_s = bin_seconds(docs, k, shapes, replace(base, flops_per_s=float("inf"),
+            bytes_s = bin_seconds(docs, k, shapes, replace(base, flops_per_s=float("inf"), doc_s=0.0,
                                                            attention_flops_per_s=float("inf")),
                                   strategy=strategy, devices_per_node=devices_per_node)
             points.setdefault(k, []).append((x - bytes_s, seconds - machine.bin_s - bytes_s))
