@@ -12,9 +12,12 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from seqpar.integrations.models import BUILTIN_MODELS, builtin_config, decoder_config
+
+if TYPE_CHECKING:
+    from seqpar.planner.cost import Candidate
 
 # With no flags: 32 heads of 128 (hidden 4096), 32 layers, a 32k vocabulary, on one node of 8 ranks, 128k tokens.
 DEFAULTS = dict(heads=32, kv_heads=None, head_dim=None, hidden_size=None, layers=32, intermediate_size=None,
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def dynamic_prediction(args: argparse.Namespace, kw: dict[str, Any], chosen: Any) -> str:
+def dynamic_prediction(args: argparse.Namespace, kw: dict[str, Any], chosen: Candidate) -> str:
     """The dynamic SP schedule's predicted gain over static sp on the chosen split, for the lengths
     ``--length-mean`` / ``--lengths-file`` describe: H100 constants (guesses), not a measurement."""
     from seqpar.planner.gain import lognormal_lengths, predict_gain

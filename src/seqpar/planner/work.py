@@ -25,8 +25,9 @@ What a degree ``k > 1`` adds beyond its bytes is measured, not assumed:
   ``4 * collective_s`` unless measured) and per-call kernel overhead;
 - ``scale(k)``: how much slower the same work runs per rank at degree ``k`` (1 unless measured).
   Every collective waits for the slowest of ``k`` ranks, so a degree-k bin pays its ranks' jitter
-  at each of them; on a CPU whose ranks share cores, a rank spinning in a collective also takes
-  cycles from a peer still computing (measured: about 2x at sp=4 on 2 shared cores).
+  at each of them; on a CPU whose ranks share cores, the ranks the OS has descheduled hold up the
+  others at every collective (measured 1.0-2.0x at sp=4 on 2 shared cores, with the other jobs'
+  load), while degree-1 bins keep every core busy.
 
 The constants of a :class:`Machine` are refitted from measurements where there are some
 (:func:`fit_machine` for compute at degree 1, :func:`fit_degrees` for each degree's terms);
