@@ -102,8 +102,11 @@ def calibrate(model, shapes, mesh, rounds: int = 5):
     dist.all_reduce(mean)
     mean = (mean / dist.get_world_size()).tolist()
     (b0, b1), (t0, t1) = link, mean[-2:]
-    bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
-    latency = max(t0 - b0 / bandwidth, 0.0)
+    if t1 > t0:
+        bandwidth = (b1 - b0) / (t1 - t0)
+        latency = max(t0 - b0 / bandwidth, 0.0)
+    else:  # the larger all-to-all was not slower (load noise): charge all of its time to bytes
+        bandwidth, latency = b1 / t1, 0.0
     samples = [(docs, k, s) for (docs, k), s in zip(bins, mean, strict=False)]
     machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=bandwidth,
                           collective_s=latency)
