@@ -6,10 +6,12 @@ Two mixes, each stepped under both schedules (same rows, same tokens per step, s
 per rank per bin):
   long-tailed   lognormal lengths (mean ~512 tokens, capped at 8192), fixed seed
   all-long      every row 8192 tokens: nothing to gain; the two schedules must be the same (asserted),
-                so the ratio shows what the dynamic path itself adds per step
+                so the ratio shows what the dynamic path itself adds per step, and the measurement's
+                noise at the machine's load (the same bins run twice)
 
-First the cost model is refitted on this machine (:func:`calibrate`: medians of interleaved probes);
-then each mix runs ``--repeat`` rounds of one static and one dynamic step, alternating which goes first (ABBA...), so
+First the cost model is refitted on this machine (:func:`calibrate`: medians of interleaved probes,
+then each bin of one warm-up step of either schedule, :func:`bin_samples`); then each mix runs
+``--repeat`` rounds of one static and one dynamic step, alternating which goes first (ABBA...), so
 a burst of load from another job hits both. Each round gives a ratio (dynamic / static, each step's
 time the slowest rank's); the median ratio is reported with its spread (min-max over the rounds),
 and the cost model's prediction beside it.
@@ -53,9 +55,11 @@ def _timed(fn) -> float:
 
 
 def calibrate(model, shapes, mesh, rounds: int = 5):
-    """This machine's cost model, the same on every rank. Every probe runs once per round, all of
-    them in turn for ``rounds`` rounds, and counts with its median: a burst of another job's load
-    then lands on every probe alike instead of on whichever ran during it. Then averaged over ranks.
+    """``(fit, samples)``: probes of this machine and ``fit(samples) -> Machine``, the cost model
+    refitted from them (and from any more samples, e.g. :func:`bin_samples` of real steps), the same
+    on every rank. Every probe runs once per round, all of them in turn for ``rounds`` rounds, and
+    counts with its median: a burst of another job's load then lands on every probe alike instead
+    of on whichever ran during it. Then averaged over ranks.
 
     - compute: degree-1 bins on every rank at once (one short, one at the budget, the budget as 8
       and as 16 documents for a document's cost, one 4k document for the attention rate) ->
@@ -108,10 +112,37 @@ def calibrate(model, shapes, mesh, rounds: int = 5):
     else:  # the larger all-to-all was not slower (load noise): charge all of its time to bytes
         bandwidth, latency = b1 / t1, 0.0
     samples = [(docs, k, s) for (docs, k), s in zip(bins, mean, strict=False)]
-    machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=bandwidth,
-                          collective_s=latency)
-    machine = fit_degrees(samples, shapes, machine)
-    return replace(machine, step_s=mean[len(bins)]), samples
+
+    def fit(samples):
+        machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=bandwidth,
+                              collective_s=latency)
+        return replace(fit_degrees(samples, shapes, machine), step_s=mean[len(bins)])
+
+    return fit, samples
+
+
+def bin_samples(model, mesh, dyn, rows) -> list[tuple[list[int], int, float]]:
+    """One step under ``dyn``, timing each bin: ``(documents, degree, seconds)`` per bin, its ranks'
+    mean (a bin above degree 1 includes waiting for its slowest rank: that is its cost), the same
+    on every rank."""
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.planner.bins import row_documents
+
+    step = dyn.plan(rows)
+    bins = step.schedule.bins
+    seconds = torch.zeros(len(bins), dtype=torch.float64)
+    for b, local in zip(step.schedule.bins_for(dist.get_rank()), step, strict=True):
+        t = time.perf_counter()
+        model(**local).loss.backward()
+        seconds[bins.index(b)] = time.perf_counter() - t
+    seqpar.sync_gradients(model, mesh)
+    model.zero_grad(set_to_none=True)
+    dist.all_reduce(seconds)
+    docs = [row_documents(r) for r in rows]
+    return [([n for i in b.rows for n in docs[i]], b.degree, float(seconds[j]) / b.degree)
+            for j, b in enumerate(bins)]
 
 
 def _step(model, mesh, dyn, rows) -> tuple[float, object, float, float]:
@@ -155,13 +186,22 @@ def _worker(rank: int, world: int, repeat: int) -> dict:
     shapes = Shapes(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                     hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                     layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, dtype_bytes=4)
-    machine, samples = calibrate(model, shapes, mesh)
-    cost = functools.partial(bin_seconds, shapes=shapes, machine=machine)
     budget = MAX_LEN // world  # tokens per rank per bin: an 8k row needs all 4 ranks
-    schedules = {"dynamic": DynamicSP(mesh, token_budget=budget, cost=cost),
-                 "static": DynamicSP(mesh, token_budget=budget, cost=cost, degrees=(world,))}
     tail = lognormal_lengths(48, mean=512, cap=MAX_LEN, seed=37)
     mixes = {"long-tailed": tail, "all-long": [MAX_LEN] * max(1, round(sum(tail) / MAX_LEN))}
+    fit, samples = calibrate(model, shapes, mesh)
+    # refit on the workload too: each bin of one step of either schedule on the long-tailed rows,
+    # planned with the probes' model (a real static bin packs a dozen documents at sp=4, which the
+    # probes only approximate)
+    probe_cost = functools.partial(bin_seconds, shapes=shapes, machine=fit(samples))
+    warm = _rows(tail, cfg.vocab_size, seed=2)  # other tokens than the timed steps', the same lengths
+    for degrees in (None, (world,)):
+        samples += bin_samples(model, mesh, DynamicSP(mesh, token_budget=budget, cost=probe_cost,
+                                                      degrees=degrees), warm)
+    machine = fit(samples)
+    cost = functools.partial(bin_seconds, shapes=shapes, machine=machine)
+    schedules = {"dynamic": DynamicSP(mesh, token_budget=budget, cost=cost),
+                 "static": DynamicSP(mesh, token_budget=budget, cost=cost, degrees=(world,))}
     out: dict = {"machine": machine, "samples": [(d, k, s, cost(d, k)) for d, k, s in samples]}
     for mix, lengths in mixes.items():
         rows = _rows(lengths, cfg.vocab_size, seed=1)
@@ -198,7 +238,7 @@ def report(res: dict) -> list[str]:
              + ", per layer "
              + ", ".join(f"sp={k}: {s * 1e3:.1f} ms" for k, s in m.layer_s)
              + f", per step {m.step_s * 1e3:.1f} ms",
-             "calibration bins (measured / refitted model): "
+             "calibration bins (measured / refitted model; probes, then one step's bins of either schedule): "
              + "; ".join(f"{len(d)}x{d[0]}@sp={k} {s * 1e3:.0f}/{p * 1e3:.0f} ms" for d, k, s, p in res["samples"]),
              f"{'mix':<12} {'schedule':<8} {'rows at degree':<26} {'measured':>9} {'predicted':>9} {'planning':>9}"]
     for mix, target in TARGETS.items():
