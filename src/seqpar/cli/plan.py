@@ -197,7 +197,8 @@ def dynamic_prediction(args: argparse.Namespace, kw: dict[str, Any], chosen: Can
     hist = ", ".join(f"sp={k}: {n} ({n / g.rows:.0%})" for k, n in g.rows_at_degree.items())
     return "\n".join([
         f"dynamic SP schedule vs static sp={sp} on {chosen.label}: a PREDICTION of the cost model with H100"
-        f" guesses (seqpar.planner.work.H100; refit them on the machine), not a measurement",
+        f" guesses (seqpar.planner.work.H100; fit_machine / fit_degrees refit them from measurements), not a"
+        f" measurement",
         f"  lengths: {source}: {g.rows} rows, {g.tokens} tokens, mean {g.tokens / max(g.rows, 1):.0f}",
         f"  {g.steps} steps of <= {per_step} tokens; token budget {budget} per rank per bin",
         f"  rows at degree (dynamic): {hist}",
