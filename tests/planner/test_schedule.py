@@ -169,15 +169,20 @@ CPU = Machine(flops_per_s=3e9, bytes_per_s=5e8, bin_s=0.035, attention_flops_per
 
 def test_fit_degrees_clamps_what_no_measurement_can_mean():
     start = replace(CPU, layer_s=(), compute_scale=())
-    # faster than its compute at every size: no negative fixed cost, the slope through the origin
+    # faster than its compute at every size: neither a scale under 1 nor a negative fixed cost
     fast = replace(start, compute_scale=((4, 0.8),))
     samples = [([n], 4, bin_seconds([n], 4, TINY, fast) - 0.01) for n in (2048, 8192)]
     fit = fit_degrees(samples, TINY, start)
-    assert dict(fit.layer_s)[4] == 0.0 and 0.5 <= fit.scale(4) < 0.8
-    # a falling line (noise): scale held at 1/2, the fixed cost from the mean
+    assert dict(fit.layer_s)[4] == 0.0 and fit.scale(4) == 1.0
+    # a steeper line through a negative intercept: the slope through the origin
+    steep = replace(start, compute_scale=((4, 1.6),))
+    samples = [([n], 4, bin_seconds([n], 4, TINY, steep) - 0.01) for n in (2048, 8192)]
+    fit = fit_degrees(samples, TINY, start)
+    assert dict(fit.layer_s)[4] == 0.0 and 1.0 < fit.scale(4) < 1.6
+    # a falling line (noise): scale held at 1, the fixed cost from the mean
     noisy = [([1024], 4, 0.3), ([2048], 4, 0.2)]
     fit = fit_degrees(noisy, TINY, start)
-    assert fit.scale(4) == 0.5 and dict(fit.layer_s)[4] > 0
+    assert fit.scale(4) == 1.0 and dict(fit.layer_s)[4] > 0
     assert sum(bin_seconds(d, k, TINY, fit) - s for d, k, s in noisy) == pytest.approx(0.0, abs=1e-12)
 
 

@@ -177,7 +177,9 @@ def fit_degrees(samples: Sequence[tuple[Sequence[int], int, float]], shapes: Sha
     Per degree, what ``bin_s`` and the bytes leave is a line in the compute term: its slope is
     ``scale(k)``, its intercept ``layers * layer_s(k)`` (least squares over two or more sizes; one
     size gives the intercept alone, at scale 1). Neither goes below what a measurement can mean: a
-    scale under 1/2 or an intercept under 0 is noise, clamped (and the other refitted).
+    rank does not compute faster at degree k than alone, nor pay a negative fixed cost, so a scale
+    under 1 or an intercept under 0 is noise, clamped (and the other refitted): on a loaded machine
+    a few noisy probes could otherwise fit sp=4 at half the cost of its work and a large fixed cost.
     Raises ValueError without a sample above degree 1."""
     base = replace(machine, layer_s=(), compute_scale=(), collective_s=0.0, bin_s=0.0)
     points: dict[int, list[tuple[float, float]]] = {}
@@ -193,11 +195,11 @@ def fit_degrees(samples: Sequence[tuple[Sequence[int], int, float]], shapes: Sha
     scale, fixed = dict(machine.compute_scale), dict(machine.layer_s)
     for k, xy in points.items():
         slope, intercept = _line(xy)
-        if slope < 0.5:
-            slope = 0.5
-            intercept = sum(y - slope * x for x, y in xy) / len(xy)
+        if slope < 1.0:
+            slope = 1.0
+            intercept = sum(y - x for x, y in xy) / len(xy)
         if intercept < 0:
-            intercept, slope = 0.0, max(sum(x * y for x, y in xy) / sum(x * x for x, _ in xy), 0.5)
+            intercept, slope = 0.0, max(sum(x * y for x, y in xy) / sum(x * x for x, _ in xy), 1.0)
         scale[k], fixed[k] = slope, intercept / shapes.layers
     return replace(machine, compute_scale=tuple(sorted(scale.items())), layer_s=tuple(sorted(fixed.items())))
 
