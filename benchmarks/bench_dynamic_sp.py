@@ -2,37 +2,36 @@
 
     python benchmarks/bench_dynamic_sp.py            # ratios from one run; ~2-3 min on 2 shared cores
 
-Two mixes, each one step of the same rows under both schedules (same tokens per step, same token
-budget per rank per bin):
+Two mixes, each stepped under both schedules (same rows, same tokens per step, same token budget
+per rank per bin):
   long-tailed   lognormal lengths (mean ~512 tokens, capped at 8192), fixed seed
-  all-long      every row 8192 tokens: nothing to gain, shows the schedule's overhead
+  all-long      every row 8192 tokens: nothing to gain; the two schedules must be the same (asserted),
+                so the ratio shows what the dynamic path itself adds per step, and the measurement's
+                noise at the machine's load (the same bins run twice)
 
-First the cost model is refitted on this machine (degree-1 bins of two sizes for the compute
-constants, all-to-alls of two sizes at degree 4 for the link); then each schedule's predicted step
-time is printed beside the measured one (the fastest of ``--repeat`` steps -- on a shared machine
-contention only adds -- static and dynamic alternating, each step's time the slowest rank's).
+First the cost model is refitted on this machine (:func:`calibrate`: medians of interleaved probes,
+then each bin of one warm-up step of either schedule, :func:`bin_samples`); then each mix runs
+``--repeat`` rounds of one static and one dynamic step, alternating which goes first (ABBA...), so
+a burst of load from another job hits both. Each round gives a ratio (dynamic / static, each step's
+time the slowest rank's); the median ratio is reported with its spread (min-max over the rounds),
+and the cost model's prediction beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 
 import torch
 
 from seqpar.comm.launch import run_distributed
+from seqpar.planner.gain import lognormal_lengths
 
 WORLD = 4
 MAX_LEN = 8192
-
-
-def lognormal_lengths(n: int, *, mean: float, cap: int, seed: int) -> list[int]:
-    """``n`` lengths ~ lognormal(mu, sigma=1.2) with mean ``mean`` before the cap, in [16, cap]."""
-    sigma = 1.2
-    mu = torch.log(torch.tensor(mean)).item() - sigma ** 2 / 2
-    g = torch.Generator().manual_seed(seed)
-    draws = torch.exp(mu + sigma * torch.randn(n, generator=g, dtype=torch.float64))
-    return [int(min(max(16, round(float(x))), cap)) for x in draws]
+TARGETS = {"long-tailed": 0.75, "all-long": 1.02}
 
 
 def _rows(lengths: list[int], vocab: int, seed: int) -> list[dict]:
@@ -44,67 +43,130 @@ def _rows(lengths: list[int], vocab: int, seed: int) -> list[dict]:
     return rows
 
 
-def _timed(fn, group) -> float:
+def _timed(fn) -> float:
+    """Seconds of ``fn`` on the slowest rank (a barrier over every rank on each side)."""
     import torch.distributed as dist
 
-    dist.barrier(group=group)
+    dist.barrier()
     t0 = time.perf_counter()
     fn()
-    dist.barrier(group=group)
+    dist.barrier()
     return time.perf_counter() - t0
 
 
-def _fit_cost(model, shapes, mesh):
-    """This machine's constants: degree-1 forward + backward of two bin sizes, all-to-alls of two sizes."""
+def calibrate(model, shapes, mesh, rounds: int = 5):
+    """``(fit, samples)``: probes of this machine and ``fit(samples) -> Machine``, the cost model
+    refitted from them (and from any more samples, e.g. :func:`bin_samples` of real steps), the same
+    on every rank. Every probe runs once per round, all of them in turn for ``rounds`` rounds, and
+    counts with its median: a burst of another job's load then lands on every probe alike instead
+    of on whichever ran during it. Then averaged over ranks.
+
+    - compute: degree-1 bins on every rank at once (one short, one at the budget, the budget as 8
+      and as 16 documents for a document's cost, one 4k document for the attention rate) ->
+      :func:`fit_machine`;
+    - each degree k > 1: bins of k x 512 tokens, k x 2048 (one document, and eight) on every block at
+      once -> :func:`fit_degrees` (how much slower a rank computes at degree k, a layer's fixed cost);
+    - a step's fixed cost: gradient sync and zeroing after a backward;
+    - link: all-to-alls of two sizes over the sp group -> bandwidth and one collective's latency.
+    """
+    from dataclasses import replace
+
     import torch.distributed as dist
 
     import seqpar
     from seqpar.comm.degrees import degree_meshes
     from seqpar.planner.bins import pack_rows
-    from seqpar.planner.work import fit_machine
+    from seqpar.planner.work import fit_degrees, fit_machine
 
-    one = degree_meshes(mesh).mesh(1)
-    samples = []
-    for n in (512, 2048, MAX_LEN):  # the longest one is mostly attention
-        batch = pack_rows(_rows([n], shapes.vocab_size, n))
-        run = lambda b=batch: model(**seqpar.shard_batch(b, one)).loss.backward()  # noqa: E731
-        run()
-        samples.append(([n], min(_timed(run, None) for _ in range(3))))
+    meshes = degree_meshes(mesh)
+    bins = [([512], 1), ([2048], 1), ([256] * 8, 1), ([128] * 16, 1), ([4096], 1)]
+    bins += [(docs, k) for k in meshes.degrees if k > 1 for docs in ([k * 512], [k * 256] * 8, [k * 2048])]
+    probes = []
+    for docs, k in bins:
+        local = seqpar.shard_batch(pack_rows(_rows(docs, shapes.vocab_size, sum(docs))), meshes.mesh(k))
+        probes.append(lambda local=local: model(**local).loss.backward())
+
+    def sync():
+        seqpar.sync_gradients(model, mesh)
+        model.zero_grad(set_to_none=True)
+
+    probes.append(sync)  # right after the bins' backwards: the gradients are there
     group = mesh.get_group("sp")
-    times = []
+    link = []
     for n in (1024, 8192):
         x = torch.randn(n * shapes.heads * shapes.head_dim)
         out = torch.empty_like(x)
-        times.append(min(_timed(lambda x=x, out=out: dist.all_to_all_single(out, x, group=group), group)
-                         for _ in range(5)))
-        sizes = [x.numel() * 4 * 3 / 4]  # bytes leaving this rank
-        times[-1] = (sizes[0], times[-1])
-    # every rank must plan with the same cost model (else the schedules differ and plan() refuses):
-    # the measurements are averaged over the ranks before the fit
-    measured = torch.tensor([s for _, s in samples] + [t for _, t in times], dtype=torch.float64)
-    dist.all_reduce(measured)
-    measured = (measured / dist.get_world_size()).tolist()
-    samples = [(d, measured[i]) for i, (d, _) in enumerate(samples)]
-    times = [(b, measured[len(samples) + i]) for i, (b, _) in enumerate(times)]
-    (b0, t0), (b1, t1) = times
-    bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
-    latency = max(t0 - b0 / bandwidth, 0.0)
-    return fit_machine(samples, shapes, bytes_per_s=bandwidth, collective_s=latency)
+        link.append(x.numel() * 4 * (WORLD - 1) / WORLD)  # bytes leaving this rank
+        probes.append(lambda x=x, out=out: dist.all_to_all_single(out, x, group=group))
+    for probe in probes:  # warm-up
+        probe()
+    times = [[_timed(probe) for probe in probes] for _ in range(rounds)]
+    # every rank must plan with the same cost model (else the schedules differ and plan() refuses)
+    mean = torch.tensor([statistics.median(t[i] for t in times) for i in range(len(probes))], dtype=torch.float64)
+    dist.all_reduce(mean)
+    mean = (mean / dist.get_world_size()).tolist()
+    (b0, b1), (t0, t1) = link, mean[-2:]
+    if t1 > t0:
+        bandwidth = (b1 - b0) / (t1 - t0)
+        latency = max(t0 - b0 / bandwidth, 0.0)
+    else:  # the larger all-to-all was not slower (load noise): charge all of its time to bytes
+        bandwidth, latency = b1 / t1, 0.0
+    samples = [(docs, k, s) for (docs, k), s in zip(bins, mean, strict=False)]
+
+    def fit(samples):
+        machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=bandwidth,
+                              collective_s=latency)
+        return replace(fit_degrees(samples, shapes, machine), step_s=mean[len(bins)])
+
+    return fit, samples
 
 
-def _step(model, mesh, dyn, rows) -> tuple[float, object]:
+def bin_samples(model, mesh, dyn, rows) -> list[tuple[list[int], int, float]]:
+    """One step under ``dyn``, timing each bin: ``(documents, degree, seconds)`` per bin, its ranks'
+    mean (a bin above degree 1 includes waiting for its slowest rank: that is its cost), the same
+    on every rank."""
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.planner.bins import row_documents
+
+    step = dyn.plan(rows)
+    bins = step.schedule.bins
+    seconds = torch.zeros(len(bins), dtype=torch.float64)
+    for b, local in zip(step.schedule.bins_for(dist.get_rank()), step, strict=True):
+        t = time.perf_counter()
+        model(**local).loss.backward()
+        seconds[bins.index(b)] = time.perf_counter() - t
+    seqpar.sync_gradients(model, mesh)
+    model.zero_grad(set_to_none=True)
+    dist.all_reduce(seconds)
+    docs = [row_documents(r) for r in rows]
+    return [([n for i in b.rows for n in docs[i]], b.degree, float(seconds[j]) / b.degree)
+            for j, b in enumerate(bins)]
+
+
+def _step(model, mesh, dyn, rows) -> tuple[float, object, float, float]:
+    """(seconds of one optimizer step on the slowest rank, its schedule, seconds spent planning, CPU
+    seconds of every rank together: what other jobs' load barely changes, unlike the wall clock)."""
+    import torch.distributed as dist
+
     import seqpar
 
     def run():
+        cpu = time.process_time()
+        t = time.perf_counter()
         step = dyn.plan(rows)
+        run.plan_s = time.perf_counter() - t
         for local in step:
             model(**local).loss.backward()
         seqpar.sync_gradients(model, mesh)
         model.zero_grad(set_to_none=True)
-        run.schedule = step.schedule
+        run.schedule, run.cpu_s = step.schedule, time.process_time() - cpu
 
-    elapsed = _timed(run, None)
-    return elapsed, run.schedule
+    elapsed = _timed(run)
+    cpu = torch.tensor([run.cpu_s], dtype=torch.float64)
+    dist.all_reduce(cpu)
+    return elapsed, run.schedule, run.plan_s, float(cpu)
 
 
 def _worker(rank: int, world: int, repeat: int) -> dict:
@@ -124,50 +186,93 @@ def _worker(rank: int, world: int, repeat: int) -> dict:
     shapes = Shapes(heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                     hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                     layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size, dtype_bytes=4)
-    machine = _fit_cost(model, shapes, mesh)
-    cost = functools.partial(bin_seconds, shapes=shapes, machine=machine)
     budget = MAX_LEN // world  # tokens per rank per bin: an 8k row needs all 4 ranks
-    schedules = {"dynamic": DynamicSP(mesh, token_budget=budget, cost=cost),
-                 "static": DynamicSP(mesh, token_budget=budget, cost=cost, degrees=(world,))}
     tail = lognormal_lengths(48, mean=512, cap=MAX_LEN, seed=37)
     mixes = {"long-tailed": tail, "all-long": [MAX_LEN] * max(1, round(sum(tail) / MAX_LEN))}
-    out: dict = {"machine": machine}
+    fit, samples = calibrate(model, shapes, mesh)
+    # refit on the workload too: each bin of one step of either schedule on the long-tailed rows,
+    # planned with the probes' model (a real static bin packs a dozen documents at sp=4, which the
+    # probes only approximate)
+    probe_cost = functools.partial(bin_seconds, shapes=shapes, machine=fit(samples))
+    warm = _rows(tail, cfg.vocab_size, seed=2)  # other tokens than the timed steps', the same lengths
+    for degrees in (None, (world,)):
+        samples += bin_samples(model, mesh, DynamicSP(mesh, token_budget=budget, cost=probe_cost,
+                                                      degrees=degrees), warm)
+    machine = fit(samples)
+    cost = functools.partial(bin_seconds, shapes=shapes, machine=machine)
+    schedules = {"dynamic": DynamicSP(mesh, token_budget=budget, cost=cost),
+                 "static": DynamicSP(mesh, token_budget=budget, cost=cost, degrees=(world,))}
+    out: dict = {"machine": machine, "samples": [(d, k, s, cost(d, k)) for d, k, s in samples]}
     for mix, lengths in mixes.items():
         rows = _rows(lengths, cfg.vocab_size, seed=1)
         times: dict[str, list[float]] = {"static": [], "dynamic": []}
+        planning: dict[str, list[float]] = {"static": [], "dynamic": []}
+        cpu: dict[str, list[float]] = {"static": [], "dynamic": []}
         plans = {}
-        for i in range(repeat + 1):  # the first round warms up
+        for i in range(repeat + 1):  # round 0 warms up
             for name in ("static", "dynamic") if i % 2 == 0 else ("dynamic", "static"):
-                t, plans[name] = _step(model, mesh, schedules[name], rows)
+                t, plans[name], p, c = _step(model, mesh, schedules[name], rows)
                 if i:
                     times[name].append(t)
-        out[mix] = {"tokens": sum(lengths), "rows": len(lengths),
-                    **{name: (min(ts), plans[name].predicted_step_s, dict(plans[name].rows_at_degree))
+                    planning[name].append(p)
+                    cpu[name].append(c)
+        if mix == "all-long":  # nothing to gain: the dynamic schedule must be the static one, bin for bin
+            assert plans["dynamic"].bins == plans["static"].bins, (plans["dynamic"].bins, plans["static"].bins)
+        ratios = [d / s for d, s in zip(times["dynamic"], times["static"], strict=True)]
+        out[mix] = {"tokens": sum(lengths), "rows": len(lengths), "ratios": ratios,
+                    "fastest": min(times["dynamic"]) / min(times["static"]), "times": times,
+                    "cpu": statistics.median(d / s for d, s in zip(cpu["dynamic"], cpu["static"], strict=True)),
+                    "same_bins": plans["dynamic"].bins == plans["static"].bins,
+                    **{name: (statistics.median(ts), plans[name].predicted_step_s + machine.step_s,
+                              dict(plans[name].rows_at_degree), statistics.median(planning[name]))
                        for name, ts in times.items()}}
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeat", type=int, default=3, help="timed steps per schedule and mix (default 3)")
-    args = ap.parse_args()
-    res = run_distributed(_worker, WORLD, args.repeat, timeout=1800)[0]
+def report(res: dict) -> list[str]:
     m = res["machine"]
-    print(f"cost model refitted here: linear {m.flops_per_s / 1e9:.2f} GFLOP/s, attention "
-          f"{m.attention_flops_per_s / 1e9:.2f} GFLOP/s, {m.bytes_per_s / 1e6:.0f} MB/s, "
-          f"collective {m.collective_s * 1e3:.2f} ms, per bin {m.bin_s * 1e3:.1f} ms")
-    print(f"{'mix':<12} {'schedule':<8} {'rows at degree':<26} {'measured':>9} {'predicted':>9}")
-    for mix in ("long-tailed", "all-long"):
+    lines = [f"cost model refitted here: linear {m.flops_per_s / 1e9:.2f} GFLOP/s, attention "
+             f"{m.attention_rate / 1e9:.2f} GFLOP/s, {m.bytes_per_s / 1e6:.0f} MB/s, collective "
+             f"{m.collective_s * 1e3:.2f} ms, per bin {m.bin_s * 1e3:.1f} ms, per document "
+             f"{m.doc_s * 1e3:.2f} ms, scale " + ", ".join(f"sp={k}: {x:.2f}" for k, x in m.compute_scale)
+             + ", per layer "
+             + ", ".join(f"sp={k}: {s * 1e3:.1f} ms" for k, s in m.layer_s)
+             + f", per step {m.step_s * 1e3:.1f} ms",
+             "calibration bins (measured / refitted model; probes, then one step's bins of either schedule): "
+             + "; ".join(f"{len(d)}x{d[0]}@sp={k} {s * 1e3:.0f}/{p * 1e3:.0f} ms" for d, k, s, p in res["samples"]),
+             f"{'mix':<12} {'schedule':<8} {'rows at degree':<26} {'measured':>9} {'predicted':>9} {'planning':>9}"]
+    for mix, target in TARGETS.items():
         r = res[mix]
         for name in ("static", "dynamic"):
-            t, p, hist = r[name]
+            t, p, hist, plan_s = r[name]
             text = ", ".join(f"sp={k}: {n}" for k, n in sorted(hist.items()))
-            print(f"{mix:<12} {name:<8} {text:<26} {t:>8.3f}s {p:>8.3f}s")
-        ratio, pred = r["dynamic"][0] / r["static"][0], r["dynamic"][1] / r["static"][1]
-        target = 0.75 if mix == "long-tailed" else 1.02
-        print(f"{mix:<12} dynamic / static: measured {ratio:.3f}x, predicted {pred:.3f}x "
-              f"(target <= {target}x: {'met' if ratio <= target else 'MISSED'}; "
-              f"{r['rows']} rows, {r['tokens']} tokens)")
+            lines.append(f"{mix:<12} {name:<8} {text:<26} {t:>8.3f}s {p:>8.3f}s {plan_s * 1e3:>7.2f}ms")
+        ratio, pred = statistics.median(r["ratios"]), r["dynamic"][1] / r["static"][1]
+        same = "; the same bins as static" if r["same_bins"] else ""
+        lines.append(f"{mix:<12} dynamic / static: measured {ratio:.3f}x (median of {len(r['ratios'])} rounds, "
+                     f"{min(r['ratios']):.3f}-{max(r['ratios']):.3f}; fastest / fastest {r['fastest']:.3f}x; "
+                     f"CPU seconds {r['cpu']:.3f}x), "
+                     f"predicted {pred:.3f}x "
+                     f"(target <= {target}x: {'met' if ratio <= target else 'MISSED'}; "
+                     f"{r['rows']} rows, {r['tokens']} tokens{same})")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=11, help="timed rounds per mix (default 11)")
+    ap.add_argument("--verbose", action="store_true", help="print every round's two step times too")
+    args = ap.parse_args()
+    before = os.getloadavg()[0]
+    res = run_distributed(_worker, WORLD, args.repeat, timeout=1800)[0]
+    print("\n".join(report(res)))
+    print(f"load average (1 min) before / after: {before:.1f} / {os.getloadavg()[0]:.1f} "
+          f"({os.cpu_count()} cores; this benchmark's {WORLD} ranks alone make {WORLD})")
+    if args.verbose:
+        for mix in TARGETS:
+            print(mix, "static / dynamic per round:", ", ".join(
+                f"{s:.2f}/{d:.2f}" for s, d in zip(res[mix]["times"]["static"], res[mix]["times"]["dynamic"],
+                                                   strict=True)))
 
 
 if __name__ == "__main__":

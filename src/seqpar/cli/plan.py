@@ -7,13 +7,17 @@ config.json, or a built-in tiny name); flags given explicitly override the model
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from seqpar.integrations.models import BUILTIN_MODELS, builtin_config, decoder_config
+
+if TYPE_CHECKING:
+    from seqpar.planner.cost import Candidate
 
 # With no flags: 32 heads of 128 (hidden 4096), 32 layers, a 32k vocabulary, on one node of 8 ranks, 128k tokens.
 DEFAULTS = dict(heads=32, kv_heads=None, head_dim=None, hidden_size=None, layers=32, intermediate_size=None,
@@ -56,6 +60,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-ulysses", type=int, default=None, help="cap on the ulysses degree")
     p.add_argument("--no-causal", dest="causal", action="store_false",
                    help="bidirectional attention (no zigzag chunks needed by ring)")
+    d = p.add_argument_group("dynamic SP prediction (the cost model's, not a measurement; "
+                             "run at the chosen split's sp over dp x sp)")
+    d.add_argument("--length-mean", type=parse_size, default=None,
+                   help="predict the dynamic schedule's gain on rows of lognormal lengths with this mean, e.g. 4k")
+    d.add_argument("--length-sigma", type=float, default=1.2, help="the lognormal's sigma (default 1.2)")
+    d.add_argument("--lengths-file", default=None,
+                   help="predict it on these row lengths instead: a text file of integers (spaces, commas, lines)")
+    d.add_argument("--token-budget", type=parse_size, default=None,
+                   help="tokens per rank per bin (default: --seq-len / sp, what the static job gives a rank)")
+    d.add_argument("--tokens-per-step", type=parse_size, default=None,
+                   help="tokens per optimizer step (default: world size x token budget)")
+    d.add_argument("--steps", type=int, default=16, help="steps drawn from the lognormal (default 16)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the lognormal draws (default 0)")
     p.set_defaults(func=run)
 
 
@@ -118,6 +135,10 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from seqpar.planner import InfeasiblePlanError, format_bytes, format_table, plan
 
+    if args.length_mean is not None and args.lengths_file is not None:
+        raise ValueError("give --length-mean (a lognormal) or --lengths-file, not both")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
     kw = _resolve(args)
     kw.update(dtype_bytes=DTYPE_BYTES[args.dtype], batch=args.batch, memory_budget_bytes=args.memory_budget,
               max_ulysses=args.max_ulysses, causal=args.causal, checkpointing=args.checkpointing)
@@ -140,7 +161,61 @@ def run(args: argparse.Namespace) -> int:
     print(f"use:    mesh = seqpar.init_mesh({mesh}); strategy={p.strategy!r}")
     print("\n" + step_memory_table(p.chosen, kw, vocab_size=kw["vocab_size"], tied=args.tied,
                                    fsdp=args.fsdp, loss_tile=args.loss_tile, mlp_tile=args.mlp_tile))
+    if args.length_mean is not None or args.lengths_file is not None:
+        print("\n" + dynamic_prediction(args, kw, p.chosen))
     return 0
+
+
+def dynamic_prediction(args: argparse.Namespace, kw: dict[str, Any], chosen: Candidate) -> str:
+    """The dynamic SP schedule's predicted gain over static sp on the chosen split, for the lengths
+    ``--length-mean`` / ``--lengths-file`` describe: H100 constants (guesses), not a measurement."""
+    from seqpar.planner.gain import lognormal_lengths, predict_gain
+    from seqpar.planner.work import H100, Shapes, bin_seconds
+
+    if chosen.ulysses > 1 and chosen.ring > 1:
+        return (f"dynamic SP: not predicted for {chosen.label}: a dynamic schedule runs over dp x sp with one"
+                f" strategy; cap --max-ulysses at 1 for ring, or choose a split with ring=1")
+    sp, world, max_len = chosen.sp, kw["world_size"], kw["seq_len"]
+    budget = args.token_budget or -(-max_len // sp)
+    per_step = args.tokens_per_step or world * budget
+    if args.lengths_file is not None:
+        lengths, source = read_lengths(args.lengths_file), f"{args.lengths_file}"
+    else:
+        n = max(1, round(args.steps * per_step / args.length_mean))
+        lengths = lognormal_lengths(n, mean=args.length_mean, sigma=args.length_sigma, cap=max_len, seed=args.seed)
+        source = f"lognormal, mean {args.length_mean}, sigma {args.length_sigma}, max {max_len}, seed {args.seed}"
+    shapes = Shapes(heads=kw["heads"], kv_heads=kw["kv_heads"], head_dim=kw["head_dim"],
+                    hidden_size=kw["hidden_size"], intermediate_size=kw["intermediate_size"] or 4 * kw["hidden_size"],
+                    layers=kw["layers"], vocab_size=kw["vocab_size"], dtype_bytes=kw["dtype_bytes"],
+                    causal=kw["causal"])
+    cost = functools.partial(bin_seconds, shapes=shapes, machine=H100, devices_per_node=kw["devices_per_node"],
+                             strategy="ring" if chosen.ring > 1 else "ulysses")
+    try:
+        g = predict_gain(lengths, world=world, sp=sp, token_budget=budget, tokens_per_step=per_step, cost=cost)
+    except ValueError as e:
+        raise ValueError(f"{e} (seqpar plan: --token-budget, or --seq-len for the longest row)") from e
+    hist = ", ".join(f"sp={k}: {n} ({n / g.rows:.0%})" for k, n in g.rows_at_degree.items())
+    return "\n".join([
+        f"dynamic SP schedule vs static sp={sp} on {chosen.label}: a PREDICTION of the cost model with H100"
+        f" guesses (seqpar.planner.work.H100; fit_machine / fit_degrees refit them from measurements), not a"
+        f" measurement",
+        f"  lengths: {source}: {g.rows} rows, {g.tokens} tokens, mean {g.tokens / max(g.rows, 1):.0f}",
+        f"  {g.steps} steps of <= {per_step} tokens; token budget {budget} per rank per bin",
+        f"  rows at degree (dynamic): {hist}",
+        f"  predicted step time: static {g.static_s / g.steps:.3g} s, dynamic {g.dynamic_s / g.steps:.3g} s"
+        f" -> predicted {g.ratio:.3f}x of static"])
+
+
+def read_lengths(path: str) -> list[int]:
+    """Row lengths from a text file: positive integers separated by spaces, commas or lines."""
+    try:
+        words = Path(path).read_text().replace(",", " ").split()
+    except OSError as e:
+        raise ValueError(f"--lengths-file {path}: cannot read it: {e}") from e
+    if not words or not all(w.isdigit() and int(w) > 0 for w in words):
+        bad = next((w for w in words if not (w.isdigit() and int(w) > 0)), "nothing")
+        raise ValueError(f"--lengths-file {path}: expected positive integers (row lengths), found {bad!r}")
+    return [int(w) for w in words]
 
 
 # the switch sets the step-memory table compares (seqpar.reduce_memory's switches)

@@ -15,7 +15,9 @@ the chain ``1, 2, 4, ..., sp`` (each divides the next, so a block of ``k`` lies 
 2. Bins are placed by greedy LPT: longest predicted first, on the block whose busiest rank is
    least loaded. A bin on the busiest rank is then raised to the next degree while that lowers the
    predicted step time (the cost model: :mod:`seqpar.planner.work`).
-3. Ranks run their bins by degree, largest first (then in placement order): every rank of a block
+3. If the static schedule (every bin at sp, :func:`plan_step` with ``degrees=(sp,)``) is predicted
+   no slower, it is the step's schedule: a dynamic schedule is never predicted slower than static.
+4. Ranks run their bins by degree, largest first (then in placement order): every rank of a block
    went through the same larger blocks, so no rank waits on a peer that waits on another, and a
    rank's predicted time is the sum of its bins' predictions.
 """
@@ -76,8 +78,10 @@ def plan_step(docs: Sequence[Sequence[int]], *, world: int, sp: int, token_budge
               degrees: Sequence[int] | None = None, max_raises: int | None = None) -> Schedule:
     """The schedule of one step. ``docs[i]``: the token counts of row ``i``'s documents (one entry
     for a plain row). ``degrees``: the allowed degrees (default :func:`degree_chain`; ``(sp,)`` is
-    the static schedule). Raises ValueError naming ``token_budget`` for a row that fits no degree."""
+    the static schedule; ``max_raises=0``: every bin at its smallest degree). Raises ValueError naming
+    ``token_budget`` for a row that fits no degree."""
     _check(docs, world=world, sp=sp, token_budget=token_budget)
+    cost = _remembered(cost)  # the raise loop re-places every bin per trial: price each (bin, degree) once
     chain = tuple(degrees) if degrees is not None else degree_chain(sp)
     if any(k not in degree_chain(sp) for k in chain) or not chain:
         raise ValueError(f"degrees {list(chain)} must be taken from {list(degree_chain(sp))} (sp={sp})")
@@ -104,7 +108,13 @@ def plan_step(docs: Sequence[Sequence[int]], *, world: int, sp: int, token_budge
         if raised is None:
             break
         degree, best = raised
-    return _schedule(groups, best, docs, world, sp, token_budget, cost)
+    mixed = _schedule(groups, best, docs, world, sp, token_budget, cost)
+    if chain[-1] != sp or chain == (sp,) or max_raises == 0 or all(k == sp for k in need):
+        return mixed  # (every row needing sp: packed and placed as static already, no second plan)
+    # the greedy can end above the static schedule (few bins that LPT cannot spread, each paying
+    # its fixed cost): then the static schedule is this step's dynamic choice too
+    static = plan_step(docs, world=world, sp=sp, token_budget=token_budget, cost=cost, degrees=(sp,))
+    return static if static.predicted_step_s <= mixed.predicted_step_s else mixed
 
 
 def _check(docs: Sequence[Sequence[int]], *, world: int, sp: int, token_budget: int) -> None:
@@ -116,6 +126,17 @@ def _check(docs: Sequence[Sequence[int]], *, world: int, sp: int, token_budget: 
     for i, d in enumerate(docs):
         if not d or any(not isinstance(n, int) or n < 1 for n in d):
             raise ValueError(f"row {i}: document lengths must be positive integers, got {list(d)}")
+
+
+def _remembered(cost: Cost) -> Cost:
+    seen: dict[tuple[tuple[int, ...], int], float] = {}
+
+    def cached(docs: Sequence[int], degree: int) -> float:
+        key = (tuple(docs), degree)
+        if key not in seen:
+            seen[key] = cost(docs, degree)
+        return seen[key]
+    return cached
 
 
 def _smallest_degree(tokens: int, chain: Sequence[int], budget: int, row: int, sp: int) -> int:
@@ -164,7 +185,8 @@ def _place(groups: list[list[int]], degree: list[int], docs: Sequence[Sequence[i
     where: list[tuple[int, int]] = [(0, 0)] * len(groups)
     for gi in sorted(range(len(groups)), key=lambda gi: (-degree[gi], -times[gi], gi)):
         k = degree[gi]
-        first = min(range(0, world, k), key=lambda f: (max(load[f:f + k]), f))
+        busiest = load if k == 1 else [max(load[f:f + k]) for f in range(0, world, k)]  # per block
+        first = k * min(range(len(busiest)), key=busiest.__getitem__)  # the first of equals
         for r in range(first, first + k):
             load[r] += times[gi]
         where[gi] = (k, first)
