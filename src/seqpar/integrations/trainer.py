@@ -263,6 +263,9 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
                          "seqpar.SeqParTrainerMixin)")
     entry = trl_entry(type(trainer))
+    if entry is not None and schedule is not None:
+        raise Refused(f"a dynamic SP schedule (schedule=) with TRL's {type(trainer).__name__} is not supported: "
+                      "its loss runs on whole pairs / groups; leave schedule=None (the static schedule)")
     mixin = entry[0] if entry else SeqParTrainerMixin  # TRL's DPO / Reward / GRPO trainers: their own
     state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
     base = type(trainer)
