@@ -11,12 +11,14 @@ The model: Llama shape, vocabulary 32,000 (a [S, V] float32 tensor is 125 KiB pe
   ``PolicyGradient(loss_type="grpo", beta=0.04)`` with one advantage per completion and the same
   frozen reference for the KL term;
 
-forward, backward, gradient sync and an AdamW step, after a warm-up step (so gradients and optimizer
-states exist). Each (step, sp) runs in fresh worker processes. Per rank:
+forward, backward, gradient sync and an SGD step, after a warm-up step (so gradients exist and the
+policy has moved away from its reference: the losses printed at sp=1 and sp=4 are comparable; plain
+SGD, because AdamW's first steps turn rounding-level gradient differences into whole steps). Each
+(step, sp) runs in fresh worker processes. Per rank:
 
 * step: the peak of live tensor storage the step creates (:class:`seqpar.testing.memory.LiveMemory`,
   counted, the same on every run): activations, the vocabulary tiles, the collectives' buffers and
-  the gradients' temporaries; the model state (weights, gradients, AdamW moments) exists before the
+  the gradients' temporaries; the model state (weights and gradients, the reference's weights) exists before the
   step and is printed apart (``state``: it does not depend on sp; FSDP shards it, not SP);
 * rss: the peak resident set size above the baseline (allocator- and load-dependent, for reference).
 
@@ -62,6 +64,8 @@ class Sizes:
     layers: int = 2
     vocab: int = VOCAB
     tile: int | None = None
+    dtype: str = "float32"
+    mlp_tile: int = 512
 
     def model(self) -> dict[str, int]:
         heads = max(4, self.hidden // 64)
@@ -70,7 +74,7 @@ class Sizes:
                     num_hidden_layers=self.layers, max_position_embeddings=self.seq)
 
 
-QUICK = Sizes(seq=384, prompt=64, group=4, hidden=64, layers=2, vocab=4096)
+QUICK = Sizes(seq=256, prompt=32, group=4, hidden=64, layers=1, vocab=4096, mlp_tile=64)
 
 
 def _rows(sizes: Sizes, step: str) -> dict[str, torch.Tensor]:
@@ -114,9 +118,9 @@ def memory_worker(rank: int, world: int, step: str, sizes: Sizes) -> dict[str, f
     torch.set_num_threads(1)
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     torch.manual_seed(0)
-    model, _ = build_model("tiny-llama", dtype=torch.float32, **sizes.model())
+    model, _ = build_model("tiny-llama", dtype=getattr(torch, sizes.dtype), **sizes.model())
     seqpar.parallelize(model, mesh)
-    seqpar.reduce_memory(model, mesh)  # the switches' defaults: tiled loss + MLP, checkpoint="layers"
+    seqpar.reduce_memory(model, mesh, mlp_tile=sizes.mlp_tile)  # tiled loss + MLP, checkpoint="layers"
     reference = copy.deepcopy(model).requires_grad_(False)  # frozen: parallelized, switches on
     opt = torch.optim.SGD(model.parameters(), lr=0.05)  # no moments: the measured losses compare across sp
     objective, inputs = _objective(step, sizes)
@@ -140,7 +144,7 @@ def measure(sizes: Sizes, nproc: int, steps: tuple[str, ...] = STEPS) -> dict[st
     for step in steps:
         rows[step] = {}
         for sp in (1, nproc):
-            per_rank = run_distributed(memory_worker, sp, step, sizes, timeout=3600)
+            per_rank = run_distributed(memory_worker, sp, step, sizes, timeout=3600, pg_timeout=1800)
             rows[step][sp] = {k: max(r[k] for r in per_rank) for k in KEYS}
             rows[step][sp]["loss"] = per_rank[0]["loss"]
     return rows
@@ -151,9 +155,9 @@ def report(rows: dict[str, dict[int, dict[str, float]]], sizes: Sizes, nproc: in
     for step, by_sp in rows.items():
         tokens = 2 * sizes.seq if step == "dpo" else sizes.group * (sizes.seq // 2)
         for sp, r in by_sp.items():
-            lines.append(f"{step:>4} sp={sp}: step {r['step_mib']:9.1f} MiB  rss {r['rss_mib']:9.1f} MiB  "
-                         f"state {r['state_mib']:8.1f} MiB  largest tensor {r['largest_mib']:7.1f} MiB (the shard's "
-                         f"[S, V] logits: {r['logits_mib']:8.1f} MiB)  loss {r['loss']:.7f}  "
+            lines.append(f"{step:>4} sp={sp}: step {r['step_mib']:10.2f} MiB  rss {r['rss_mib']:10.2f} MiB  "
+                         f"state {r['state_mib']:9.2f} MiB  largest tensor {r['largest_mib']:8.2f} MiB (the shard's "
+                         f"[S, V] logits: {r['logits_mib']:9.2f} MiB)  loss {r['loss']:.7f}  "
                          f"(per rank, {tokens} tokens)")
         one, many = by_sp[1], by_sp[nproc]
         goal = f" (goal <= {DPO_GOAL})" if step == "dpo" else ""
@@ -163,7 +167,7 @@ def report(rows: dict[str, dict[int, dict[str, float]]], sizes: Sizes, nproc: in
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = Sizes()
     ap.add_argument("--seq", type=int, default=default.seq, help="tokens per DPO row (GRPO completions: half)")
@@ -174,10 +178,13 @@ def main() -> None:
     ap.add_argument("--tile", type=int, default=None, help="tokens per vocabulary tile (default: the objectives')")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--mlp-tile", type=int, default=default.mlp_tile,
+                    help="reduce_memory's mlp_tile (its default, 2048, is the text's 'default switches' row)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sizes = QUICK if args.quick else Sizes(args.seq, args.prompt, args.group, args.hidden, args.layers, VOCAB,
-                                           args.tile)
+                                           args.tile, args.dtype, args.mlp_tile)
     rows = measure(sizes, args.nproc, tuple(args.steps))
     for line in report(rows, sizes, args.nproc):
         print(line, flush=True)
