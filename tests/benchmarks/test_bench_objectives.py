@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_objectives.py"
-_ROW = re.compile(r"^ *(dpo|grpo) sp=(\d): step +([\d.]+) MiB  rss +([\d.]+) MiB  state +([\d.]+) MiB  largest tensor +"
-                  r"([\d.]+) MiB \(the shard's \[S, V\] logits: +([\d.]+) MiB\)  loss (-?[\d.]+)  \(per rank, (\d+) tokens\)$")
-_RATIO = re.compile(r"^ *(dpo|grpo) sp=4/sp=1: step ([\d.]+)x( \(goal <= 0.35\))?  rss ([\d.]+)x  step\+state ([\d.]+)x$")
+_ROW = re.compile(r"^ *(dpo|grpo) sp=(\d): step +([\d.]+) MiB  rss +([\d.]+) MiB  state +([\d.]+) MiB  "
+                  r"largest tensor +([\d.]+) MiB \(the shard's \[S, V\] logits: +([\d.]+) MiB\)  "
+                  r"loss (-?[\d.]+)  \(per rank, (\d+) tokens\)$")
+_RATIO = re.compile(r"^ *(dpo|grpo) sp=4/sp=1: step ([\d.]+)x( \(goal <= 0.35\))?  rss ([\d.]+)x  "
+                    r"step\+state ([\d.]+)x$")
 
 
 @pytest.fixture(scope="module")
