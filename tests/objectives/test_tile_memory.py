@@ -93,3 +93,17 @@ def test_the_default_tile_holds_no_more_than_the_hidden_states_within_its_bounds
         t = vocab_tile(tokens, hidden, vocab)
         assert MIN_TILE <= t <= 1024
         assert t in (MIN_TILE, 1024) or 2 * t * vocab <= tokens * hidden < 2 * (t + 1) * vocab
+
+
+def test_the_default_tile_is_capped_by_the_models_loss_tile():
+    import seqpar
+    from seqpar.integrations.memory import DEFAULT_LOSS_TILE
+    from seqpar.integrations.models import build_model
+    from seqpar.objectives.tokens import model_tile
+
+    model, _ = build_model("tiny-llama")
+    assert model_tile(model) == DEFAULT_LOSS_TILE  # no switches
+    seqpar.reduce_memory(model, loss_tile=96)
+    assert model_tile(model) == 96
+    seqpar.restore_memory(model)
+    assert model_tile(model) == DEFAULT_LOSS_TILE

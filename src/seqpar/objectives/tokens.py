@@ -49,8 +49,8 @@ def vocab_tile(tokens: int, hidden: int, vocab: int, *, cap: int = DEFAULT_LOSS_
 
 def model_tile(model: nn.Module) -> int:
     """The model's ``loss_tile`` when :func:`seqpar.reduce_memory` is on, else :data:`DEFAULT_LOSS_TILE`."""
-    record = state_of(unwrap_peft(model))
-    memory = record.memory if record is not None else None
+    records = (state_of(model), state_of(unwrap_peft(model)))  # a peft model's record may be its own
+    memory = next((r.memory for r in records if r is not None and r.memory is not None), None)
     return memory.loss_tile if memory is not None else DEFAULT_LOSS_TILE
 
 
