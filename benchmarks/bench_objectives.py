@@ -30,8 +30,9 @@ default 2048 the MLP tile holds ~70 MiB per rank at sp=1 and sp=4 alike, a quart
 this 256-wide, 2-layer model (DPO 0.379x measured; 0.299x at 512), where a real model's layers would
 dwarf it. Measured 2026-12-05 (2 shared cores, float32, counted live storage): DPO 16k-token pairs
 689.8 MiB at sp=1, 205.9 MiB at sp=4: 0.299x; GRPO-style, 4 completions of 8k tokens: 689.8 / 218.4
-MiB, 0.317x. Float32 losses at sp=1 and sp=4 agree to rounding (at 16k, rounding of 16k-token sums:
-3.766 vs 3.607 for DPO's -logsigmoid of a 37-nat margin); ``--dtype float64`` gives equal losses. Run::
+MiB, 0.317x. The float32 losses at sp=1 and sp=4 differ by rounding, which grows with the length
+(DPO: 6e-4 at 2k tokens, 3.766 vs 3.607 at 16k, a 37-nat margin of 16k-token sums); in float64
+(``--dtype float64``) they are equal: 2k tokens of this model, 16k of a 64-wide one. Run::
 
     .venv/bin/python benchmarks/bench_objectives.py            # 16k-token pairs, a few minutes
     .venv/bin/python benchmarks/bench_objectives.py --quick    # tiny sizes, seconds (a smoke run)
