@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.loss import ScaleGrad
 from ..batch.targets import IGNORE_INDEX
+from ..batch.tiled_loss import check_tile
 from ..comm import faults
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size
@@ -48,7 +49,7 @@ from ..integrations.tiled_head import check_head, output_head
 from .checks import agree, route
 from .reference import Reference, reference_token_logps
 from .rows import Sequences, local_tokens, row_sums, sequences
-from .tokens import final_hidden, local_targets, score_head, token_logps_entropy
+from .tokens import final_hidden, local_targets, model_tile, score_head, token_logps_entropy, vocab_tile
 
 UNITS = ("pair", "sequence", "token")
 TOKEN_QUANTITIES = ("logps", "entropy", "values")
@@ -140,22 +141,25 @@ class Objective:
 
 def compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh: DeviceMesh, *,
             reference: Reference = None, num_units: float | None = None, temperature: float = 1.0,
-            tile: int = 1024, **inputs: Tensor) -> ObjectiveOutput:
+            tile: int | None = None, **inputs: Tensor) -> ObjectiveOutput:
     """Run ``objective`` on this rank's shard ``local`` (from :func:`seqpar.shard_batch`) of a
     parallelized ``model``: the same loss on every SP rank, equal to the objective on the unsharded
     batch. ``inputs``: the objective's per-sequence ``[N]`` and per-token ``[B, S]`` inputs, whole
     and identical on every SP rank. ``reference``: see :mod:`seqpar.objectives.reference`.
     ``num_units``: the global unit count (see the module doc). ``temperature`` divides the logits.
-    ``tile``: tokens per vocabulary tile. Raises ValueError for a missing or malformed input (an
-    exception is told to every rank)."""
+    ``tile``: tokens per vocabulary tile (default :func:`~seqpar.objectives.tokens.vocab_tile`: the
+    tiles hold no more than the shard's hidden states, at most the model's ``loss_tile``). Raises
+    ValueError for a missing or malformed input (an exception is told to every rank)."""
     mesh = as_mesh(mesh, objective.name)
+    if tile is not None:
+        check_tile(tile, "tile")
     agree(objective, model, local, mesh, inputs, reference, num_units)  # the same ValueError on every rank
     with faults.publishing(f"the {objective.name} objective"):
         return _compute(objective, model, local, mesh, reference, num_units, temperature, tile, inputs)
 
 
 def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh: DeviceMesh,
-             reference: Reference, num_units: float | None, temperature: float, tile: int,
+             reference: Reference, num_units: float | None, temperature: float, tile: int | None,
              inputs: dict[str, Tensor]) -> ObjectiveOutput:
     batch = local[BATCH_KWARG]
     group = axis_group(mesh, Axis.SP.value)
@@ -164,6 +168,10 @@ def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh
     hidden, out = final_hidden(model, local)  # [B, S_local, H]
     check_failures(group)  # nothing from a failed forward
     dev = hidden.device
+    if tile is None and (reference is not None or {"logps", "entropy"} & set(objective.takes.per_token)):
+        # the same tile for the policy and the reference (of the same vocabulary)
+        vocab = output_head(unwrap_peft(model)).weight.shape[0]
+        tile = vocab_tile(hidden.shape[0] * hidden.shape[1], hidden.shape[-1], vocab, cap=model_tile(model))
     seqs = sequences(batch, hidden.shape[0], dev)
     valid = targets.to(dev) != IGNORE_INDEX if targets is not None else seqs.ids >= 0
     token, row = _from_model(objective, model, hidden, out, targets, seqs, group, temperature, tile)
@@ -189,7 +197,7 @@ def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh
 
 
 def _from_model(objective: Objective, model: nn.Module, hidden: Tensor, out: Any, targets: Tensor | None,
-                seqs: Sequences, group: Any, temperature: float, tile: int
+                seqs: Sequences, group: Any, temperature: float, tile: int | None
                 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The per-token and per-sequence quantities ``objective.takes`` from the model's hidden state."""
     takes = objective.takes

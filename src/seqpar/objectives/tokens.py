@@ -9,6 +9,11 @@ tile at a time, never the ``[S, V]`` logits (the machinery of :mod:`seqpar.batch
           dz = g_logp * (onehot - p) - g_ent * p * (log p + entropy)
           grad_h[tile] = chain(dz) @ W,   grad_W += chain(dz)^T @ h
 
+How many tokens a tile holds, unless the caller says (:func:`vocab_tile`): as many as keep the tile's
+two ``[T, V]`` buffers within what the shard's own hidden states ``[N, H]`` hold, so that the
+vocabulary never dominates a rank's memory and that memory shrinks with the shard (sp), between
+:data:`MIN_TILE` and the model's ``loss_tile`` (:func:`seqpar.reduce_memory`; 1024 without it).
+
 A per-token value or score (a value head, a sequence-classification head) is the model's own small
 head on the hidden state: ``[B, S_local, K]`` with K the number of labels.
 """
@@ -25,10 +30,28 @@ from ..batch.local_batch import BATCH_KWARG
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import Head, accumulate_product, check_tile, token_tiles
 from ..errors import Refused
+from ..integrations.memory import DEFAULT_LOSS_TILE
 from ..integrations.peft import unwrap_peft
+from ..integrations.state import state_of
 from ..integrations.tiled_head import last_hidden
 
 _NOT_MODEL_KEYS = ("labels", "shift_labels")
+MIN_TILE = 64
+"""The fewest tokens a chosen tile holds: below this the head's matmul runs too thin to pay."""
+
+
+def vocab_tile(tokens: int, hidden: int, vocab: int, *, cap: int = DEFAULT_LOSS_TILE) -> int:
+    """Tokens per vocabulary tile for a shard of ``tokens`` hidden states of width ``hidden``: the most
+    whose two ``[T, V]`` buffers hold no more than the hidden states ``[N, H]`` (``2 T V <= N H``),
+    within ``[MIN_TILE, cap]``."""
+    return max(MIN_TILE, min(cap, tokens * hidden // (2 * vocab)))
+
+
+def model_tile(model: nn.Module) -> int:
+    """The model's ``loss_tile`` when :func:`seqpar.reduce_memory` is on, else :data:`DEFAULT_LOSS_TILE`."""
+    records = (state_of(model), state_of(unwrap_peft(model)))  # a peft model's record may be its own
+    memory = next((r.memory for r in records if r is not None and r.memory is not None), None)
+    return memory.loss_tile if memory is not None else DEFAULT_LOSS_TILE
 
 
 def final_hidden(model: nn.Module, local: dict[str, Any]) -> tuple[Tensor, Any]:
@@ -69,7 +92,8 @@ def score_head(model: nn.Module) -> nn.Linear:
 class _TiledTokenStats(torch.autograd.Function):
     """Forward: per-token ``log p(target)`` and entropy, tile by tile (see the module doc). Backward:
     the gradients arrive per token, so each tile's logits are recomputed and differentiated at once;
-    the weight's gradient is accumulated across the tiles."""
+    the weight's gradient is accumulated across the tiles. At most two ``[T, V]`` buffers of one tile
+    are alive at a time (log p and p; the gradient is built in place in them), never ``[S, V]``."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: Head, targets: Tensor,
@@ -77,9 +101,11 @@ class _TiledTokenStats(torch.autograd.Function):
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         logps, ents = [], []
         for a, b in token_tiles(hidden.shape[0], tile):
-            logp_all, valid, _ = _tile(head, hidden[a:b], targets[a:b], temperature, ignore_index)
+            logp_all, _ = _tile_log_softmax(head, hidden[a:b], temperature)  # [T, V]
+            valid = targets[a:b] != ignore_index
             logps.append(logp_all.gather(1, targets[a:b].clamp(min=0)[:, None]).squeeze(1) * valid)
-            ents.append(-(logp_all.exp() * logp_all).sum(1))
+            ents.append(_entropy(logp_all.exp(), logp_all))
+            del logp_all  # the tile's buffers die before the next tile's are made
         empty = hidden.new_zeros(0, dtype=cdtype)
         ctx.set_materialize_grads(False)  # an output nobody used: None, not a [N] of zeros to chain back
         ctx.save_for_backward(hidden, targets)
@@ -95,34 +121,59 @@ class _TiledTokenStats(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device)  # [V, H]
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=cdtype, device=bias.device)
         for a, b in token_tiles(hidden.shape[0], ctx.tile):
-            h = hidden[a:b]
-            logp_all, valid, t = _tile(head, h, targets[a:b], ctx.temperature, ctx.ignore_index)
-            p = logp_all.exp()  # [T, V]
-            dz = torch.zeros_like(logp_all)
-            if g_logp is not None:  # d logp_target / dz = onehot - p
-                g = g_logp[a:b].to(cdtype) * valid
-                dz -= p * g[:, None]
-                dz.scatter_add_(1, targets[a:b].clamp(min=0)[:, None], g[:, None])
-            if g_ent is not None:  # d entropy / dz = -p * (log p + entropy)
-                ent = -(p * logp_all).sum(1, keepdim=True)
-                dz -= g_ent[a:b].to(cdtype)[:, None] * p * (logp_all + ent)
-            dz = head.chain(dz / ctx.temperature, t).to(hidden.dtype)
+            h, target = hidden[a:b], targets[a:b].clamp(min=0)[:, None]
+            g = None if g_logp is None else g_logp[a:b].to(cdtype) * (targets[a:b] != ctx.ignore_index)  # [T]
+            dz, t = _tile_grad(head, h, target, g, None if g_ent is None else g_ent[a:b].to(cdtype),
+                               ctx.temperature)
+            dz = head.chain(dz, t).to(hidden.dtype)  # [T, V]
             grad_h[a:b] = dz @ weight
             accumulate_product(grad_w, dz.t(), h)
             if grad_b is not None:
                 grad_b += dz.sum(0).to(cdtype)
+            del dz, t
         return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
                 None, None, None, None, None)
 
 
-def _tile(head: Head, h: Tensor, target: Tensor, temperature: float, ignore_index: int
-          ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """One tile: ``(log_softmax of the scaled logits [T, V] in compute dtype, valid [T], tanh or None)``."""
-    z, t = head.logits(h)
-    zc = z.to(torch.promote_types(z.dtype, torch.float32))
+def _tile_log_softmax(head: Head, h: Tensor, temperature: float) -> tuple[Tensor, Tensor | None]:
+    """One tile: ``(log_softmax(head(h) / temperature) [T, V] in compute dtype, tanh or None)``; the
+    logits are scaled in place and die inside ``log_softmax`` (two ``[T, V]`` buffers at its peak)."""
+    z, t = head.logits(h)  # [T, V], a fresh tensor: scaling it in place touches nothing else
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
     if temperature != 1.0:
-        zc = zc / temperature
-    return torch.log_softmax(zc, dim=1), target != ignore_index, t
+        z.div_(temperature)
+    return torch.log_softmax(z, dim=1), t
+
+
+def _entropy(p: Tensor, logp: Tensor) -> Tensor:
+    """``-sum_v p log p`` per row ``[T]`` as a batched dot product: no third ``[T, V]`` buffer."""
+    return -torch.bmm(p.unsqueeze(1), logp.unsqueeze(2)).view(-1)
+
+
+def _tile_grad(head: Head, h: Tensor, target: Tensor, g_logp: Tensor | None, g_ent: Tensor | None,
+               temperature: float) -> tuple[Tensor, Tensor | None]:
+    """``(d(sum g_logp * logp + g_ent * entropy) / d(z / temperature) / temperature [T, V], tanh or None)``
+    with ``z`` the tile's head output, built in place in the two buffers of log p and p::
+
+        dz = g_logp * (onehot - p) - g_ent * p * (log p + entropy)
+           = -p * (g_logp + g_ent * (log p + entropy)) + g_logp * onehot
+    """
+    logp, t = _tile_log_softmax(head, h, temperature)  # [T, V]
+    p = logp.exp()  # [T, V]
+    coef = logp  # [T, V], in place: log p is not needed after this
+    if g_ent is not None:
+        coef.add_(_entropy(p, logp)[:, None]).mul_(g_ent[:, None])
+    else:
+        coef.zero_()
+    if g_logp is not None:
+        coef.add_(g_logp[:, None])
+    dz = p.mul_(coef).neg_()
+    del coef, logp
+    if g_logp is not None:
+        dz.scatter_add_(1, target, g_logp[:, None])
+    if temperature != 1.0:
+        dz.div_(temperature)
+    return dz, t
 
 
 def token_logps_entropy(hidden: Tensor, head: Head, targets: Tensor, *, temperature: float = 1.0,

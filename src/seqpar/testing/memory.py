@@ -17,6 +17,7 @@ What existed before the region is the baseline and is not counted: an op's outpu
 storage with one of its inputs (a view, an in-place op, ``out=``) creates nothing. Not seen: memory
 a kernel allocates and frees inside one op (its scratch buffers) and storages made outside torch's
 dispatcher (``torch.from_numpy``). The count is the same on every run of the same code.
+``largest_bytes`` is the largest single storage created in the region (what one tensor ever held).
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ MIB = 2**20
 
 class LiveMemory(TorchDispatchMode):
     """Peak and current bytes of live tensor storage created inside the ``with`` block (see the
-    module doc). ``peak_bytes`` / ``live_bytes`` stay readable after the block; ``reset_peak()``
-    starts a new peak from the current count."""
+    module doc). ``peak_bytes`` / ``live_bytes`` / ``largest_bytes`` stay readable after the block;
+    ``reset_peak()`` starts a new peak from the current count."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.largest_bytes = 0  # the largest storage created in the region
         self._sizes: dict[int, int] = {}  # id of a live storage -> its bytes as counted
         self._refs: dict[int, weakref.ref] = {}  # the weak references whose callbacks uncount them
         self._lock = threading.RLock()  # a callback may run inside a locked section (GC) or on another thread
@@ -66,8 +68,10 @@ class LiveMemory(TorchDispatchMode):
             if key in self._sizes:  # seen before: only its size may have changed (resize_, out=)
                 self._add(storage.nbytes() - self._sizes[key])
                 self._sizes[key] = storage.nbytes()
+                self.largest_bytes = max(self.largest_bytes, storage.nbytes())
             elif new:
                 self._sizes[key] = storage.nbytes()
+                self.largest_bytes = max(self.largest_bytes, storage.nbytes())
                 self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._dead(key))
                 self._add(storage.nbytes())
 
