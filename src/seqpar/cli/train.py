@@ -23,7 +23,7 @@ from typing import Any
 
 from seqpar.train.config import FIELDS, OPTIONAL_KINDS, RESUME_AUTO, TrainConfig, describe_memory, load_config_file
 from seqpar.train.job import Job
-from seqpar.train.run import RunSummary
+from seqpar.train.training_run import RunSummary
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         shown = meta.get("shown", "off" if default is False else "on" if default is True else default)
         text = f"{meta['help']} (default: {shown})".replace("%", "%%")  # argparse %-formats help texts
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": text}
-        if name in ("progress", "tiled_loss", "tiled_mlp", "plot"):
+        if meta.get("negatable"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if name == "resume":  # --resume, or --resume auto

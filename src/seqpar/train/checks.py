@@ -6,9 +6,10 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from seqpar.attention.dispatch import STRATEGIES
 from seqpar.integrations.memory import CHECKPOINT_MODES
 
-from .config import DTYPES, LORA_EXPORTS, NONFINITE, REPORT_TO, RESUME_AUTO, STRATEGIES, TrainConfig, model_overrides
+from .config import DTYPES, LORA_EXPORTS, NONFINITE, REPORT_TO, RESUME_AUTO, TrainConfig, model_overrides
 from .data import OVERFLOW
 from .tokenizer import TRAIN_ON
 
@@ -66,8 +67,8 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
         raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout}")
     if cfg.checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"unknown --checkpoint {cfg.checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {list(STRATEGIES)}")
+    if cfg.strategy not in (*STRATEGIES, "auto"):
+        raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {[*STRATEGIES, 'auto']}")
     if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {cfg.dtype!r}: choose one of {['auto', *DTYPES]}")
     if cfg.strategy == "hybrid" and sp < 4:

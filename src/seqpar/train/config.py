@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from seqpar.attention.dispatch import STRATEGIES
 from seqpar.integrations.memory import CHECKPOINT_MODES, DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
 from seqpar.integrations.models import BUILTIN_MODELS
 
@@ -23,7 +24,6 @@ from .data import OVERFLOW
 from .formats import FORMATS_HELP
 from .tokenizer import TRAIN_ON
 
-STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
 REPORT_TO = ("none", "tensorboard", "wandb")
 NONFINITE = ("stop", "skip")
 RESUME_AUTO = "auto"
@@ -47,7 +47,11 @@ checkpoint (sharded loading) or writing one, and steps at 1M tokens take minutes
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
-    """A field with its --help text; ``shown`` says the default in words where the value would not."""
+    """A field with its --help text; ``shown`` says the default in words where the value would not. A
+    bool that is on by default is a switch with its --no- form (``--no-plot``); one off by default is
+    a plain flag."""
+    if default is True:
+        kw.setdefault("negatable", True)
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -80,7 +84,7 @@ class TrainConfig:
     sp: int = _opt(2, "sequence-parallel degree: ranks that share one sequence")
     dp: int | None = _opt(None, "data-parallel degree", shown="world size / sp")
     strategy: str = _opt("ulysses", "sequence-parallel attention: ulysses, ring, hybrid (ring x ulysses) or auto "
-                         "(seqpar.plan picks)", choices=STRATEGIES)
+                         "(seqpar.plan picks)", choices=(*STRATEGIES, "auto"))
     steps: int = _opt(300, "optimizer steps")
     lr: float = _opt(1e-2, "peak learning rate (AdamW)")
     warmup: int = _opt(30, "linear warmup steps, then cosine decay to --min-lr-ratio x lr")

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .demo_data import EVAL, IGNORE, TRAIN, CopyTask
 from .formats import TEXT, count_kinds, read_records
-from .tasks import EVAL, IGNORE, TRAIN, CopyTask
 from .tokenizer import ByteTokenizer, Document, HFTokenizer, encode_records
 
 OVERFLOW = ("auto", "split", "truncate")

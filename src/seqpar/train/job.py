@@ -24,9 +24,9 @@ from seqpar.planner import hybrid_split, plan
 from .checks import check_config
 from .config import FIELDS, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
 from .data import TaskData, TextData, load_text_data
+from .demo_data import CopyTask
 from .report import HF_DIR
 from .safe_load import check_plain
-from .tasks import CopyTask
 from .tokenizer import load_hf_tokenizer, make_tokenizer
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

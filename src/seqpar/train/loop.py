@@ -35,10 +35,10 @@ from seqpar.integrations.models import BUILTIN_MODELS, build_model
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
 from .data import row_index, stack
+from .demo_data import EVAL, IGNORE, answer_accuracy
 from .job import Job, make_data
 from .lora import add_lora, count_params, init_lora, with_lora_names
 from .report import EvalResult
-from .tasks import EVAL, IGNORE, answer_accuracy
 from .tokenizer import load_hf_tokenizer
 
 
