@@ -8,8 +8,19 @@ import os
 
 from seqpar.attention.dispatch import STRATEGIES
 from seqpar.integrations.memory import CHECKPOINT_MODES
+from seqpar.integrations.models import BUILTIN_MODELS
 
-from .config import DTYPES, LORA_EXPORTS, NONFINITE, REPORT_TO, RESUME_AUTO, TrainConfig, model_overrides
+from .config import (
+    DTYPES,
+    LORA_EXPORTS,
+    NONFINITE,
+    OBJECTIVES,
+    REPORT_TO,
+    RESUME_AUTO,
+    TrainConfig,
+    dpo_losses,
+    model_overrides,
+)
 from .data import OVERFLOW
 from .tokenizer import TRAIN_ON
 
@@ -75,8 +86,30 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
         raise ValueError(f"--strategy hybrid needs --sp >= 4 (ring x ulysses, each >= 2), got --sp {sp}: "
                          "use ulysses or ring")
     _check_fine_tuning(cfg)
+    check_objective(cfg)
     model_overrides(cfg)
     return world, sp, dp
+
+
+def check_objective(cfg: TrainConfig) -> None:
+    """--objective and its options (see :mod:`seqpar.train.objective_step`)."""
+    if cfg.objective not in OBJECTIVES:
+        raise ValueError(f"unknown --objective {cfg.objective!r}: choose one of {list(OBJECTIVES)}")
+    given = [n for n, v, d in (("--beta", cfg.beta, 0.1), ("--dpo-loss", cfg.dpo_loss, "sigmoid")) if v != d]
+    takes = {"dpo": ("--beta", "--dpo-loss"), "simpo": ("--beta",), "orpo": ("--beta",)}.get(cfg.objective, ())
+    extra = [n for n in given if n not in takes]
+    if extra:
+        raise ValueError(f"{', '.join(extra)} does nothing for --objective {cfg.objective}: leave it out, or use "
+                         "--objective dpo" + (" / simpo / orpo" if extra == ["--beta"] else ""))
+    if not cfg.beta > 0:
+        raise ValueError(f"--beta must be > 0, got {cfg.beta}")
+    dpo_losses(cfg)
+    if cfg.objective == "reward" and cfg.lora_r:
+        raise ValueError("--objective reward trains a new score head, which --lora-r would leave frozen (LoRA adapts "
+                         "the linear layers of the body): leave out --lora-r")
+    if cfg.objective == "reward" and cfg.fsdp == "on" and cfg.model not in BUILTIN_MODELS:
+        raise ValueError("--objective reward from a checkpoint builds the reward model from its weights on every "
+                         "rank, which FSDP2's sharded loading does not do yet: use --fsdp off or a built-in --model")
 
 
 def _check_fine_tuning(cfg: TrainConfig) -> None:

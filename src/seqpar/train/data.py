@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .demo_data import EVAL, IGNORE, TRAIN, CopyTask
-from .formats import TEXT, count_kinds, read_records
+from .formats import PREFERENCE, TEXT, count_kinds, read_records
 from .tokenizer import ByteTokenizer, Document, HFTokenizer, encode_records
 
 OVERFLOW = ("auto", "split", "truncate")
@@ -248,8 +248,9 @@ def describe_rows(kinds: dict[str, int], stats: RowStats, *, tokenizer: str, seq
 
 
 def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Rows of ``[S]`` tensors -> a batch of ``[B, S]`` tensors."""
-    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    """Rows of ``[S]`` tensors (or units of ``[k, S]``: a preference pair's two rows) -> a batch of
+    ``[B, S]`` tensors, in order."""
+    return {k: torch.cat([r[k].reshape(-1, r[k].shape[-1]) for r in rows]) for k in rows[0]}
 
 
 def row_index(step: int, micro: int, dp_rank: int, b: int, *, grad_accum: int, dp: int, micro_batch: int) -> int:
@@ -262,6 +263,10 @@ def load_text_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer, *, te
     """Read, tokenize and row ``paths``: the :class:`TextData` of a run. ValueError for bad files,
     a tokenizer the data cannot use, or data with nothing to learn."""
     records = read_records(paths, text_field)
+    pair = next((r for r in records if r.kind == PREFERENCE), None)
+    if pair is not None:
+        raise ValueError(f"{pair.where} is a preference pair (prompt / chosen / rejected): train on pairs with "
+                         "--objective dpo (or simpo, orpo, reward)")
     kinds = count_kinds(records)
     policy = resolve_overflow(overflow, list(kinds))
     docs = encode_records(records, tok, train_on)

@@ -88,3 +88,39 @@ def answer_accuracy(logits: Tensor, targets: Tensor) -> tuple[int, int]:
     mask = targets != IGNORE
     correct = (logits.argmax(dim=-1) == targets) & mask
     return int(correct.sum()), int(mask.sum())
+
+
+@dataclass(frozen=True)
+class CopyPreference:
+    """The preference demo (``--objective dpo|simpo|orpo|reward`` without ``--data``): the copy task
+    as pairs. Prompt ``[BOS] x [SEP]``; chosen: the copy of ``x``; rejected: the same copy with each
+    symbol replaced by a random one with probability 1/2 (at least one). Telling them apart takes
+    what the copy task takes -- attention across the whole sequence (across ranks under SP); before
+    training the two are equally likely, so the held-out preference accuracy starts near chance."""
+
+    seq_len: int
+    seed: int = 0
+    symbols: int = 64
+
+    @property
+    def span(self) -> int:
+        return (self.seq_len - 2) // 2
+
+    @property
+    def vocab_size(self) -> int:
+        return SPECIALS + self.symbols
+
+    def pair(self, index: int, split: int = TRAIN) -> tuple[list[int], list[int], list[int]]:
+        """``(prompt, chosen, rejected)`` token ids of pair ``index`` of ``split``."""
+        g = torch.Generator().manual_seed(((self.seed * 2 + split) * 2**31 + index + 7919) % 2**63)
+        n = self.span
+        x = SPECIALS + torch.randint(0, self.symbols, (n,), generator=g)
+        swap = torch.rand(n, generator=g) < 0.5
+        swap[int(torch.randint(0, n, (1,), generator=g))] = True
+        other = SPECIALS + (x - SPECIALS + torch.randint(1, self.symbols, (n,), generator=g)) % self.symbols
+        return [BOS, *x.tolist(), SEP], x.tolist(), torch.where(swap, other, x).tolist()
+
+    def describe(self) -> str:
+        return (f"preference demo: a prompt of {self.span} random symbols (of {self.symbols}); chosen: their copy, "
+                f"rejected: the copy with about half the symbols changed; every copied symbol sits {self.span + 1} "
+                "tokens after its source")

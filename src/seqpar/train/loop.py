@@ -31,13 +31,14 @@ from seqpar.batch.loss import token_losses
 from seqpar.comm import collectives, faults
 from seqpar.comm.mesh import axis_group, default_device_type
 from seqpar.integrations.materialize import load_full_state_dict, materialize, meta_model
-from seqpar.integrations.models import BUILTIN_MODELS, build_model
+from seqpar.integrations.models import BUILTIN_MODELS
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
 from .data import row_index, stack
 from .demo_data import EVAL, IGNORE, answer_accuracy
 from .job import Job, make_data
 from .lora import add_lora, count_params, init_lora, with_lora_names
+from .objective_step import ObjectiveStep, objective_model
 from .report import EvalResult
 from .tokenizer import load_hf_tokenizer
 
@@ -139,6 +140,7 @@ class Trainer:
         full_state = None
         self.attention = seqpar.attention_kernel(model)  # the kernel "auto" chose, in words
         self.model = model
+        self.objective = ObjectiveStep(self)  # --objective: the loss, its reference and its unit count
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -154,15 +156,16 @@ class Trainer:
         self.data = self.job.data if self.job.data is not None else make_data(cfg, self.tokenizer)
         if cfg.model in BUILTIN_MODELS:
             with torch.device("meta"):
-                model, _ = build_model(cfg.model, dtype=param_dtype, **builtin_fields(cfg, self.data.vocab_size))
+                model = objective_model(cfg, self.tokenizer, dtype=param_dtype,
+                                        **builtin_fields(cfg, self.data.vocab_size))
             return model, None
         state = None
         if not self.use_fsdp:
-            model, _ = build_model(cfg.model, dtype=param_dtype)
+            model = objective_model(cfg, self.tokenizer, dtype=param_dtype)
             model.to(self.device)
         else:
             if self.rank == 0:  # the only rank that reads the weights
-                full, _ = build_model(cfg.model, dtype=param_dtype)
+                full = objective_model(cfg, self.tokenizer, dtype=param_dtype)
                 state = full.state_dict()
                 del full
             model = meta_model(cfg.model, dtype=param_dtype)
@@ -186,16 +189,16 @@ class Trainer:
         return out
 
     def forward_backward(self, step: int) -> tuple[float, int]:
-        """Gradients of the global token-mean loss of ``step`` on every rank (complete and exact
-        after this: averaged over dp x sp). Returns ``(this dp rank's share of the loss, targets)``."""
+        """Gradients of the global mean loss of ``step`` (over its targets, or its pairs) on every rank
+        (complete and exact after this: averaged over dp x sp). Returns ``(this dp rank's share of the
+        loss, units)``."""
         batches = self.micro_batches(step)
-        n_items = seqpar.count_target_tokens(batches, self.mesh)
+        n_items = self.objective.count(batches)
         share = 0.0
         for i, b in enumerate(batches):
             if self.use_fsdp:  # reduce-scatter once per step, after the last micro-batch, not after each
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            local = seqpar.shard_batch(b, self.mesh, layout=self.job.layout, num_items_in_batch=n_items or None)
-            loss = self.model(**local).loss
+            loss, _ = self.objective.loss(b, n_items)
             with faults.publishing("the backward"):  # an exception here is told to every rank
                 loss.backward()
             share += float(loss.detach())
@@ -237,6 +240,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> EvalResult | None:
         """Held-out loss and greedy accuracy over the targets of the held-out rows (all ranks)."""
+        if self.objective.paired:  # held-out pairs: loss and preference accuracy
+            return self.objective.evaluate()
         n = self.data.n_eval
         if n == 0:
             return None

@@ -1,0 +1,196 @@
+"""``seqpar train --objective``: preference pairs tokenized as TRL's DPOTrainer tokenizes them, and the
+step-1 loss of dpo and reward equal to TRL's DPOTrainer / RewardTrainer on the same file, tokenizer and
+initial weights (float32, 1e-6), at sp=2 with the memory switches on; the pairs packed; the options
+refused with the option to change."""
+
+import json
+
+import pytest
+import torch
+from chat_fixtures import CHATS, chat_checkpoint, write_jsonl
+
+from seqpar.comm.launch import run_distributed
+from seqpar.train import TrainConfig
+from seqpar.train.checks import check_config
+from seqpar.train.job import prepare_job
+from seqpar.train.loop import Trainer
+from seqpar.train.preference_data import encode_pair, pair_units, pairs_in
+from seqpar.train.tokenizer import HFTokenizer, load_hf_tokenizer
+from seqpar.train.training_run import _gather_stats
+
+pytestmark = pytest.mark.distributed
+
+TEXT_PAIRS = [
+    {"prompt": "what is two plus two", "chosen": " four", "rejected": " the quick brown fox"},
+    {"prompt": "which color is the sky", "chosen": " blue", "rejected": " apple pear plum and a lazy dog"},
+    {"prompt": "tell me a story", "chosen": " once upon a time there was a cat", "rejected": " fine"},
+    {"prompt": "name three fruits", "chosen": " apple pear plum", "rejected": " two"},
+    {"prompt": "hello how are you", "chosen": " fine thanks", "rejected": " blue blue blue sky"},
+]
+N = len(TEXT_PAIRS)
+
+
+def _chat_pairs():
+    out = []
+    for i, chat in enumerate(CHATS):
+        answer = chat[-1]["content"] if chat[-1]["role"] == "assistant" else "four"
+        other = CHATS[(i + 2) % len(CHATS)][-1]["content"]
+        prompt = [m for m in chat if m["role"] != "assistant"][:2]
+        out.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": answer}],
+                    "rejected": [{"role": "assistant", "content": other}]})
+    return out
+
+
+def _first_step(cfg, world):
+    trainer = Trainer(prepare_job(cfg, world))
+    batch = trainer.micro_batches(0)[0]  # dp = 1: every rank reads the whole step
+    share, units = trainer.forward_backward(0)
+    loss, _, _ = _gather_stats(trainer, share)
+    return {"loss": loss, "units": units, "batch": batch, "eval": trainer.evaluate()}
+
+
+def _steps(rank, world, cases):
+    return {name: _first_step(cfg, world) for name, cfg in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("objective")
+    ckpt = chat_checkpoint(tmp / "ckpt")
+    text = write_jsonl(tmp / "pairs.jsonl", TEXT_PAIRS)
+    chat = write_jsonl(tmp / "chat_pairs.jsonl", _chat_pairs())
+    base = TrainConfig(model=ckpt, data=[text], seq_len=48, sp=2, micro_batch=N, dtype="float32", progress=False,
+                       plot=False, loss_tile=16, mlp_tile=16, save_dir=str(tmp / "unused"))
+    # "sft" beside "sigmoid": at step 1 the policy is its reference, so the sigmoid loss alone is log 2
+    # whatever the tokens; the chosen completions' NLL makes the step-1 loss depend on every log-prob
+    dpo = base.replace(objective="dpo", dpo_loss="sigmoid,sft")
+    cases = {"dpo": dpo, "dpo_chat": dpo.replace(data=[chat]),
+             "dpo_packed": dpo.replace(packing=True, seq_len=256, micro_batch=1),  # every pair in one row
+             "reward": base.replace(objective="reward")}
+    results = run_distributed(_steps, 2, cases, timeout=600)[0]
+    return {"tmp": tmp, "ckpt": ckpt, "text": text, "chat": chat, "cases": cases, **results}
+
+
+def _trl_dpo(ckpt, data, seq_len, tmp):
+    """TRL's DPOTrainer on the same file: its tokenized dataset and the loss of one batch of every pair."""
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    tok = load_hf_tokenizer(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    args = DPOConfig(output_dir=str(tmp / "trl"), per_device_train_batch_size=N, max_length=seq_len, beta=0.1,
+                     loss_type=["sigmoid", "sft"], use_cpu=True, bf16=False, report_to=[], dataset_num_proc=None)
+    trainer = DPOTrainer(model=model, args=args, train_dataset=load_dataset("json", data_files=data, split="train"),
+                         processing_class=tok)
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        loss = float(trainer.compute_loss(trainer.model, batch))
+    return trainer.train_dataset, loss
+
+
+def _sequences(batch):
+    """``{(ids, targets)}`` of a batch of units (padded rows, or packed documents)."""
+    out = []
+    for row in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][row].sum())
+        ids, labels, pos = (batch[k][row, :n].tolist() for k in ("input_ids", "labels", "position_ids"))
+        starts = [i for i, p in enumerate(pos) if p == 0] + [n]
+        for a, b in zip(starts, starts[1:], strict=False):
+            out.append((tuple(ids[a:b]), tuple(x != -100 for x in labels[a:b])))
+    return sorted(out)
+
+
+def _trl_sequences(dataset):
+    out = []
+    for ex in dataset:
+        for c in (ex["chosen_ids"], ex["rejected_ids"]):
+            out.append((tuple(ex["prompt_ids"] + c), tuple([False] * len(ex["prompt_ids"]) + [True] * len(c))))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("name", ["dpo", "dpo_chat"])
+def test_dpo_tokens_and_step_1_loss_equal_trl(env, name):
+    """Text and conversational pairs: every sequence of step 1 (its tokens and completion mask) is one
+    of TRL's, all of them are there, and the step-1 loss (sp=2, tiled head and MLP, layer
+    checkpoints) equals DPOTrainer's on the same pairs within 1e-6 (float32)."""
+    cfg = env["cases"][name]
+    dataset, want = _trl_dpo(env["ckpt"], cfg.data[0], cfg.seq_len, env["tmp"] / name)
+    got = env[name]
+    assert _sequences(got["batch"]) == _trl_sequences(dataset)
+    assert got["units"] == N
+    assert abs(want - 0.6931) > 0.5  # the NLL term counts
+    assert abs(got["loss"] - want) <= 1e-6, (got["loss"], want)
+
+
+def test_packed_pairs_hold_whole_pairs_and_give_the_same_loss(env):
+    """--packing: every pair in one row (chosen then rejected), the same sequences as the padded run,
+    and the same step-1 loss within 1e-6 (each document attends to itself only)."""
+    got = env["dpo_packed"]
+    batch = got["batch"]
+    assert batch["input_ids"].shape[0] == 1 and pairs_in(batch) == got["units"] == N
+    assert _sequences(batch) == _sequences(env["dpo"]["batch"])
+    assert abs(got["loss"] - env["dpo"]["loss"]) <= 1e-6, (got["loss"], env["dpo"]["loss"])
+
+
+def test_reward_step_1_loss_equals_trl(env):
+    """--objective reward: Bradley-Terry on the scores at each sequence's last real token equals TRL's
+    RewardTrainer on the same pairs and initial weights (the new head drawn from the same seed)."""
+    from datasets import load_dataset
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    cfg = env["cases"]["reward"]
+    tok = load_hf_tokenizer(env["ckpt"])
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(env["ckpt"], num_labels=1, dtype=torch.float32,
+                                                               pad_token_id=tok.pad_token_id)
+    args = RewardConfig(output_dir=str(env["tmp"] / "trl_rm"), per_device_train_batch_size=N, max_length=cfg.seq_len,
+                        use_cpu=True, bf16=False, report_to=[], center_rewards_coefficient=None)
+    trainer = RewardTrainer(model=model, args=args, processing_class=tok,
+                            train_dataset=load_dataset("json", data_files=env["text"], split="train"))
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        want = float(trainer.compute_loss(trainer.model, batch))
+    got = env["reward"]
+    assert got["units"] == N
+    assert abs(want - 0.6931) > 1e-3  # the random head's scores differ within pairs
+    assert abs(got["loss"] - want) <= 1e-6, (got["loss"], want)
+
+
+def test_encode_pair_and_units_by_hand(tmp_path):
+    """The pure pieces: a text pair's prompt / completion split and EOS, one pair per unit, packing
+    refused for a pair that does not fit a row."""
+    tok = HFTokenizer(load_hf_tokenizer(chat_checkpoint(tmp_path / "ckpt")))
+    from seqpar.train.formats import to_record
+
+    c, r = encode_pair(to_record(TEXT_PAIRS[0], "x", "text"), tok)
+    prompt = tok.sft_text(TEXT_PAIRS[0]["prompt"])
+    assert c.ids[:len(prompt)] == prompt and c.ids[-1] == tok.tok.eos_token_id
+    assert c.targets == [False] * len(prompt) + [True] * (len(c.ids) - len(prompt))
+    units, kept, cut = pair_units([(c, r)], 32, packing=False, pad_id=tok.pad_id)
+    assert (kept, cut, units[0]["input_ids"].shape) == (1, 0, (2, 32))
+    with pytest.raises(ValueError, match="--seq-len .* --packing"):
+        pair_units([(c, r)], len(c.ids) + 1, packing=True, pad_id=tok.pad_id)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(objective="kto"), "--objective"),
+    (dict(objective="sft", beta=0.2), "--beta does nothing"),
+    (dict(objective="dpo", dpo_loss="sigmoid,nope"), "--dpo-loss"),
+    (dict(objective="reward", lora_r=4), "--lora-r"),
+    (dict(objective="dpo", beta=0.0), "--beta must be > 0"),
+])
+def test_bad_objective_options_name_the_option(options, match):
+    with pytest.raises(ValueError, match=match):
+        check_config(TrainConfig(**options))
+
+
+def test_preference_file_for_sft_and_text_for_dpo_are_refused(tmp_path):
+    pairs = write_jsonl(tmp_path / "p.jsonl", TEXT_PAIRS)
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"text": "hello"}) + "\n")
+    with pytest.raises(ValueError, match="--objective dpo"):
+        prepare_job(TrainConfig(data=[pairs], seq_len=64, save_dir=str(tmp_path / "a")))
+    with pytest.raises(ValueError, match="--objective sft"):
+        prepare_job(TrainConfig(data=[str(text)], objective="dpo", seq_len=64, save_dir=str(tmp_path / "b")))
