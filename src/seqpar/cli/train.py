@@ -21,7 +21,15 @@ import signal
 import sys
 from typing import Any
 
-from seqpar.train.config import FIELDS, OPTIONAL_KINDS, RESUME_AUTO, TrainConfig, describe_memory, load_config_file
+from seqpar.train.config import (
+    FIELDS,
+    OPTIONAL_KINDS,
+    PAIRED,
+    RESUME_AUTO,
+    TrainConfig,
+    describe_memory,
+    load_config_file,
+)
 from seqpar.train.job import Job
 from seqpar.train.training_run import RunSummary
 
@@ -86,11 +94,13 @@ def format_summary(s: RunSummary) -> str:
     ev, first = s.final_eval, s.first_eval
     if ev:
         acc = f"{100 * ev.accuracy:.1f}%"
+        paired = s.objective in PAIRED  # the preference accuracy: the chosen one won
         if s.chance:
-            acc += f" vs chance {100 * s.chance:.1f}% ({ev.accuracy / s.chance:.0f}x)"
+            acc += f" vs chance {100 * s.chance:.1f}%" + ("" if paired else f" ({ev.accuracy / s.chance:.0f}x)")
         if first:
             acc += f"; before training {100 * first.accuracy:.1f}%"
-        lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} answers; loss {ev.loss:.4f}")
+        what = "pairs (the chosen one preferred)" if paired else "answers"
+        lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} {what}; loss {ev.loss:.4f}")
     if s.evals and len(s.evals) > 1:
         losses = ", ".join(f"step {step}: {e.loss:.4f}" for step, e in s.evals)
         lines.append(f"  evaluations {losses} (held-out loss)")
