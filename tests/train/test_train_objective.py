@@ -46,7 +46,10 @@ def _first_step(cfg, world):
     batch = trainer.micro_batches(0)[0]  # dp = 1: every rank reads the whole step
     share, units = trainer.forward_backward(0)
     loss, _, _ = _gather_stats(trainer, share)
-    return {"loss": loss, "units": units, "batch": batch, "eval": trainer.evaluate()}
+    trained = sorted(n for n, p in trainer.model.named_parameters() if p.grad is not None)
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return {"loss": loss, "units": units, "batch": batch, "eval": trainer.evaluate(), "trained": trained,
+            "held_out": list(getattr(trainer.data, "eval", [])), "grads": grads}
 
 
 def _steps(rank, world, cases):
@@ -58,6 +61,7 @@ def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("objective")
     ckpt = chat_checkpoint(tmp / "ckpt")
     text = write_jsonl(tmp / "pairs.jsonl", TEXT_PAIRS)
+    many = write_jsonl(tmp / "many.jsonl", TEXT_PAIRS * 4)  # a tenth held out: 2 pairs
     chat = write_jsonl(tmp / "chat_pairs.jsonl", _chat_pairs())
     base = TrainConfig(model=ckpt, data=[text], seq_len=48, sp=2, micro_batch=N, dtype="float32", progress=False,
                        plot=False, loss_tile=16, mlp_tile=16, save_dir=str(tmp / "unused"))
@@ -66,7 +70,10 @@ def env(tmp_path_factory):
     dpo = base.replace(objective="dpo", dpo_loss="sigmoid,sft")
     cases = {"dpo": dpo, "dpo_chat": dpo.replace(data=[chat]),
              "dpo_packed": dpo.replace(packing=True, seq_len=256, micro_batch=1),  # every pair in one row
-             "reward": base.replace(objective="reward")}
+             "dpo64": dpo.replace(dtype="float64"),
+             "dpo_lora": dpo.replace(lora_r=4, lora_alpha=8.0),  # the reference: the adapters off
+             "reward": base.replace(objective="reward"),
+             "dpo_eval": dpo.replace(data=[many]), "reward_eval": base.replace(objective="reward", data=[many])}
     results = run_distributed(_steps, 2, cases, timeout=600)[0]
     return {"tmp": tmp, "ckpt": ckpt, "text": text, "chat": chat, "cases": cases, **results}
 
@@ -123,6 +130,44 @@ def test_dpo_tokens_and_step_1_loss_equal_trl(env, name):
     assert abs(got["loss"] - want) <= 1e-6, (got["loss"], want)
 
 
+def _logps(model, batch):
+    """Each sequence's summed completion log-prob and its token count (float64), plain model."""
+    out = []
+    for row in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][row].sum())
+        ids, labels = batch["input_ids"][row, :n], batch["labels"][row, :n]
+        logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].to(torch.float64), -1)
+        keep = labels[1:] != -100
+        out.append((logp[keep].gather(1, labels[1:][keep][:, None]).sum(), keep.sum()))
+    return out
+
+
+def test_dpo_step_1_gradients_equal_the_plain_model(env):
+    """float64, sp=2: the loss and every parameter's gradient of step 1 equal DPO (sigmoid + sft)
+    computed on the plain model without seqpar, each sequence alone, against a frozen copy (1e-10)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    got = env["dpo64"]
+    model = AutoModelForCausalLM.from_pretrained(env["ckpt"], dtype=torch.float64)
+    ref = copy.deepcopy(model).requires_grad_(False)
+    batch = got["batch"]  # rows c0 r0 c1 r1 ...
+    pol = _logps(model, batch)
+    with torch.no_grad():
+        base = _logps(ref, batch)
+    c, r = torch.stack([x for x, _ in pol[0::2]]), torch.stack([x for x, _ in pol[1::2]])
+    cr, rr = torch.stack([x for x, _ in base[0::2]]), torch.stack([x for x, _ in base[1::2]])
+    n_c = sum(int(k) for _, k in pol[0::2])
+    loss = -torch.nn.functional.logsigmoid(0.1 * ((c - cr) - (r - rr))).mean() - c.sum() / n_c
+    loss.backward()
+    assert abs(got["loss"] - float(loss)) <= 1e-10, (got["loss"], float(loss))
+    want = {n: p.grad for n, p in model.named_parameters()}
+    assert set(got["grads"]) == set(want)
+    worst = max(float((got["grads"][n] - want[n]).abs().max()) for n in want)
+    assert worst <= 1e-10, worst
+
+
 def test_packed_pairs_hold_whole_pairs_and_give_the_same_loss(env):
     """--packing: every pair in one row (chosen then rejected), the same sequences as the padded run,
     and the same step-1 loss within 1e-6 (each document attends to itself only)."""
@@ -131,6 +176,17 @@ def test_packed_pairs_hold_whole_pairs_and_give_the_same_loss(env):
     assert batch["input_ids"].shape[0] == 1 and pairs_in(batch) == got["units"] == N
     assert _sequences(batch) == _sequences(env["dpo"]["batch"])
     assert abs(got["loss"] - env["dpo"]["loss"]) <= 1e-6, (got["loss"], env["dpo"]["loss"])
+
+
+def test_lora_dpo_reference_is_the_model_with_its_adapters_off(env):
+    """--lora-r: the reference is the policy with its adapters off; the adapters start as the identity
+    (B = 0), so step 1 equals the full model's (and so TRL's), and only the adapters get gradients;
+    the held-out evaluation runs on the same path."""
+    got, full = env["dpo_lora"], env["dpo"]
+    assert abs(got["loss"] - full["loss"]) <= 1e-6, (got["loss"], full["loss"])
+    assert got["trained"] and all(".lora_" in n for n in got["trained"])
+    assert got["eval"] is None  # 5 pairs: no held-out tenth
+    assert _sequences(got["batch"]) == _sequences(full["batch"])
 
 
 def test_reward_step_1_loss_equals_trl(env):
@@ -156,6 +212,44 @@ def test_reward_step_1_loss_equals_trl(env):
     assert got["units"] == N
     assert abs(want - 0.6931) > 1e-3  # the random head's scores differ within pairs
     assert abs(got["loss"] - want) <= 1e-6, (got["loss"], want)
+
+
+def _completion_nll(model, ids, labels):
+    """The mean NLL of a sequence's completion tokens under the plain model (float64)."""
+    logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].double(), -1)
+    keep = labels[1:] != -100
+    return -logp[keep].gather(1, labels[1:][keep][:, None]).mean()
+
+
+def test_held_out_pairs_loss_and_accuracy_equal_the_plain_models(env):
+    """The evaluation of held-out pairs (before any update): dpo's loss is log 2 plus each pair's
+    chosen token-mean NLL (the "sft" term), its accuracy 0 (the implicit rewards tie at 0); reward's
+    loss and accuracy are Bradley-Terry's on the plain sequence-classification model's scores at
+    each sequence's last token -- within 1e-6."""
+    import math
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    lm = AutoModelForCausalLM.from_pretrained(env["ckpt"], dtype=torch.float32)
+    tok = load_hf_tokenizer(env["ckpt"])
+    torch.manual_seed(env["cases"]["reward_eval"].seed)
+    rm = AutoModelForSequenceClassification.from_pretrained(env["ckpt"], num_labels=1, dtype=torch.float32,
+                                                            pad_token_id=tok.pad_token_id)
+    dpo, rew = env["dpo_eval"], env["reward_eval"]
+    assert len(dpo["held_out"]) == len(rew["held_out"]) == dpo["eval"].targets == rew["eval"].targets == 2
+    losses, bt, won = [], [], []
+    with torch.no_grad():
+        for unit in dpo["held_out"]:
+            n = int(unit["attention_mask"][0].sum())
+            losses.append(math.log(2) + float(_completion_nll(lm, unit["input_ids"][0, :n], unit["labels"][0, :n])))
+        for unit in rew["held_out"]:
+            sc, sr = (float(rm(input_ids=unit["input_ids"][k, :int(unit["attention_mask"][k].sum())][None]).logits)
+                      for k in (0, 1))
+            bt.append(-float(torch.nn.functional.logsigmoid(torch.tensor(sc - sr, dtype=torch.float64))))
+            won.append(float(sc > sr))
+    assert abs(dpo["eval"].loss - sum(losses) / 2) <= 1e-6 and dpo["eval"].accuracy == 0.0
+    assert abs(rew["eval"].loss - sum(bt) / 2) <= 1e-6, (rew["eval"].loss, bt)
+    assert rew["eval"].accuracy == sum(won) / 2
 
 
 def test_encode_pair_and_units_by_hand(tmp_path):

@@ -28,6 +28,7 @@ PAD, BOS, SEP = 0, 1, 2
 SPECIALS = 3
 IGNORE = IGNORE_INDEX  # labels without a target
 TRAIN, EVAL = 0, 1
+ANSWER = 4  # tokens of the preference demo's answers
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,11 @@ def answer_accuracy(logits: Tensor, targets: Tensor) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class CopyPreference:
-    """The preference demo (``--objective dpo|simpo|orpo|reward`` without ``--data``): the copy task
-    as pairs. Prompt ``[BOS] x [SEP]``; chosen: the copy of ``x``; rejected: the same copy with each
-    symbol replaced by a random one with probability 1/2 (at least one). Telling them apart takes
-    what the copy task takes -- attention across the whole sequence (across ranks under SP); before
-    training the two are equally likely, so the held-out preference accuracy starts near chance."""
+    """The preference demo (``--objective dpo|simpo|orpo|reward`` without ``--data``). Prompt
+    ``[BOS] x [SEP]`` (``x``: the rest of the row's random symbols); chosen: ``x``'s first symbol,
+    ``ANSWER`` times; rejected: another symbol, as often. Only the first symbol of the row tells
+    them apart -- ``len(x) + 1`` tokens back, on the first SP rank -- so preferring the chosen one
+    takes attention across the whole sequence; before training the two are equally likely."""
 
     seq_len: int
     seed: int = 0
@@ -104,7 +105,8 @@ class CopyPreference:
 
     @property
     def span(self) -> int:
-        return (self.seq_len - 2) // 2
+        """Symbols in the prompt."""
+        return self.seq_len - 2 - ANSWER
 
     @property
     def vocab_size(self) -> int:
@@ -113,14 +115,10 @@ class CopyPreference:
     def pair(self, index: int, split: int = TRAIN) -> tuple[list[int], list[int], list[int]]:
         """``(prompt, chosen, rejected)`` token ids of pair ``index`` of ``split``."""
         g = torch.Generator().manual_seed(((self.seed * 2 + split) * 2**31 + index + 7919) % 2**63)
-        n = self.span
-        x = SPECIALS + torch.randint(0, self.symbols, (n,), generator=g)
-        swap = torch.rand(n, generator=g) < 0.5
-        swap[int(torch.randint(0, n, (1,), generator=g))] = True
-        other = SPECIALS + (x - SPECIALS + torch.randint(1, self.symbols, (n,), generator=g)) % self.symbols
-        return [BOS, *x.tolist(), SEP], x.tolist(), torch.where(swap, other, x).tolist()
+        x = (SPECIALS + torch.randint(0, self.symbols, (self.span,), generator=g)).tolist()
+        other = SPECIALS + (x[0] - SPECIALS + int(torch.randint(1, self.symbols, (1,), generator=g))) % self.symbols
+        return [BOS, *x, SEP], [x[0]] * ANSWER, [other] * ANSWER
 
     def describe(self) -> str:
-        return (f"preference demo: a prompt of {self.span} random symbols (of {self.symbols}); chosen: their copy, "
-                f"rejected: the copy with about half the symbols changed; every copied symbol sits {self.span + 1} "
-                "tokens after its source")
+        return (f"preference demo: a prompt of {self.span} random symbols (of {self.symbols}); chosen: its first "
+                f"symbol ({ANSWER} times), rejected: another one; the answer sits {self.span + 1} tokens back")

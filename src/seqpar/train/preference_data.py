@@ -165,5 +165,6 @@ def preference_demo(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -
                          "leave it out, or give --data")
     task = CopyPreference(seq_len, seed)
     if task.span < 2:
-        raise ValueError(f"--seq-len {seq_len} is too short for the preference demo: use at least 6")
+        least = seq_len - task.span + 2
+        raise ValueError(f"--seq-len {seq_len} is too short for the preference demo: use at least {least}")
     return PreferenceDemo(task, eval_rows)
