@@ -252,6 +252,24 @@ def test_held_out_pairs_loss_and_accuracy_equal_the_plain_models(env):
     assert rew["eval"].accuracy == sum(won) / 2
 
 
+def test_preference_demo_pairs():
+    """The demo's pairs: a pure function of (seed, split, index); chosen counts up from the prompt's
+    last symbol, rejected differs at every position; held-out pairs are another draw; a unit is two
+    padded rows whose targets are the answers."""
+    from seqpar.train.demo_data import EVAL, SPECIALS, CountingPreference
+    from seqpar.train.preference_data import preference_demo
+
+    task = CountingPreference(64, seed=3)
+    p, c, r = task.pair(5)
+    assert (p, c, r) == task.pair(5) and p != task.pair(5, EVAL)[0] and len(p) + len(c) <= 64
+    assert all((b - a) % task.symbols == 1 for a, b in zip([p[-2], *c], c, strict=False))
+    assert all(x != y for x, y in zip(c, r, strict=True)) and min(c + r) >= SPECIALS
+    unit = preference_demo(64, 3, 4, packing=False).row(5)
+    assert unit["input_ids"].shape == (2, 64) and int((unit["labels"][0] != -100).sum()) == len(c)
+    with pytest.raises(ValueError, match="--packing"):
+        preference_demo(64, 3, 4, packing=True)
+
+
 def test_encode_pair_and_units_by_hand(tmp_path):
     """The pure pieces: a text pair's prompt / completion split and EOS, one pair per unit, packing
     refused for a pair that does not fit a row."""

@@ -85,6 +85,7 @@ class ObjectiveStep:
         self.objective = make_objective(cfg)
         self.paired = cfg.objective in PAIRED
         self.tile = cfg.loss_tile if cfg.tiled_loss else 1 << 62  # off: the whole shard in one tile
+        self.metrics: dict[str, float] = {}  # the objective's metrics of the last step (this dp rank's mean)
         self.policy = trainer.peft or trainer.model  # ADAPTERS_OFF turns the peft model's adapters off
         self.reference: nn.Module | str | None = None
         if self.objective.needs.reference:
@@ -98,7 +99,10 @@ class ObjectiveStep:
                 self.reference = copy.deepcopy(trainer.model).requires_grad_(False).eval()
 
     def count(self, batches: list[dict[str, Tensor]]) -> float:
-        """The step's units over every dp rank: targets (sft, as shard_batch counts them) or pairs."""
+        """The step's units over every dp rank: targets (sft, as shard_batch counts them) or pairs.
+        Called once per step: it starts the step's metrics afresh."""
+        self.metrics = {}
+        self._micro = 0
         if not self.paired:
             return seqpar.count_target_tokens(batches, self.trainer.mesh)
         n = torch.tensor([float(sum(pairs_in(b) for b in batches))], dtype=torch.float64, device=self.trainer.device)
@@ -115,6 +119,9 @@ class ObjectiveStep:
             local = seqpar.shard_batch(batch, t.mesh, layout=t.job.layout)
             out = self.objective(self.policy, local, t.mesh, reference=self.reference, num_units=n_units or None,
                                  tile=self.tile)
+        self._micro += 1  # a running mean over the step's micro-batches
+        for k, v in out.metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + (float(v) - self.metrics.get(k, 0.0)) / self._micro
         return out.loss, out.metrics
 
     @torch.no_grad()

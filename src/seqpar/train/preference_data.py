@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .data import TextData, _row
-from .demo_data import IGNORE, PAD, TRAIN, CopyPreference
+from .demo_data import IGNORE, PAD, TRAIN, CountingPreference
 from .formats import PREFERENCE, Record, read_records
 from .tokenizer import ByteTokenizer, Document, HFTokenizer, _common_prefix, check_chat_support
 
@@ -130,10 +130,10 @@ def load_preference_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer,
 
 @dataclass
 class PreferenceDemo:
-    """The embedded preference demo (:class:`~seqpar.train.demo_data.CopyPreference`) as a data
+    """The embedded preference demo (:class:`~seqpar.train.demo_data.CountingPreference`) as a data
     source: pair ``index`` of a split is one unit, drawn when read (like the copy task's rows)."""
 
-    task: CopyPreference
+    task: CountingPreference
     eval_rows: int
     chance = 0.5
 
@@ -163,7 +163,7 @@ def preference_demo(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -
     if packing:
         raise ValueError("the preference demo fills each row with one sequence, so --packing has nothing to pack: "
                          "leave it out, or give --data")
-    task = CopyPreference(seq_len, seed)
+    task = CountingPreference(seq_len, seed)
     if task.span < 2:
         least = seq_len - task.span + 2
         raise ValueError(f"--seq-len {seq_len} is too short for the preference demo: use at least {least}")

@@ -189,6 +189,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
                            "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                            "peak_mem_mib": [round(m, 1) for m in mem],
                            "peak_reserved_mib": [round(m, 1) for m in reserved],
+                           **trainer.objective.metrics,  # rewards/..., logps/... (dp rank 0's micro-batches)
                            **({"skipped": "non-finite loss or gradient norm"} if not finite else {})})
             if bar is not None:
                 bar.update(1)
