@@ -310,10 +310,28 @@ def test_encode_pair_and_units_by_hand(tmp_path):
     (dict(objective="dpo", dpo_loss="sigmoid,nope"), "--dpo-loss"),
     (dict(objective="reward", lora_r=4), "--lora-r"),
     (dict(objective="dpo", beta=0.0), "--beta must be > 0"),
+    (dict(objective="dpo", train_on="all"), "--train-on all does nothing"),
+    (dict(objective="reward", overflow="split"), "--overflow split does nothing"),
 ])
 def test_bad_objective_options_name_the_option(options, match):
     with pytest.raises(ValueError, match=match):
         check_config(TrainConfig(**options))
+
+
+def test_parquet_and_jsonl_pairs_give_the_same_units(tmp_path):
+    """The same pairs as parquet (read through datasets) and as JSONL: the same units."""
+    from datasets import Dataset
+
+    from seqpar.train.preference_data import load_preference_data
+    from seqpar.train.tokenizer import ByteTokenizer
+
+    jsonl = write_jsonl(tmp_path / "p.jsonl", TEXT_PAIRS)
+    parquet = str(tmp_path / "p.parquet")
+    Dataset.from_list(TEXT_PAIRS).to_parquet(parquet)
+    kw = dict(seq_len=64, packing=False, seed=0, eval_rows=0)
+    a, b = (load_preference_data([f], ByteTokenizer(), **kw) for f in (jsonl, parquet))
+    assert len(a.train) == len(b.train) == N
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(a.train, b.train, strict=True) for k in x)
 
 
 def test_preference_file_for_sft_and_text_for_dpo_are_refused(tmp_path):

@@ -120,8 +120,9 @@ def format_summary(s: RunSummary) -> str:
         lines.append(f"  exported    {s.export} (peft's LoRA adapter: peft.AutoPeftModelForCausalLM.from_pretrained "
                      "loads it)")
     elif s.export:
+        auto = "AutoModelForSequenceClassification" if s.objective == "reward" else "AutoModelForCausalLM"
         lines.append(f"  exported    {s.export} (save_pretrained{', LoRA merged' if s.export_lora else ''}: "
-                     "AutoModelForCausalLM.from_pretrained loads it)")
+                     f"{auto}.from_pretrained loads it)")
     if s.resumed_from:
         lines.append(f"  resumed     from step {s.resumed_step} ({s.resumed_from})")
     if s.replaced_steps:

@@ -12,9 +12,11 @@ from seqpar.integrations.models import BUILTIN_MODELS
 
 from .config import (
     DTYPES,
+    FIELDS,
     LORA_EXPORTS,
     NONFINITE,
     OBJECTIVES,
+    PAIRED,
     REPORT_TO,
     RESUME_AUTO,
     TrainConfig,
@@ -101,6 +103,12 @@ def check_objective(cfg: TrainConfig) -> None:
     if extra:
         raise ValueError(f"{', '.join(extra)} does nothing for --objective {cfg.objective}: leave it out, or use "
                          "--objective dpo" + (" / simpo / orpo" if extra == ["--beta"] else ""))
+    if cfg.objective in PAIRED:  # pairs: completions only, each sequence cut to --seq-len keeping its start
+        moot = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in ("train_on", "overflow", "text_field")
+                if getattr(cfg, n) != FIELDS[n].default]
+        if moot:
+            raise ValueError(f"{', '.join(moot)} does nothing for --objective {cfg.objective}: pairs train on their "
+                             "completions, each sequence cut to --seq-len keeping its start (as TRL): leave it out")
     if not cfg.beta > 0:
         raise ValueError(f"--beta must be > 0, got {cfg.beta}")
     dpo_losses(cfg)

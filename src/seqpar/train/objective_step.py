@@ -86,6 +86,7 @@ class ObjectiveStep:
         self.paired = cfg.objective in PAIRED
         self.tile = cfg.loss_tile if cfg.tiled_loss else 1 << 62  # off: the whole shard in one tile
         self.metrics: dict[str, float] = {}  # the objective's metrics of the last step (this dp rank's mean)
+        self._micro = 0  # micro-batches of the step so far
         self.policy = trainer.peft or trainer.model  # ADAPTERS_OFF turns the peft model's adapters off
         self.reference: nn.Module | str | None = None
         if self.objective.needs.reference:
