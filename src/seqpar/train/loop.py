@@ -3,10 +3,10 @@
 Per optimizer step, on every rank::
 
     rows      this dp rank's micro-batches (rows k = f(seed, step, micro, dp rank): resumable)
-    N         seqpar.count_target_tokens(all of them, mesh)      targets of the whole step, all dp
+    N         the step's units, all dp ranks: targets (sft) or pairs (dpo, reward, ...; .objective_step)
     for each micro-batch:
-      local = seqpar.shard_batch(batch, mesh, num_items_in_batch=N)   this SP rank's slice
-      model(**local).loss.backward()          loss = exact share of the global token mean
+      local = seqpar.shard_batch(batch, mesh)               this SP rank's slice
+      objective(model, local, mesh, ...).loss.backward()    exact share of the global mean over N
     seqpar.sync_gradients (or FSDP2's reduce-scatter): the dp x sp average, every grad now exact
     the global gradient norm (and the step's loss): NaN / Inf stops or skips the step (--on-nonfinite)
     clip to the global norm, AdamW, warmup + cosine
@@ -30,7 +30,7 @@ import seqpar
 from seqpar.batch.loss import token_losses
 from seqpar.comm import collectives, faults
 from seqpar.comm.mesh import axis_group, default_device_type
-from seqpar.integrations.materialize import load_full_state_dict, materialize, meta_model
+from seqpar.integrations.materialize import load_full_state_dict, materialize
 from seqpar.integrations.models import BUILTIN_MODELS
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
@@ -38,7 +38,7 @@ from .data import row_index, stack
 from .demo_data import EVAL, IGNORE, answer_accuracy
 from .job import Job, make_data
 from .lora import add_lora, count_params, init_lora, with_lora_names
-from .objective_step import ObjectiveStep, objective_model
+from .objective_step import ObjectiveStep, objective_meta_model, objective_model
 from .report import EvalResult
 from .tokenizer import load_hf_tokenizer
 
@@ -164,11 +164,11 @@ class Trainer:
             model = objective_model(cfg, self.tokenizer, dtype=param_dtype)
             model.to(self.device)
         else:
+            model = objective_meta_model(cfg, dtype=param_dtype)  # first: a refusal comes before any loading
             if self.rank == 0:  # the only rank that reads the weights
                 full = objective_model(cfg, self.tokenizer, dtype=param_dtype)
                 state = full.state_dict()
                 del full
-            model = meta_model(cfg.model, dtype=param_dtype)
         vocab = int(model.get_input_embeddings().num_embeddings)
         if self.data.max_token_id >= vocab:  # prepare_job checked it; a job prepared elsewhere may not have
             raise ValueError(f"the data uses token ids up to {self.data.max_token_id} but --model {cfg.model!r} "

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 import seqpar
 from seqpar.comm import collectives, faults
 from seqpar.comm.mesh import axis_group
+from seqpar.integrations.materialize import meta_model
 from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_config
 from seqpar.objectives import ADAPTERS_OFF, DPO, ORPO, BradleyTerry, CausalLM, Objective, SimPO
 
@@ -73,6 +74,15 @@ def objective_model(cfg: TrainConfig, hf_tokenizer: Any | None, *, dtype: torch.
                                                                   pad_token_id=pad_id)
     config = builtin_config(cfg.model, **fields, num_labels=1, pad_token_id=pad_id)
     return AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa").to(dtype)
+
+
+def objective_meta_model(cfg: TrainConfig, *, dtype: torch.dtype) -> nn.Module:
+    """The checkpoint ``--model`` on the meta device (FSDP2's sharded loading); ValueError for a reward
+    model, whose new head rank 0 alone would draw."""
+    if cfg.objective == "reward":
+        raise ValueError("--objective reward from a checkpoint builds the reward model from its weights on every "
+                         "rank, which FSDP2's sharded loading does not do yet: use --fsdp off or a built-in --model")
+    return meta_model(cfg.model, dtype=dtype)
 
 
 class ObjectiveStep:
