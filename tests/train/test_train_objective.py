@@ -54,7 +54,8 @@ def _first_step(cfg, world):
 
 def _steps(rank, world, cases, demo):
     out = {name: _first_step(cfg, world) for name, cfg in cases.items()}
-    out["demo"] = run_training(prepare_job(demo, world))
+    if demo is not None:
+        out["demo"] = run_training(prepare_job(demo, world))
     return out
 
 
@@ -135,26 +136,27 @@ def test_dpo_tokens_and_step_1_loss_equal_trl(env, name):
 
 
 def _logps(model, batch):
-    """Each sequence's summed completion log-prob and its token count (float64), plain model."""
+    """Each sequence's summed completion log-prob and its token count (float64), plain model, in the
+    batch's order (c0 r0 c1 r1 ..., padded rows or packed documents)."""
     out = []
     for row in range(batch["input_ids"].shape[0]):
         n = int(batch["attention_mask"][row].sum())
-        ids, labels = batch["input_ids"][row, :n], batch["labels"][row, :n]
-        logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].to(torch.float64), -1)
-        keep = labels[1:] != -100
-        out.append((logp[keep].gather(1, labels[1:][keep][:, None]).sum(), keep.sum()))
+        starts = [i for i, p in enumerate(batch["position_ids"][row, :n].tolist()) if p == 0] + [n]
+        for a, b in zip(starts, starts[1:], strict=False):  # each document (sequence) alone
+            ids, labels = batch["input_ids"][row, a:b], batch["labels"][row, a:b]
+            logp = torch.log_softmax(model(input_ids=ids[None]).logits[0, :-1].to(torch.float64), -1)
+            keep = labels[1:] != -100
+            out.append((logp[keep].gather(1, labels[1:][keep][:, None]).sum(), keep.sum()))
     return out
 
 
-def test_dpo_step_1_gradients_equal_the_plain_model(env):
-    """float64, sp=2: the loss and every parameter's gradient of step 1 equal DPO (sigmoid + sft)
-    computed on the plain model without seqpar, each sequence alone, against a frozen copy (1e-10)."""
+def _check_dpo_gradients(got, ckpt):
+    """Step 1's loss and every gradient against DPO (sigmoid + sft) on the plain model (1e-10)."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
-    got = env["dpo64"]
-    model = AutoModelForCausalLM.from_pretrained(env["ckpt"], dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64)
     ref = copy.deepcopy(model).requires_grad_(False)
     batch = got["batch"]  # rows c0 r0 c1 r1 ...
     pol = _logps(model, batch)
@@ -170,6 +172,23 @@ def test_dpo_step_1_gradients_equal_the_plain_model(env):
     assert set(got["grads"]) == set(want)
     worst = max(float((got["grads"][n] - want[n]).abs().max()) for n in want)
     assert worst <= 1e-10, worst
+
+
+def test_dpo_step_1_gradients_equal_the_plain_model(env):
+    """float64, sp=2: the loss and every parameter's gradient of step 1 equal DPO (sigmoid + sft)
+    computed on the plain model without seqpar, each sequence alone, against a frozen copy (1e-10)."""
+    _check_dpo_gradients(env["dpo64"], env["ckpt"])
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("sp, strategy, packing", [(1, "ulysses", False), (3, "ulysses", False), (4, "ring", False),
+                                                   (3, "ring", True), (4, "ulysses", True)])
+def test_dpo_step_1_gradients_at_other_sp(env, sp, strategy, packing):
+    """The same at sp = 1, 3, 4, ulysses and ring, padded and packed pairs (pairs straddle shards)."""
+    cfg = env["cases"]["dpo64"].replace(sp=sp, strategy=strategy, packing=packing,
+                                        **(dict(seq_len=256, micro_batch=1) if packing else {}))
+    got = run_distributed(_steps, sp, {"x": cfg}, None, timeout=600)[0]["x"]
+    _check_dpo_gradients(got, env["ckpt"])
 
 
 def test_packed_pairs_hold_whole_pairs_and_give_the_same_loss(env):

@@ -69,7 +69,9 @@ class RowStats:
     rows: int
 
 
-def _row(ids: list[int], targets: list[bool], positions: list[int], seq_len: int, pad_id: int) -> dict[str, Tensor]:
+def row_tensors(ids: list[int], targets: list[bool], positions: list[int], seq_len: int, pad_id: int
+                ) -> dict[str, Tensor]:
+    """One row of ``seq_len`` tokens: ``ids`` then padding; labels where ``targets``; position ids."""
     n = len(ids)
     input_ids = torch.full((seq_len,), pad_id, dtype=torch.long)
     input_ids[:n] = torch.tensor(ids, dtype=torch.long)
@@ -112,14 +114,14 @@ def build_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packin
     kept = [d for d in docs if _counted(d.targets)]
     rows: list[dict[str, Tensor]] = []
     if not packing:
-        rows = [_row(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in kept]
+        rows = [row_tensors(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in kept]
     else:
         ids: list[int] = []
         tgt: list[bool] = []
         pos: list[int] = []
         for doc in kept:
             if overflow == "truncate" and len(ids) + len(doc.ids) > seq_len:  # never across a row edge
-                rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+                rows.append(row_tensors(ids, tgt, pos, seq_len, pad_id))
                 ids, tgt, pos = [], [], []
             rest, rest_t = doc.ids, doc.targets
             while rest:
@@ -129,10 +131,10 @@ def build_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packin
                 pos += range(len(rest[:take]))  # a document cut at a row edge restarts in the next row
                 rest, rest_t = rest[take:], rest_t[take:]
                 if len(ids) == seq_len:
-                    rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+                    rows.append(row_tensors(ids, tgt, pos, seq_len, pad_id))
                     ids, tgt, pos = [], [], []
         if ids:
-            rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+            rows.append(row_tensors(ids, tgt, pos, seq_len, pad_id))
         rows = [r for r in rows if _row_targets(r)]  # a row without a target teaches nothing
     stats = RowStats(documents=n_docs, tokens=n_tokens, targets=sum(_row_targets(r) for r in rows),
                      longer=longer, dropped_tokens=dropped, pieces=pieces_of_longer, no_target=len(docs) - len(kept),

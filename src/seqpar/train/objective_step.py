@@ -20,7 +20,7 @@ The vocabulary runs in tiles of --loss-tile tokens (--no-tiled-loss: one tile pe
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -38,8 +38,7 @@ from .preference_data import pairs_in
 from .report import EvalResult
 from .tokenizer import make_tokenizer
 
-if TYPE_CHECKING:
-    from .loop import Trainer
+Trainer = Any  # a seqpar.train.loop.Trainer (not imported: the loop imports this module)
 
 ACCURACY = {"dpo": "rewards/accuracies", "simpo": "rewards/accuracies", "orpo": "rewards/accuracies",
             "reward": "accuracy"}

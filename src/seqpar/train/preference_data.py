@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .data import TextData, _row
+from .data import TextData, row_tensors
 from .demo_data import IGNORE, PAD, TRAIN, CountingPreference
 from .formats import PREFERENCE, Record, read_records
-from .tokenizer import ByteTokenizer, Document, HFTokenizer, _common_prefix, check_chat_support
+from .tokenizer import ByteTokenizer, Document, HFTokenizer, check_chat_support, common_prefix
 
 Pair = tuple[Document, Document]
 
@@ -55,7 +55,7 @@ def encode_pair(record: Record, tok: ByteTokenizer | HFTokenizer) -> Pair:
     prompt = _ids(tok, record.prompt, None, gen=True)
     chosen = _ids(tok, record.prompt, record.chosen)
     rejected = _ids(tok, record.prompt, record.rejected)
-    n = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+    n = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
     return (Document(chosen, [i >= n for i in range(len(chosen))]),
             Document(rejected, [i >= n for i in range(len(rejected))]))
 
@@ -80,7 +80,7 @@ def pair_units(pairs: Sequence[Pair], seq_len: int, *, packing: bool, pad_id: in
         c, r = _cut(c, seq_len), _cut(r, seq_len)
         kept += 1
         if not packing:
-            rows = [_row(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in (c, r)]
+            rows = [row_tensors(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in (c, r)]
             units.append({k: torch.stack([row[k] for row in rows]) for k in rows[0]})
             continue
         if len(c.ids) + len(r.ids) > seq_len:
@@ -88,12 +88,12 @@ def pair_units(pairs: Sequence[Pair], seq_len: int, *, packing: bool, pad_id: in
                              f"{len(c.ids)} + {len(r.ids)} tokens does not fit in --seq-len {seq_len}: raise "
                              "--seq-len or leave out --packing (one sequence per row)")
         if len(ids) + len(c.ids) + len(r.ids) > seq_len:
-            units.append({k: v[None] for k, v in _row(ids, tgt, pos, seq_len, pad_id).items()})
+            units.append({k: v[None] for k, v in row_tensors(ids, tgt, pos, seq_len, pad_id).items()})
             ids, tgt, pos = [], [], []
         for d in (c, r):
             ids, tgt, pos = ids + d.ids, tgt + d.targets, pos + list(range(len(d.ids)))
     if ids:
-        units.append({k: v[None] for k, v in _row(ids, tgt, pos, seq_len, pad_id).items()})
+        units.append({k: v[None] for k, v in row_tensors(ids, tgt, pos, seq_len, pad_id).items()})
     return units, kept, cut
 
 

@@ -131,7 +131,7 @@ def check_chat_support(records: Sequence[Record], tok: ByteTokenizer | HFTokeniz
                          "token)")
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -167,7 +167,7 @@ def encode_record(record: Record, tok: ByteTokenizer | HFTokenizer, train_on: st
         ids, _ = tok.chat([*record.prompt, *record.completion])
     # the completion starts where the prompt's own tokens and the whole's stop agreeing (TRL's rule:
     # a template may render the prompt differently alone, tokens may merge across the boundary)
-    start = 0 if every else _common_prefix(prompt, ids)
+    start = 0 if every else common_prefix(prompt, ids)
     return Document(ids, [i >= start for i in range(len(ids))])
 
 
