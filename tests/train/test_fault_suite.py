@@ -223,7 +223,7 @@ def _train_case(rank, world, case, cfg):
     from seqpar.train import checkpoint as ckpt
     from seqpar.train import loop
     from seqpar.train.job import prepare_job
-    from seqpar.train.run import run_training
+    from seqpar.train.training_run import run_training
 
     def body(inj):
         fb, step, save = loop.Trainer.forward_backward, loop.Trainer.optimizer_step, ckpt._save

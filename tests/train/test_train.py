@@ -15,11 +15,11 @@ from seqpar.comm.launch import run_distributed
 from seqpar.train import TrainConfig
 from seqpar.train.checkpoint import complete_checkpoints, load_model_weights, read_trainer_state
 from seqpar.train.config import builtin_fields
+from seqpar.train.demo_data import CopyTask
 from seqpar.train.job import prepare_job
 from seqpar.train.launcher import run_local
 from seqpar.train.loop import Trainer
-from seqpar.train.run import _gather_stats
-from seqpar.train.tasks import CopyTask
+from seqpar.train.training_run import _gather_stats
 
 pytestmark = pytest.mark.distributed  # every test here starts gloo worker processes
 

@@ -8,8 +8,8 @@ import torch
 
 from seqpar.train import TrainConfig
 from seqpar.train.data import TextData, make_rows, read_documents, row_index
+from seqpar.train.demo_data import BOS, EVAL, IGNORE, SEP, CopyTask, answer_accuracy
 from seqpar.train.loop import lr_lambda
-from seqpar.train.tasks import BOS, EVAL, IGNORE, SEP, CopyTask, answer_accuracy
 from seqpar.train.tokenizer import ByteTokenizer
 
 
@@ -156,7 +156,7 @@ def test_summary_reports_cuda_allocated_and_reserved():
     import dataclasses
 
     from seqpar.cli.train import format_summary
-    from seqpar.train.run import RunSummary
+    from seqpar.train.training_run import RunSummary
 
     base = {f.name: None for f in dataclasses.fields(RunSummary)}
     base.update(steps=2, losses=[(1, 2.0), (2, 1.5)], train_time_s=1.0, data="d", metrics="m", world=2, sp=2, dp=1,
@@ -189,7 +189,7 @@ def test_summary_and_banner_say_what_the_run_continued_replaced_trained_and_wrot
     from seqpar.cli.train import describe_start, format_summary
     from seqpar.train.job import prepare_job
     from seqpar.train.loop import EvalResult
-    from seqpar.train.run import RunSummary
+    from seqpar.train.training_run import RunSummary
 
     base = {f.name: None for f in dataclasses.fields(RunSummary)}
     ev = [(4, EvalResult(2.5, 0.1, 9)), (8, EvalResult(2.0, 0.2, 9))]

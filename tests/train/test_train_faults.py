@@ -81,7 +81,7 @@ def _finish(proc, everything, limit=20.0):
 def _check_last_checkpoint_loads(save_dir):
     from seqpar.integrations.models import build_model
     from seqpar.train.config import TrainConfig, builtin_fields
-    from seqpar.train.tasks import CopyTask
+    from seqpar.train.demo_data import CopyTask
 
     step, path = complete_checkpoints(str(save_dir))[-1]
     state = read_trainer_state(path)

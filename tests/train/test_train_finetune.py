@@ -19,8 +19,8 @@ from seqpar.train.data import IGNORE
 from seqpar.train.job import make_data, prepare_job
 from seqpar.train.loop import Trainer
 from seqpar.train.report import read_metrics
-from seqpar.train.run import _gather_stats, run_training
 from seqpar.train.tokenizer import HFTokenizer, encode_records, load_hf_tokenizer
+from seqpar.train.training_run import _gather_stats, run_training
 
 pytestmark = pytest.mark.distributed
 

@@ -33,7 +33,7 @@ def build(case: BenchCase, mesh: Any, device: torch.device) -> tuple[Any, Any]:
 
 def prepare(case: BenchCase, mesh: Any, device: torch.device) -> tuple[Any, Any]:
     """``(model, optimizer)`` for ``case``, after one small step: gradients and AdamW states exist."""
-    from seqpar.train.tasks import CopyTask
+    from seqpar.train.demo_data import CopyTask
 
     model, opt = build(case, mesh, device)
     warm = CopyTask(max(CopyTask.min_seq_len, 4 * case.nproc)).row(0)
@@ -55,7 +55,7 @@ def train_step(model: Any, opt: Any, mesh: Any, batch: dict[str, torch.Tensor], 
 def bench_batch(seq_len: int, doc_len: int = 0, seed: int = 0) -> dict[str, torch.Tensor]:
     """One row (``[1, seq_len]`` tensors) of the copy task; with ``doc_len`` its ``position_ids``
     restart every ``doc_len`` tokens, so :func:`seqpar.shard_batch` sees packed documents."""
-    from seqpar.train.tasks import CopyTask
+    from seqpar.train.demo_data import CopyTask
 
     batch = {k: v[None] for k, v in CopyTask(seq_len, seed).row(0).items()}
     if doc_len:

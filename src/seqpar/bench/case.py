@@ -35,7 +35,7 @@ def model_fields(case: BenchCase) -> dict[str, Any]:
     import json
 
     from seqpar.train.config import TrainConfig, model_overrides
-    from seqpar.train.tasks import CopyTask
+    from seqpar.train.demo_data import CopyTask
 
     fields: dict[str, Any] = {"max_position_embeddings": case.seq_len}
     if case.sizing == "train":
@@ -82,7 +82,7 @@ def packing_cases(model: str, model_config: str, seq_lens: list[int], nprocs: li
 def check_cases(all_cases: list[BenchCase]) -> None:
     """Bad input before any process starts: ValueError naming the option."""
     from seqpar.integrations.models import BUILTIN_MODELS, builtin_config
-    from seqpar.train.tasks import CopyTask
+    from seqpar.train.demo_data import CopyTask
 
     for c in all_cases:
         if c.model not in BUILTIN_MODELS:

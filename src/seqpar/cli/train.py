@@ -21,10 +21,18 @@ import signal
 import sys
 from typing import Any
 
-from seqpar.train.config import FIELDS, OPTIONAL_KINDS, RESUME_AUTO, TrainConfig, describe_memory, load_config_file
+from seqpar.train.config import (
+    FIELDS,
+    OPTIONAL_KINDS,
+    PAIRED,
+    RESUME_AUTO,
+    TrainConfig,
+    describe_memory,
+    load_config_file,
+)
 from seqpar.train.dynamic import describe_degrees
 from seqpar.train.job import Job
-from seqpar.train.run import RunSummary
+from seqpar.train.training_run import RunSummary
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         shown = meta.get("shown", "off" if default is False else "on" if default is True else default)
         text = f"{meta['help']} (default: {shown})".replace("%", "%%")  # argparse %-formats help texts
         kw: dict[str, Any] = {"default": argparse.SUPPRESS, "help": text}
-        if name in ("progress", "tiled_loss", "tiled_mlp", "plot"):
+        if meta.get("negatable"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if name == "resume":  # --resume, or --resume auto
@@ -89,11 +97,13 @@ def format_summary(s: RunSummary) -> str:
     ev, first = s.final_eval, s.first_eval
     if ev:
         acc = f"{100 * ev.accuracy:.1f}%"
+        paired = s.objective in PAIRED  # the preference accuracy: the chosen one won
         if s.chance:
-            acc += f" vs chance {100 * s.chance:.1f}% ({ev.accuracy / s.chance:.0f}x)"
+            acc += f" vs chance {100 * s.chance:.1f}%" + ("" if paired else f" ({ev.accuracy / s.chance:.0f}x)")
         if first:
             acc += f"; before training {100 * first.accuracy:.1f}%"
-        lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} answers; loss {ev.loss:.4f}")
+        what = "pairs (the chosen one preferred)" if paired else "answers"
+        lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} {what}; loss {ev.loss:.4f}")
     if s.evals and len(s.evals) > 1:
         losses = ", ".join(f"step {step}: {e.loss:.4f}" for step, e in s.evals)
         lines.append(f"  evaluations {losses} (held-out loss)")
@@ -113,8 +123,9 @@ def format_summary(s: RunSummary) -> str:
         lines.append(f"  exported    {s.export} (peft's LoRA adapter: peft.AutoPeftModelForCausalLM.from_pretrained "
                      "loads it)")
     elif s.export:
+        auto = "AutoModelForSequenceClassification" if s.objective == "reward" else "AutoModelForCausalLM"
         lines.append(f"  exported    {s.export} (save_pretrained{', LoRA merged' if s.export_lora else ''}: "
-                     "AutoModelForCausalLM.from_pretrained loads it)")
+                     f"{auto}.from_pretrained loads it)")
     if s.resumed_from:
         lines.append(f"  resumed     from step {s.resumed_step} ({s.resumed_from})")
     if s.replaced_steps:

@@ -140,7 +140,8 @@ class SimPO(Objective):
         c, r = self.pairs(mean)
         z = self.beta * (c - r - self.gamma / self.beta)
         losses = -F.logsigmoid(z) * (1 - self.label_smoothing) - F.logsigmoid(-z) * self.label_smoothing
-        return Terms(losses.sum(), c.shape[0], {"logps/chosen": c.mean(), "logps/rejected": r.mean()})
+        return Terms(losses.sum(), c.shape[0], {"logps/chosen": c.mean(), "logps/rejected": r.mean(),
+                                                 "rewards/accuracies": (c > r).to(c.dtype).mean()})
 
 
 @dataclass
@@ -167,7 +168,8 @@ class ORPO(Objective):
         ratio = F.logsigmoid(log_odds)
         total = c.shape[0] * nll - self.beta * ratio.sum()
         return Terms(total, c.shape[0], {"nll_loss": nll, "log_odds_ratio": ratio.mean(),
-                                          "log_odds_chosen": log_odds.mean()})
+                                          "log_odds_chosen": log_odds.mean(),
+                                          "rewards/accuracies": (c > r).to(c.dtype).mean()})
 
 
 @dataclass

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from .config import TrainConfig
+from .demo_data import CopyTask
 from .job import Job, prepare_job
 from .loop import Trainer
-from .run import RunSummary, run_training
-from .tasks import CopyTask
+from .training_run import RunSummary, run_training
 
 
 def train(cfg: TrainConfig | None = None, **options: Any) -> RunSummary:

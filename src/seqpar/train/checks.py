@@ -6,9 +6,23 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from seqpar.attention.dispatch import STRATEGIES
 from seqpar.integrations.memory import CHECKPOINT_MODES
+from seqpar.integrations.models import BUILTIN_MODELS
 
-from .config import DTYPES, LORA_EXPORTS, NONFINITE, REPORT_TO, RESUME_AUTO, STRATEGIES, TrainConfig, model_overrides
+from .config import (
+    DTYPES,
+    FIELDS,
+    LORA_EXPORTS,
+    NONFINITE,
+    OBJECTIVES,
+    PAIRED,
+    REPORT_TO,
+    RESUME_AUTO,
+    TrainConfig,
+    dpo_losses,
+    model_overrides,
+)
 from .data import OVERFLOW
 from .dynamic import check_schedule
 from .tokenizer import TRAIN_ON
@@ -67,8 +81,8 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
         raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout}")
     if cfg.checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"unknown --checkpoint {cfg.checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {list(STRATEGIES)}")
+    if cfg.strategy not in (*STRATEGIES, "auto"):
+        raise ValueError(f"unknown --strategy {cfg.strategy!r}: choose one of {[*STRATEGIES, 'auto']}")
     if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
         raise ValueError(f"unknown --dtype {cfg.dtype!r}: choose one of {['auto', *DTYPES]}")
     if cfg.strategy == "hybrid" and sp < 4:
@@ -76,8 +90,36 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
                          "use ulysses or ring")
     _check_fine_tuning(cfg)
     check_schedule(cfg, sp)
+    check_objective(cfg)
     model_overrides(cfg)
     return world, sp, dp
+
+
+def check_objective(cfg: TrainConfig) -> None:
+    """--objective and its options (see :mod:`seqpar.train.objective_step`)."""
+    if cfg.objective not in OBJECTIVES:
+        raise ValueError(f"unknown --objective {cfg.objective!r}: choose one of {list(OBJECTIVES)}")
+    given = [n for n, v, d in (("--beta", cfg.beta, 0.1), ("--dpo-loss", cfg.dpo_loss, "sigmoid")) if v != d]
+    takes = {"dpo": ("--beta", "--dpo-loss"), "simpo": ("--beta",), "orpo": ("--beta",)}.get(cfg.objective, ())
+    extra = [n for n in given if n not in takes]
+    if extra:
+        raise ValueError(f"{', '.join(extra)} does nothing for --objective {cfg.objective}: leave it out, or use "
+                         "--objective dpo" + (" / simpo / orpo" if extra == ["--beta"] else ""))
+    if cfg.objective in PAIRED:  # pairs: completions only, each sequence cut to --seq-len keeping its start
+        moot = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in ("train_on", "overflow", "text_field")
+                if getattr(cfg, n) != FIELDS[n].default]
+        if moot:
+            raise ValueError(f"{', '.join(moot)} does nothing for --objective {cfg.objective}: pairs train on their "
+                             "completions, each sequence cut to --seq-len keeping its start (as TRL): leave it out")
+    if not cfg.beta > 0:
+        raise ValueError(f"--beta must be > 0, got {cfg.beta}")
+    dpo_losses(cfg)
+    if cfg.objective == "reward" and cfg.lora_r:
+        raise ValueError("--objective reward trains a new score head, which --lora-r would leave frozen (LoRA adapts "
+                         "the linear layers of the body): leave out --lora-r")
+    if cfg.objective == "reward" and cfg.fsdp == "on" and cfg.model not in BUILTIN_MODELS:
+        raise ValueError("--objective reward from a checkpoint builds the reward model from its weights on every "
+                         "rank, which FSDP2's sharded loading does not do yet: use --fsdp off or a built-in --model")
 
 
 def _check_fine_tuning(cfg: TrainConfig) -> None:

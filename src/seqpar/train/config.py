@@ -16,16 +16,20 @@ from typing import Any
 
 import torch
 
+from seqpar.attention.dispatch import STRATEGIES
 from seqpar.integrations.memory import CHECKPOINT_MODES, DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
 from seqpar.integrations.models import BUILTIN_MODELS
 from seqpar.planner.bins import SP_SCHEDULES
+from seqpar.objectives import DPO_LOSSES
 
 from .data import OVERFLOW
 from .formats import FORMATS_HELP
 from .tokenizer import TRAIN_ON
 
-STRATEGIES = ("ulysses", "ring", "hybrid", "auto")
 REPORT_TO = ("none", "tensorboard", "wandb")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "reward")
+PAIRED = ("dpo", "simpo", "orpo", "reward")
+"""--objective names; the ones trained on preference pairs."""
 NONFINITE = ("stop", "skip")
 RESUME_AUTO = "auto"
 LORA_EXPORTS = ("merged", "adapter")
@@ -48,7 +52,11 @@ checkpoint (sharded loading) or writing one, and steps at 1M tokens take minutes
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
-    """A field with its --help text; ``shown`` says the default in words where the value would not."""
+    """A field with its --help text; ``shown`` says the default in words where the value would not. A
+    bool that is on by default is a switch with its --no- form (``--no-plot``); one off by default is
+    a plain flag."""
+    if default is True:
+        kw.setdefault("negatable", True)
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -81,7 +89,7 @@ class TrainConfig:
     sp: int = _opt(2, "sequence-parallel degree: ranks that share one sequence")
     dp: int | None = _opt(None, "data-parallel degree", shown="world size / sp")
     strategy: str = _opt("ulysses", "sequence-parallel attention: ulysses, ring, hybrid (ring x ulysses) or auto "
-                         "(seqpar.plan picks)", choices=STRATEGIES)
+                         "(seqpar.plan picks)", choices=(*STRATEGIES, "auto"))
     sp_schedule: str = _opt("static", "static (every row over all --sp ranks) or dynamic (each step's rows binned, "
                             "each bin at the SP degree its longest row needs -- 1, 2, 4, ... --sp -- on sub-groups of "
                             "ranks; padding dropped; exact as static; needs --no-tiled-loss)", choices=SP_SCHEDULES)
@@ -150,6 +158,14 @@ class TrainConfig:
                                  "for another -- rank 0 reading a checkpoint, a checkpoint save, the first step",
                                  shown=f"{CPU_TIMEOUT:.0f} on the CPU, {CUDA_TIMEOUT:.0f} with CUDA")
     progress: bool = _opt(True, "progress bar on rank 0 (--no-progress to turn it off)")
+    # --- the objective (seqpar.train.objective_step) ---
+    objective: str = _opt("sft", "what the run trains: sft (the causal-LM token mean: pre-training and SFT), dpo, "
+                          "simpo, orpo (preference pairs: --data with prompt / chosen / rejected) or reward (a reward "
+                          "model: Bradley-Terry on chosen / rejected, a sequence-classification head); without --data "
+                          "a paired objective learns the embedded preference demo", choices=OBJECTIVES)
+    beta: float = _opt(0.1, "--objective dpo / simpo / orpo: the beta of the loss (TRL's)", shown="0.1 (TRL's DPO)")
+    dpo_loss: str = _opt("sigmoid", f"--objective dpo: the loss type, TRL's ({', '.join(DPO_LOSSES)}); several joined "
+                         "by commas add up")
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -261,13 +277,25 @@ def builtin_fields(cfg: TrainConfig, data_vocab: int) -> dict[str, Any]:
     return {"vocab_size": max(own, data_vocab), "max_position_embeddings": cfg.seq_len, **model_overrides(cfg)}
 
 
+def dpo_losses(cfg: TrainConfig) -> list[str]:
+    """--dpo-loss as a list of TRL loss types (ValueError for an unknown one)."""
+    types = [t.strip() for t in cfg.dpo_loss.split(",") if t.strip()]
+    unknown = [t for t in types if t not in DPO_LOSSES]
+    if unknown or not types:
+        raise ValueError(f"--dpo-loss {cfg.dpo_loss!r}: choose from {', '.join(DPO_LOSSES)} (several: joined by "
+                         "commas)")
+    return types
+
+
 def memory_options(cfg: TrainConfig, device_type: str) -> dict[str, Any] | None:
     """Keywords of :func:`seqpar.reduce_memory` for the run, or None with every switch off. On the
     CPU "offload" is plain layer checkpoints (the saved inputs live in host memory already)."""
     if not (cfg.tiled_loss or cfg.tiled_mlp or cfg.checkpoint != "none"):
         return None
     checkpoint = "layers" if cfg.checkpoint == "offload" and device_type == "cpu" else cfg.checkpoint
-    return dict(tiled_loss=cfg.tiled_loss, tiled_mlp=cfg.tiled_mlp, checkpoint=checkpoint, loss_tile=cfg.loss_tile,
+    # a reward model has no vocabulary head to tile (its score head is [hidden, 1])
+    return dict(tiled_loss=cfg.tiled_loss and cfg.objective != "reward",
+                tiled_mlp=cfg.tiled_mlp, checkpoint=checkpoint, loss_tile=cfg.loss_tile,
                 mlp_tile=cfg.mlp_tile)
 
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .formats import TEXT, count_kinds, read_records
-from .tasks import EVAL, IGNORE, TRAIN, CopyTask
+from .demo_data import EVAL, IGNORE, TRAIN, CopyTask
+from .formats import PREFERENCE, TEXT, count_kinds, read_records
 from .tokenizer import ByteTokenizer, Document, HFTokenizer, encode_records
 
 OVERFLOW = ("auto", "split", "truncate")
@@ -69,7 +69,9 @@ class RowStats:
     rows: int
 
 
-def _row(ids: list[int], targets: list[bool], positions: list[int], seq_len: int, pad_id: int) -> dict[str, Tensor]:
+def row_tensors(ids: list[int], targets: list[bool], positions: list[int], seq_len: int, pad_id: int
+                ) -> dict[str, Tensor]:
+    """One row of ``seq_len`` tokens: ``ids`` then padding; labels where ``targets``; position ids."""
     n = len(ids)
     input_ids = torch.full((seq_len,), pad_id, dtype=torch.long)
     input_ids[:n] = torch.tensor(ids, dtype=torch.long)
@@ -112,14 +114,14 @@ def build_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packin
     kept = [d for d in docs if _counted(d.targets)]
     rows: list[dict[str, Tensor]] = []
     if not packing:
-        rows = [_row(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in kept]
+        rows = [row_tensors(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in kept]
     else:
         ids: list[int] = []
         tgt: list[bool] = []
         pos: list[int] = []
         for doc in kept:
             if overflow == "truncate" and len(ids) + len(doc.ids) > seq_len:  # never across a row edge
-                rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+                rows.append(row_tensors(ids, tgt, pos, seq_len, pad_id))
                 ids, tgt, pos = [], [], []
             rest, rest_t = doc.ids, doc.targets
             while rest:
@@ -129,10 +131,10 @@ def build_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packin
                 pos += range(len(rest[:take]))  # a document cut at a row edge restarts in the next row
                 rest, rest_t = rest[take:], rest_t[take:]
                 if len(ids) == seq_len:
-                    rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+                    rows.append(row_tensors(ids, tgt, pos, seq_len, pad_id))
                     ids, tgt, pos = [], [], []
         if ids:
-            rows.append(_row(ids, tgt, pos, seq_len, pad_id))
+            rows.append(row_tensors(ids, tgt, pos, seq_len, pad_id))
         rows = [r for r in rows if _row_targets(r)]  # a row without a target teaches nothing
     stats = RowStats(documents=n_docs, tokens=n_tokens, targets=sum(_row_targets(r) for r in rows),
                      longer=longer, dropped_tokens=dropped, pieces=pieces_of_longer, no_target=len(docs) - len(kept),
@@ -248,8 +250,9 @@ def describe_rows(kinds: dict[str, int], stats: RowStats, *, tokenizer: str, seq
 
 
 def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Rows of ``[S]`` tensors -> a batch of ``[B, S]`` tensors."""
-    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    """Rows of ``[S]`` tensors (or units of ``[k, S]``: a preference pair's two rows) -> a batch of
+    ``[B, S]`` tensors, in order."""
+    return {k: torch.cat([r[k].reshape(-1, r[k].shape[-1]) for r in rows]) for k in rows[0]}
 
 
 def row_index(step: int, micro: int, dp_rank: int, b: int, *, grad_accum: int, dp: int, micro_batch: int) -> int:
@@ -262,6 +265,10 @@ def load_text_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer, *, te
     """Read, tokenize and row ``paths``: the :class:`TextData` of a run. ValueError for bad files,
     a tokenizer the data cannot use, or data with nothing to learn."""
     records = read_records(paths, text_field)
+    pair = next((r for r in records if r.kind == PREFERENCE), None)
+    if pair is not None:
+        raise ValueError(f"{pair.where} is a preference pair (prompt / chosen / rejected): train on pairs with "
+                         "--objective dpo (or simpo, orpo, reward)")
     kinds = count_kinds(records)
     policy = resolve_overflow(overflow, list(kinds))
     docs = encode_records(records, tok, train_on)

@@ -40,6 +40,9 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
         if cfg.token_budget is not None:
             raise ValueError("--token-budget forms the steps of a dynamic schedule: give --sp-schedule dynamic too")
         return
+    if cfg.objective != "sft":
+        raise ValueError(f"--sp-schedule dynamic bins rows for the token mean; --objective {cfg.objective} runs on "
+                         "whole pairs: use --sp-schedule static (or --objective sft)")
     if cfg.strategy not in ("ulysses", "ring"):
         raise ValueError(f"--sp-schedule dynamic runs bins at degrees below --sp on sub-groups of ranks, which "
                          f"--strategy {cfg.strategy} has none of: use --strategy ulysses or ring")

@@ -13,6 +13,8 @@ An object or row is a record by its fields, in this order:
 
     "messages": [{"role", "content"}, ...]           chat (roles: system, developer, user, assistant, tool)
     "prompt" and "completion" (strings, or messages)  prompt / completion
+    "prompt", "chosen" and "rejected" (strings, or    a preference pair (TRL's standard and conversational
+    messages)                                         preference formats, explicit prompt)
     --text-field (default "text"): a string          plain text (a list of messages there: chat)
 
 Everything here is pure (no processes, no tokenizer): the parent reads the files before any worker
@@ -30,17 +32,19 @@ from typing import Any
 JSON_EXTS = (".jsonl", ".json")
 DATASETS_EXTS = (".parquet", ".arrow")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-TEXT, CHAT, PROMPT_COMPLETION = "text", "chat", "prompt/completion"
+TEXT, CHAT, PROMPT_COMPLETION, PREFERENCE = "text", "chat", "prompt/completion", "preference"
 FORMATS_HELP = ("*.txt and any other UTF-8 file: one plain-text document; *.jsonl / *.json: one JSON object per "
                 "line (or a JSON array); *.parquet, *.arrow and datasets.save_to_disk directories: read with the "
                 "datasets library; each object or row is chat ('messages': [{role, content}, ...]), prompt / "
-                "completion ('prompt', 'completion') or text (--text-field); binary files are refused")
+                "completion ('prompt', 'completion'), a preference pair ('prompt', 'chosen', 'rejected') or text "
+                "(--text-field); binary files are refused")
 
 
 @dataclass(frozen=True)
 class Record:
-    """One document before tokenization. ``kind``: TEXT (``text``), CHAT (``messages``) or
-    PROMPT_COMPLETION (``prompt`` and ``completion``: both strings, or both lists of messages);
+    """One document before tokenization. ``kind``: TEXT (``text``), CHAT (``messages``),
+    PROMPT_COMPLETION (``prompt`` and ``completion``: both strings, or both lists of messages) or
+    PREFERENCE (``prompt``, ``chosen`` and ``rejected``: all strings, or all lists of messages);
     ``where``: ``file:line`` or ``file[row]``, for error messages."""
 
     kind: str
@@ -49,6 +53,8 @@ class Record:
     messages: tuple[dict[str, str], ...] = ()
     prompt: Any = None
     completion: Any = None
+    chosen: Any = None
+    rejected: Any = None
 
 
 def _check_messages(messages: Any, where: str, field: str) -> tuple[dict[str, str], ...]:
@@ -78,6 +84,8 @@ def to_record(obj: Any, where: str, text_field: str) -> Record:
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if "messages" in obj:
         return Record(CHAT, where, messages=_check_messages(obj["messages"], where, "messages"))
+    if "chosen" in obj and "rejected" in obj:
+        return _preference(obj, where)
     if "prompt" in obj and "completion" in obj:
         prompt, completion = obj["prompt"], obj["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
@@ -96,6 +104,19 @@ def to_record(obj: Any, where: str, text_field: str) -> Record:
         raise ValueError(f"{where}: field {text_field!r} must be a string (or a list of chat messages), got "
                          f"{type(value).__name__}")
     return Record(TEXT, where, text=value)
+
+
+def _preference(obj: dict[str, Any], where: str) -> Record:
+    """A prompt / chosen / rejected record: all strings, or all lists of messages."""
+    if "prompt" not in obj:
+        raise ValueError(f"{where}: a preference pair needs a 'prompt' field beside 'chosen' and 'rejected' (TRL's "
+                         "explicit-prompt format): split the shared beginning of the two into 'prompt'")
+    parts = {k: obj[k] for k in ("prompt", "chosen", "rejected")}
+    if all(isinstance(v, str) for v in parts.values()):
+        return Record(PREFERENCE, where, **parts)
+    if all(_is_messages(v) for v in parts.values()):
+        return Record(PREFERENCE, where, **{k: _check_messages(v, where, k) for k, v in parts.items()})
+    raise ValueError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings or all lists of messages")
 
 
 def _text_file(path: str) -> str:
@@ -179,9 +200,11 @@ def _dataset(path: str) -> Any:
 def _dataset_records(path: str, text_field: str) -> Iterator[Record]:
     ds = _dataset(path)
     columns = list(ds.column_names)
-    if "messages" not in columns and not {"prompt", "completion"} <= set(columns) and text_field not in columns:
+    if ("messages" not in columns and not {"prompt", "completion"} <= set(columns)
+            and not {"chosen", "rejected"} <= set(columns) and text_field not in columns):
         raise ValueError(f"--data {path!r} has no {text_field!r} column (columns: {columns}); set --text-field to the "
-                         "column that holds the text, or give 'messages' (chat) or 'prompt' and 'completion'")
+                         "column that holds the text, or give 'messages' (chat), 'prompt' and 'completion', or "
+                         "'prompt', 'chosen' and 'rejected' (preference pairs)")
     for i, row in enumerate(ds):
         yield to_record(row, f"{path}[{i}]", text_field)
 
@@ -219,6 +242,6 @@ def read_records(paths: Sequence[str], text_field: str = "text") -> list[Record]
 
 
 def count_kinds(records: Sequence[Record]) -> dict[str, int]:
-    """How many records of each kind, in the order TEXT, CHAT, PROMPT_COMPLETION (kinds present only)."""
-    counts = {k: sum(r.kind == k for r in records) for k in (TEXT, CHAT, PROMPT_COMPLETION)}
+    """How many records of each kind, in the order TEXT, CHAT, PROMPT_COMPLETION, PREFERENCE (kinds present only)."""
+    counts = {k: sum(r.kind == k for r in records) for k in (TEXT, CHAT, PROMPT_COMPLETION, PREFERENCE)}
     return {k: n for k, n in counts.items() if n}

@@ -22,11 +22,12 @@ from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_conf
 from seqpar.planner import hybrid_split, plan
 
 from .checks import check_config
-from .config import FIELDS, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
+from .config import FIELDS, PAIRED, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
 from .data import TaskData, TextData, load_text_data
+from .demo_data import CopyTask
+from .preference_data import load_preference_data, preference_demo
 from .report import HF_DIR
 from .safe_load import check_plain
-from .tasks import CopyTask
 from .tokenizer import load_hf_tokenizer, make_tokenizer
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -37,7 +38,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # and --grad-accum may change as long as a step reads the same rows: see check_resumable)
 RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packing", "seed", "lr", "warmup",
                "min_lr_ratio", "weight_decay", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "mlp_tile", "tokenizer",
-               "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets", "token_budget")
+               "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets", "token_budget", "objective", "beta",
+               "dpo_loss")
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,14 @@ class Job:
 
 def make_data(cfg: TrainConfig, hf_tokenizer: Any | None) -> TaskData | TextData:
     """The run's data: the copy task, or ``--data`` read, tokenized and cut into rows."""
+    paired = cfg.objective in PAIRED
+    if not cfg.data and paired:
+        return preference_demo(cfg.seq_len, cfg.seed, cfg.eval_rows, packing=cfg.packing)
     if not cfg.data:
         return TaskData(CopyTask(cfg.seq_len, cfg.seed), cfg.eval_rows)
+    if paired:
+        return load_preference_data(cfg.data, make_tokenizer(hf_tokenizer), seq_len=cfg.seq_len, packing=cfg.packing,
+                                    seed=cfg.seed, eval_rows=cfg.eval_rows)
     return load_text_data(cfg.data, make_tokenizer(hf_tokenizer), text_field=cfg.text_field, train_on=cfg.train_on,
                           seq_len=cfg.seq_len, packing=cfg.packing, overflow=cfg.overflow, seed=cfg.seed,
                           eval_rows=cfg.eval_rows)

@@ -16,7 +16,7 @@ from seqpar.comm.launch import Failure, WorkerError, run_distributed
 
 from .config import TrainConfig, collective_timeout
 from .job import Job, prepare_job
-from .run import RunSummary, local_worker, run_training
+from .training_run import RunSummary, local_worker, run_training
 
 _SIGNALS = {-s.value: s.name for s in signal.Signals}
 

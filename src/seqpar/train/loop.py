@@ -3,10 +3,10 @@
 Per optimizer step, on every rank::
 
     rows      this dp rank's micro-batches (rows k = f(seed, step, micro, dp rank): resumable)
-    N         seqpar.count_target_tokens(all of them, mesh)      targets of the whole step, all dp
+    N         the step's units, all dp ranks: targets (sft) or pairs (dpo, reward, ...; .objective_step)
     for each micro-batch:
-      local = seqpar.shard_batch(batch, mesh, num_items_in_batch=N)   this SP rank's slice
-      model(**local).loss.backward()          loss = exact share of the global token mean
+      local = seqpar.shard_batch(batch, mesh)               this SP rank's slice
+      objective(model, local, mesh, ...).loss.backward()    exact share of the global mean over N
     seqpar.sync_gradients (or FSDP2's reduce-scatter): the dp x sp average, every grad now exact
     the global gradient norm (and the step's loss): NaN / Inf stops or skips the step (--on-nonfinite)
     clip to the global norm, AdamW, warmup + cosine
@@ -30,16 +30,17 @@ import seqpar
 from seqpar.batch.loss import token_losses
 from seqpar.comm import collectives, faults
 from seqpar.comm.mesh import axis_group, default_device_type
-from seqpar.integrations.materialize import load_full_state_dict, materialize, meta_model
-from seqpar.integrations.models import BUILTIN_MODELS, build_model
+from seqpar.integrations.materialize import load_full_state_dict, materialize
+from seqpar.integrations.models import BUILTIN_MODELS
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
 from .data import row_index, stack
 from .dynamic import dynamic_steps
+from .demo_data import EVAL, IGNORE, answer_accuracy
 from .job import Job, make_data
 from .lora import add_lora, count_params, init_lora, with_lora_names
+from .objective_step import ObjectiveStep, objective_meta_model, objective_model
 from .report import EvalResult
-from .tasks import EVAL, IGNORE, answer_accuracy
 from .tokenizer import load_hf_tokenizer
 
 
@@ -140,6 +141,7 @@ class Trainer:
         full_state = None
         self.attention = seqpar.attention_kernel(model)  # the kernel "auto" chose, in words
         self.model = model
+        self.objective = ObjectiveStep(self)  # --objective: the loss, its reference and its unit count
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -156,18 +158,19 @@ class Trainer:
         self.data = self.job.data if self.job.data is not None else make_data(cfg, self.tokenizer)
         if cfg.model in BUILTIN_MODELS:
             with torch.device("meta"):
-                model, _ = build_model(cfg.model, dtype=param_dtype, **builtin_fields(cfg, self.data.vocab_size))
+                model = objective_model(cfg, self.tokenizer, dtype=param_dtype,
+                                        **builtin_fields(cfg, self.data.vocab_size))
             return model, None
         state = None
         if not self.use_fsdp:
-            model, _ = build_model(cfg.model, dtype=param_dtype)
+            model = objective_model(cfg, self.tokenizer, dtype=param_dtype)
             model.to(self.device)
         else:
+            model = objective_meta_model(cfg, dtype=param_dtype)  # first: a refusal comes before any loading
             if self.rank == 0:  # the only rank that reads the weights
-                full, _ = build_model(cfg.model, dtype=param_dtype)
+                full = objective_model(cfg, self.tokenizer, dtype=param_dtype)
                 state = full.state_dict()
                 del full
-            model = meta_model(cfg.model, dtype=param_dtype)
         vocab = int(model.get_input_embeddings().num_embeddings)
         if self.data.max_token_id >= vocab:  # prepare_job checked it; a job prepared elsewhere may not have
             raise ValueError(f"the data uses token ids up to {self.data.max_token_id} but --model {cfg.model!r} "
@@ -188,18 +191,18 @@ class Trainer:
         return out
 
     def forward_backward(self, step: int) -> tuple[float, int]:
-        """Gradients of the global token-mean loss of ``step`` on every rank (complete and exact
-        after this: averaged over dp x sp). Returns ``(this dp rank's share of the loss, targets)``."""
+        """Gradients of the global mean loss of ``step`` (over its targets, or its pairs) on every rank
+        (complete and exact after this: averaged over dp x sp). Returns ``(this dp rank's share of the
+        loss, units)``."""
         if self.dynamic is not None:
             return self.dynamic.forward_backward(step)
         batches = self.micro_batches(step)
-        n_items = seqpar.count_target_tokens(batches, self.mesh)
+        n_items = self.objective.count(batches)
         share = 0.0
         for i, b in enumerate(batches):
             if self.use_fsdp:  # reduce-scatter once per step, after the last micro-batch, not after each
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            local = seqpar.shard_batch(b, self.mesh, layout=self.job.layout, num_items_in_batch=n_items or None)
-            loss = self.model(**local).loss
+            loss, _ = self.objective.loss(b, n_items)
             with faults.publishing("the backward"):  # an exception here is told to every rank
                 loss.backward()
             share += float(loss.detach())
@@ -241,6 +244,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> EvalResult | None:
         """Held-out loss and greedy accuracy over the targets of the held-out rows (all ranks)."""
+        if self.objective.paired:  # held-out pairs: loss and preference accuracy
+            return self.objective.evaluate()
         n = self.data.n_eval
         if n == 0:
             return None

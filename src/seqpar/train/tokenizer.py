@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .formats import CHAT, PROMPT_COMPLETION, TEXT, Record
+from .formats import CHAT, PREFERENCE, PROMPT_COMPLETION, TEXT, Record
 
 TRAIN_ON = ("responses", "all")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -113,7 +113,8 @@ def make_tokenizer(hf_tokenizer: Any | None) -> ByteTokenizer | HFTokenizer:
 def check_chat_support(records: Sequence[Record], tok: ByteTokenizer | HFTokenizer, train_on: str) -> None:
     """ValueError (naming the option to change) when the records need a chat template the
     tokenizer lacks, or assistant masks its template cannot give."""
-    needs = [r for r in records if r.kind == CHAT or (r.kind == PROMPT_COMPLETION and not isinstance(r.prompt, str))]
+    needs = [r for r in records
+             if r.kind == CHAT or (r.kind in (PROMPT_COMPLETION, PREFERENCE) and not isinstance(r.prompt, str))]
     if not needs:
         return
     template = tok.chat_template
@@ -130,7 +131,7 @@ def check_chat_support(records: Sequence[Record], tok: ByteTokenizer | HFTokeniz
                          "token)")
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -166,7 +167,7 @@ def encode_record(record: Record, tok: ByteTokenizer | HFTokenizer, train_on: st
         ids, _ = tok.chat([*record.prompt, *record.completion])
     # the completion starts where the prompt's own tokens and the whole's stop agreeing (TRL's rule:
     # a template may render the prompt differently alone, tokens may merge across the boundary)
-    start = 0 if every else _common_prefix(prompt, ids)
+    start = 0 if every else common_prefix(prompt, ids)
     return Document(ids, [i >= start for i in range(len(ids))])
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from seqpar.comm import collectives, faults
 
 from . import checkpoint as ckpt
-from .config import TrainConfig, describe_memory
+from .config import PAIRED, TrainConfig, describe_memory
 from .job import Job, prepare_job
 from .loop import EvalResult, Trainer, peak_memory_mib, reset_peak_memory
 from .lora import describe_lora
@@ -66,6 +66,7 @@ class RunSummary:
     setup_s: float
     eval_s: float
     sp_degrees: dict[int, int] = field(default_factory=dict)  # --sp-schedule dynamic: rows run at each degree
+    objective: str = "sft"  # --objective: the held-out accuracy counts answers (sft) or pairs (the others)
 
     @property
     def first_loss(self) -> float | None:
@@ -154,7 +155,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: os._exit would leak it
         bar = tqdm(total=cfg.steps, initial=trainer.step, desc="seqpar train", unit="step", file=sys.stderr,
                    dynamic_ncols=True, mininterval=0.5)
-    tokens_per_step = job.dp * cfg.micro_batch * cfg.grad_accum * cfg.seq_len
+    rows = 2 if cfg.objective in PAIRED and not cfg.packing else 1  # a unit of padded pairs is two rows
+    tokens_per_step = job.dp * cfg.micro_batch * cfg.grad_accum * cfg.seq_len * rows
     losses: list[tuple[int, float]] = []
     evals: list[tuple[int, EvalResult]] = []
     mem: list[float] = []
@@ -191,6 +193,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
                            "peak_mem_mib": [round(m, 1) for m in mem],
                            "peak_reserved_mib": [round(m, 1) for m in reserved],
                            **({"rows_at_degree": dyn.last} if dyn is not None else {}),
+                           **trainer.objective.metrics,  # rewards/..., logps/... (dp rank 0's micro-batches)
                            **({"skipped": "non-finite loss or gradient norm"} if not finite else {})})
             if bar is not None:
                 bar.update(1)
@@ -247,6 +250,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         dtype=trainer.dtype, memory=describe_memory(cfg), setup_s=setup_s, eval_s=eval_s,
         summary_file=os.path.abspath(os.path.join(cfg.save_dir, SUMMARY_FILE)), plot=plot, export=export,
         export_lora=cfg.lora_export if cfg.lora_r and export else "",
+        objective=cfg.objective,
         sp_degrees=dict(trainer.dynamic.rows_at_degree) if trainer.dynamic is not None else {})
     if trainer.rank == 0:
         if plot is not None:

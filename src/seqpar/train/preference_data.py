@@ -1,0 +1,170 @@
+"""Preference pairs for ``seqpar train --objective dpo|simpo|orpo|reward``: prompt / chosen / rejected
+records tokenized as TRL 1.16's ``DPOTrainer`` tokenizes them, then cut into the units the data order
+reads.
+
+Tokens and masks (TRL's ``DPOTrainer._prepare_dataset`` and ``DataCollatorForPreference``)::
+
+    text   prompt = tok(prompt)                      chosen = tok(prompt + chosen [+ EOS unless it ends so])
+    chat   prompt = template(prompt, generation prompt)   chosen = template(prompt + chosen)
+    n      = the shorter common prefix of prompt with (prompt + chosen) and with (prompt + rejected)
+    each sequence = its tokens, the first n being the prompt; cut to --seq-len keeping the start
+    targets (completion_mask) = the tokens after the first n; a pair whose prompt alone fills
+    --seq-len is left out (nothing to learn, as TRL drops it)
+
+Units (one entry of the data order, :func:`seqpar.train.data.row_index`)::
+
+    one pair per unit (default)   [2, S]: the chosen row, then the rejected row, each padded
+    --packing                     [1, S]: whole pairs, chosen then rejected, one after the other; a
+                                  pair never crosses a row edge (one that does not fit starts the next)
+
+A batch of units holds its sequences in the order c0 r0 c1 r1 ...: the objectives' "interleaved"
+pairing, whatever the packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .data import TextData, row_tensors
+from .demo_data import IGNORE, PAD, TRAIN, CountingPreference
+from .formats import PREFERENCE, Record, read_records
+from .tokenizer import ByteTokenizer, Document, HFTokenizer, check_chat_support, common_prefix
+
+Pair = tuple[Document, Document]
+
+
+def _ids(tok: ByteTokenizer | HFTokenizer, prompt: object, completion: object | None, *, gen: bool = False
+         ) -> list[int]:
+    """The tokens of ``prompt`` (+ ``completion``) as TRL's ``_tokenize`` gives them."""
+    if isinstance(prompt, str):
+        text = prompt + (completion or "")
+        if isinstance(tok, HFTokenizer):
+            return tok.sft_text(text, eos=completion is not None)
+        return tok.encode(text, eos=completion is not None)
+    assert isinstance(tok, HFTokenizer)
+    messages = [*prompt, *(completion or ())]  # type: ignore[misc]
+    return tok.chat(messages, generation_prompt=gen)[0]
+
+
+def encode_pair(record: Record, tok: ByteTokenizer | HFTokenizer) -> Pair:
+    """``(chosen, rejected)`` documents of one preference record (see the module doc)."""
+    prompt = _ids(tok, record.prompt, None, gen=True)
+    chosen = _ids(tok, record.prompt, record.chosen)
+    rejected = _ids(tok, record.prompt, record.rejected)
+    n = min(common_prefix(prompt, chosen), common_prefix(prompt, rejected))
+    return (Document(chosen, [i >= n for i in range(len(chosen))]),
+            Document(rejected, [i >= n for i in range(len(rejected))]))
+
+
+def _cut(doc: Document, seq_len: int) -> Document:
+    return Document(doc.ids[:seq_len], doc.targets[:seq_len])
+
+
+def pair_units(pairs: Sequence[Pair], seq_len: int, *, packing: bool, pad_id: int
+               ) -> tuple[list[dict[str, Tensor]], int, int]:
+    """``(units, pairs kept, sequences cut)``: the units of the module doc. Raises ValueError for a
+    pair that cannot share one packed row."""
+    units: list[dict[str, Tensor]] = []
+    kept = cut = 0
+    ids: list[int] = []
+    tgt: list[bool] = []
+    pos: list[int] = []
+    for c, r in pairs:
+        if c.targets.count(False) >= seq_len:  # the prompt alone fills the row: nothing to learn
+            continue
+        cut += (len(c.ids) > seq_len) + (len(r.ids) > seq_len)
+        c, r = _cut(c, seq_len), _cut(r, seq_len)
+        kept += 1
+        if not packing:
+            rows = [row_tensors(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in (c, r)]
+            units.append({k: torch.stack([row[k] for row in rows]) for k in rows[0]})
+            continue
+        if len(c.ids) + len(r.ids) > seq_len:
+            raise ValueError(f"--packing keeps a pair's chosen and rejected sequences in one row, and a pair of "
+                             f"{len(c.ids)} + {len(r.ids)} tokens does not fit in --seq-len {seq_len}: raise "
+                             "--seq-len or leave out --packing (one sequence per row)")
+        if len(ids) + len(c.ids) + len(r.ids) > seq_len:
+            units.append({k: v[None] for k, v in row_tensors(ids, tgt, pos, seq_len, pad_id).items()})
+            ids, tgt, pos = [], [], []
+        for d in (c, r):
+            ids, tgt, pos = ids + d.ids, tgt + d.targets, pos + list(range(len(d.ids)))
+    if ids:
+        units.append({k: v[None] for k, v in row_tensors(ids, tgt, pos, seq_len, pad_id).items()})
+    return units, kept, cut
+
+
+def pairs_in(batch: dict[str, Tensor]) -> int:
+    """Preference pairs in a batch of units: half its sequences (each starts at position 0)."""
+    starts = (batch["position_ids"] == 0) & (batch["attention_mask"] > 0)  # [B, S]
+    return int(starts.sum()) // 2
+
+
+def load_preference_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer, *, seq_len: int, packing: bool,
+                         seed: int, eval_rows: int) -> TextData:
+    """Read and tokenize preference records into units, split into training and held-out units.
+    ValueError for other records, bad files, or a tokenizer the data cannot use."""
+    records = read_records(paths)
+    other = next((r for r in records if r.kind != PREFERENCE), None)
+    if other is not None:
+        raise ValueError(f"{other.where} is {other.kind} data, not a preference pair (prompt, chosen, rejected): "
+                         "train on it with --objective sft")
+    check_chat_support(records, tok, "all")
+    pairs = [encode_pair(r, tok) for r in records]
+    units, kept, cut = pair_units(pairs, seq_len, packing=packing, pad_id=tok.pad_id)
+    kind = "chat" if not isinstance(records[0].prompt, str) else "text"
+    targets = sum(int((u["labels"] != IGNORE).sum()) for u in units)
+    what = (f"{len(records)} preference pairs ({kind}, {getattr(tok, 'name', 'tokenizer')}) in {len(units)} "
+            f"{'packed rows' if packing else 'pairs of rows'}, loss on the completions ({targets} targets)")
+    if cut:
+        what += f"; {cut} sequences longer than --seq-len {seq_len} cut to it (the start kept, as TRL)"
+    if kept < len(pairs):
+        what += f"; {len(pairs) - kept} pairs left out: the prompt alone fills --seq-len {seq_len}"
+    data = TextData(units, seed=seed, eval_rows=eval_rows, vocab_size=tok.vocab_size, describe=what)
+    data.chance = 0.5
+    return data
+
+
+@dataclass
+class PreferenceDemo:
+    """The embedded preference demo (:class:`~seqpar.train.demo_data.CountingPreference`) as a data
+    source: pair ``index`` of a split is one unit, drawn when read (like the copy task's rows)."""
+
+    task: CountingPreference
+    eval_rows: int
+    chance = 0.5
+
+    @property
+    def vocab_size(self) -> int:
+        return self.task.vocab_size
+
+    @property
+    def max_token_id(self) -> int:
+        return self.task.vocab_size - 1
+
+    @property
+    def n_eval(self) -> int:
+        return self.eval_rows
+
+    def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
+        p, c, r = self.task.pair(index, split)
+        docs = [Document(p + x, [False] * len(p) + [True] * len(x)) for x in (c, r)]
+        return pair_units([(docs[0], docs[1])], self.task.seq_len, packing=False, pad_id=PAD)[0][0]
+
+    def describe(self) -> str:
+        return self.task.describe()
+
+
+def preference_demo(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -> PreferenceDemo:
+    """The preference demo's data; ValueError for options it cannot take."""
+    if packing:
+        raise ValueError("the preference demo fills each row with one sequence, so --packing has nothing to pack: "
+                         "leave it out, or give --data")
+    task = CountingPreference(seq_len, seed)
+    if task.span < 2:
+        least = seq_len - task.span + 2
+        raise ValueError(f"--seq-len {seq_len} is too short for the preference demo: use at least {least}")
+    return PreferenceDemo(task, eval_rows)
