@@ -19,8 +19,8 @@ import torch
 from seqpar.attention.dispatch import STRATEGIES
 from seqpar.integrations.memory import CHECKPOINT_MODES, DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
 from seqpar.integrations.models import BUILTIN_MODELS
-from seqpar.planner.bins import SP_SCHEDULES
 from seqpar.objectives import DPO_LOSSES
+from seqpar.planner.bins import SP_SCHEDULES
 
 from .data import OVERFLOW
 from .formats import FORMATS_HELP

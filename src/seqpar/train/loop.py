@@ -35,8 +35,8 @@ from seqpar.integrations.models import BUILTIN_MODELS
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
 from .data import row_index, stack
-from .dynamic import dynamic_steps
 from .demo_data import EVAL, IGNORE, answer_accuracy
+from .dynamic import dynamic_steps
 from .job import Job, make_data
 from .lora import add_lora, count_params, init_lora, with_lora_names
 from .objective_step import ObjectiveStep, objective_meta_model, objective_model
