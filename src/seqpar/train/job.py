@@ -38,8 +38,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # and --grad-accum may change as long as a step reads the same rows: see check_resumable)
 RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packing", "seed", "lr", "warmup",
                "min_lr_ratio", "weight_decay", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "mlp_tile", "tokenizer",
-               "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets", "token_budget", "objective",
-               "beta", "dpo_loss")
+               "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets", "token_budget",
+               "objective", "beta", "dpo_loss")
 
 
 @dataclass(frozen=True)
