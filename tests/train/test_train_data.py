@@ -183,7 +183,7 @@ def test_resume_accepts_a_checkpoint_from_before_the_fine_tuning_options(tmp_pat
         check_resumable(prepare_job(cfg.replace(lora_r=2)), {"config": old, "dp": job.dp, "step": 1}, "ckpt")
 
 
-def test_summary_and_banner_say_what_the_run_continued_replaced_trained_and_wrote():
+def test_summary_and_banner_say_what_the_run_continued_replaced_trained_and_wrote(tmp_path):
     import dataclasses
 
     from seqpar.cli.train import describe_start, format_summary
@@ -208,6 +208,6 @@ def test_summary_and_banner_say_what_the_run_continued_replaced_trained_and_wrot
     merged = format_summary(RunSummary(**{**base, "export_lora": "merged", "replaced_steps": [2, 3]}))
     assert "(save_pretrained, LoRA merged: AutoModelForCausalLM" in merged
     assert "replaced    an earlier run's checkpoints (steps 2, 3; --overwrite)" in merged
-    job = dataclasses.replace(prepare_job(TrainConfig(seq_len=64)), resume_from="/r/checkpoints/step_00000004",
+    job = dataclasses.replace(prepare_job(TrainConfig(seq_len=64, save_dir=str(tmp_path / "run"))), resume_from="/r/checkpoints/step_00000004",
                               resume_step=4)
     assert "seqpar train: resuming from step 4 (/r/checkpoints/step_00000004)" in describe_start(job)
