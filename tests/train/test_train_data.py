@@ -208,6 +208,7 @@ def test_summary_and_banner_say_what_the_run_continued_replaced_trained_and_wrot
     merged = format_summary(RunSummary(**{**base, "export_lora": "merged", "replaced_steps": [2, 3]}))
     assert "(save_pretrained, LoRA merged: AutoModelForCausalLM" in merged
     assert "replaced    an earlier run's checkpoints (steps 2, 3; --overwrite)" in merged
-    job = dataclasses.replace(prepare_job(TrainConfig(seq_len=64, save_dir=str(tmp_path / "run"))), resume_from="/r/checkpoints/step_00000004",
+    fresh = prepare_job(TrainConfig(seq_len=64, save_dir=str(tmp_path / "run")))
+    job = dataclasses.replace(fresh, resume_from="/r/checkpoints/step_00000004",
                               resume_step=4)
     assert "seqpar train: resuming from step 4 (/r/checkpoints/step_00000004)" in describe_start(job)
