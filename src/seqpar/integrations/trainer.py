@@ -53,6 +53,7 @@ boundaries; ``sp_size``: DeepSpeed Ulysses) is refused: it would shard the batch
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -131,12 +132,7 @@ class SeqParTrainerMixin:
         """The step's micro-batches and N, their exact target count over the dp ranks; checks
         that every SP group holds the same batches (one all-gather over all ranks)."""
         with faults.publishing("the Trainer's batches"):
-            batches = []
-            for _ in range(num_batches):
-                try:
-                    batches.append(next(epoch_iterator))
-                except StopIteration:
-                    break
+            batches = list(itertools.islice(epoch_iterator, num_batches))  # fewer at the epoch's end
             state = self._seqpar
             check_sp_groups(batches, num_batches, state.mesh, self.seqpar_batch_keys)
             if not batches or "labels" not in batches[0]:

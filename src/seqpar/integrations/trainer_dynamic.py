@@ -28,6 +28,7 @@ This module imports nothing of :mod:`.trainer`: ``parallelize_trainer`` puts
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -68,12 +69,7 @@ class DynamicTrainerMethods:
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device):
         """The step's micro-batches and N, their targets (the same on every rank)."""
         with faults.publishing("the Trainer's batches"):
-            batches = []
-            for _ in range(num_batches):
-                try:
-                    batches.append(next(epoch_iterator))
-                except StopIteration:
-                    break
+            batches = list(itertools.islice(epoch_iterator, num_batches))  # fewer at the epoch's end
             if batches and "labels" not in batches[0]:
                 raise ValueError("the batch has no labels: seqpar's Trainer integration trains a causal LM on labels")
             return batches, sum(self._dynamic.targets(batch_rows(b)) for b in batches) if batches else None

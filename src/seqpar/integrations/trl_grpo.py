@@ -21,6 +21,7 @@ option (:func:`check_grpo_options`) where seqpar knows it is not exact.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,12 +63,7 @@ class SeqParGRPOMixin(SeqParTrainerMixin):
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: Any):
         """The step's prompt batches; every SP group must hold the same ones (checked on every rank)."""
         with faults.publishing("the Trainer's batches"):
-            batches = []
-            for _ in range(num_batches):
-                try:
-                    batches.append(next(epoch_iterator))
-                except StopIteration:
-                    break
+            batches = list(itertools.islice(epoch_iterator, num_batches))  # fewer at the epoch's end
             digest = float(int(hashlib.sha1(repr(batches).encode()).hexdigest()[:12], 16))
             table = share({"count": float(len(batches)), "prompts": digest}, dist.group.WORLD)
             names = {"count": "number of prompt batches in the step", "prompts": "prompts"}
