@@ -98,17 +98,20 @@ class Injector:
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[None]:
-        """seqpar's own places: its attention function, its loss and ``sync_gradients`` (the first
-        all-reduce inside it) raise when the case fires there."""
+        """seqpar's own places: its attention function, its loss (the objective seam's per-token
+        log-probs included) and ``sync_gradients`` (the first all-reduce inside it) raise when the
+        case fires there."""
         import seqpar
         import seqpar.batch.loss as loss_module
         import seqpar.comm.collectives as collectives
         import seqpar.integrations.tiled_head as tiled_head
+        import seqpar.objectives.seam as seam
         from seqpar.attention.dispatch import STRATEGIES
 
         strategies = dict(STRATEGIES)  # what parallelize's attention function calls, by strategy
         saved = [(loss_module, "token_losses", loss_module.token_losses),
                  (tiled_head, "tiled_loss_sum", tiled_head.tiled_loss_sum),
+                 (seam, "token_logps_entropy", seam.token_logps_entropy),  # an objective's per-token loss
                  (collectives, "all_reduce", collectives.all_reduce), (seqpar, "sync_gradients", seqpar.sync_gradients)]
         in_sync = [False]
 
@@ -130,6 +133,7 @@ class Injector:
             STRATEGIES[name] = wrap("attention", fn)
         loss_module.token_losses = wrap("loss", loss_module.token_losses)
         tiled_head.tiled_loss_sum = wrap("loss", tiled_head.tiled_loss_sum)
+        seam.token_logps_entropy = wrap("loss", seam.token_logps_entropy)
         collectives.all_reduce = wrap("sync", collectives.all_reduce)
         seqpar.sync_gradients = sync
         try:
