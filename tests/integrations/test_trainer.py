@@ -165,7 +165,7 @@ KINDS = ["trainer", "sft-padded", "sft-packed", "trainer-moe", "sft-moe"]
 
 def _model_kind(kind: str) -> str:
     return "moe" if kind.endswith("-moe") else "tiny-llama"
-BAD = ["collator", "model", "sp"]
+BAD = ["collator", "model", "sp", "own-loss"]
 
 
 def _bad(case: str, out: str):
@@ -175,9 +175,13 @@ def _bad(case: str, out: str):
     import seqpar
     from seqpar.integrations.trainer import parallelize_trainer
 
-    trainer = Trainer(model=_model("roberta" if case == "model" else "tiny-llama"), args=_args(out, MICRO),
-                      train_dataset=_rows(48, 1),
-                      data_collator=PadCollator(extra_on_rank=1 if case == "collator" else None))
+    class OwnLossTrainer(Trainer):  # a user's trainer with its own loss: seqpar's must not replace it silently
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(**inputs).logits.square().mean()
+
+    trainer = (OwnLossTrainer if case == "own-loss" else Trainer)(
+        model=_model("roberta" if case == "model" else "tiny-llama"), args=_args(out, MICRO),
+        train_dataset=_rows(48, 1), data_collator=PadCollator(extra_on_rank=1 if case == "collator" else None))
     try:
         if case == "sp":
             parallelize_trainer(trainer, sp=3)
@@ -277,7 +281,8 @@ def test_resume(runs):
 @pytest.mark.distributed
 @pytest.mark.parametrize("case,expect", [("collator", "sequence length"),
                                          ("model", "cannot parallelize RobertaForCausalLM"),
-                                         ("sp", "sp=3 must divide the world size")])
+                                         ("sp", "sp=3 must divide the world size"),
+                                         ("own-loss", "OwnLossTrainer defines its own compute_loss")])
 def test_bad_input(runs, case, expect):
     world, results, _ = runs
     messages = [res[f"bad-{case}"] for res in results]
@@ -302,6 +307,28 @@ def test_refuses_losses_it_would_ignore(option, value):
     setattr(trainer if option == "compute_loss_func" else args, option, value)
     with pytest.raises(ValueError, match=option):
         check_loss_options(trainer)
+
+
+def test_trainers_with_their_own_loss_are_refused_by_name():
+    """Every TRL trainer class whose loss the generic integration would replace is refused by name;
+    Trainer, SFTTrainer and subclasses that keep their loss pass."""
+    import trl
+    from transformers import Trainer
+
+    from seqpar.errors import Refused
+    from seqpar.integrations.trainer import check_own_loss
+    from seqpar.integrations.trl_objectives import TRL_TRAINERS
+
+    class Mine(trl.SFTTrainer):
+        pass
+
+    for cls in (Trainer, trl.SFTTrainer, Mine):
+        check_own_loss(cls)
+    others = [n for n in dir(trl) if n.endswith("Trainer") and n not in (*TRL_TRAINERS, "SFTTrainer")]
+    assert "KTOTrainer" in others and "RLOOTrainer" in others, others
+    for name in others:
+        with pytest.raises(Refused, match=f"{name} defines its own compute_loss"):
+            check_own_loss(getattr(trl, name))
 
 
 def test_router_aux_at_dp_above_1_is_refused_for_trl_trainers_other_than_sft():

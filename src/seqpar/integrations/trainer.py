@@ -303,6 +303,7 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                              "seqpar.parallelize_trainer(trainer, sp=...)")
         setup_trl(trainer, state)
         return state
+    check_own_loss(type(trainer))
     check_loss_options(trainer)
     unverified = _router_aux_unverified(trainer) if state.dp > 1 else None
     if unverified is not None:
@@ -331,6 +332,26 @@ def _router_aux_unverified(trainer: Any) -> str | None:
 def _check_mesh_or_sp(mesh: DeviceMesh | None, sp: int | None, who: str) -> None:
     if (mesh is None) == (sp is None):
         raise ValueError(f"give {who} either mesh=seqpar.init_mesh(sp=...) or sp=N")
+
+
+# the classes whose compute_loss seqpar's replaces knowingly: the token mean (and SFTTrainer's
+# metrics and router aux term) is what they compute
+_OWN_LOSS_KNOWN = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "SFTTrainer")}
+
+
+def check_own_loss(cls: type) -> None:
+    """Refuse a trainer class whose own ``compute_loss`` seqpar's would replace (a user's custom
+    loss, TRL's ``KTOTrainer`` / ``RLOOTrainer`` / ``DistillationTrainer``...): the generic
+    integration computes the causal-LM token mean, and silently dropping another loss is wrong."""
+    for klass in cls.__mro__:
+        if klass is SeqParTrainerMixin or issubclass(SeqParTrainerMixin, klass) or "compute_loss" not in vars(klass):
+            continue
+        if (klass.__module__, klass.__name__) in _OWN_LOSS_KNOWN:
+            return  # reached the Trainer / SFTTrainer loss: every subclass above kept it
+        raise Refused(f"{klass.__module__}.{klass.__name__} defines its own compute_loss, which seqpar's Trainer "
+                      "integration would replace by the causal-LM token mean: train its objective through "
+                      "seqpar.objectives (your own loop), use one of the trainers seqpar supports (Trainer, "
+                      "SFTTrainer, TRL's DPOTrainer / RewardTrainer / GRPOTrainer), or keep the model's own loss")
 
 
 def check_loss_options(trainer: Any) -> None:
