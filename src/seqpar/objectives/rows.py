@@ -95,6 +95,9 @@ def local_tokens(column: Tensor, batch: LocalBatch, device: torch.device, *, shi
     return col[:, start:start + shard.seq_lens[batch.sp_rank]]
 
 
+_SUM_DTYPE = torch.float64  # row sums accumulate in float64 (see row_sums)
+
+
 class _SameLossRowSum(torch.autograd.Function):
     """Forward: all-reduce (sum) each rank's per-sequence partial sums ``[N, ...]`` over the SP
     group: every rank holds the whole sequences' sums. Backward: the incoming gradient times the SP
@@ -123,9 +126,14 @@ class _SameLossRowSum(torch.autograd.Function):
 
 def row_sums(values: Tensor, seqs: Sequences, group: dist.ProcessGroup | None) -> Tensor:
     """Per-sequence sums over the whole sequences, on every SP rank: ``values [B, S_local, ...]``
-    (0 where a token should not count) -> ``[N, ...]``. Differentiable (see :class:`_SameLossRowSum`)."""
+    (0 where a token should not count) -> ``[N, ...]``. Differentiable (see :class:`_SameLossRowSum`).
+
+    The partial sums and their all-reduce are float64 whatever ``values``' dtype, and the total is
+    rounded back once: a float32 sum of a 16k-token row's log-probs, accumulated token by token on
+    each rank and then across ranks, depended on P (a DPO loss of 3.766 at sp=1 against 3.607 at
+    sp=4 from the same weights); in float64 both are the float64 sum rounded once."""
     keep = seqs.ids >= 0
-    flat = values[keep]  # [T, ...] this rank's tokens that belong to a sequence
+    flat = values[keep].to(_SUM_DTYPE)  # [T, ...] this rank's tokens that belong to a sequence
     partial = flat.new_zeros((seqs.count, *values.shape[2:])).index_add(0, seqs.ids[keep], flat)
     p = 1 if group is None else dist.get_world_size(group)
-    return _SameLossRowSum.apply(partial, group, p)
+    return _SameLossRowSum.apply(partial, group, p).to(values.dtype)
