@@ -84,7 +84,7 @@ def test_the_gradients_through_the_in_place_tiles_equal_full_log_softmax():
 
 
 def test_the_default_tile_holds_no_more_than_the_hidden_states_within_its_bounds():
-    from seqpar.objectives.tokens import MIN_TILE, vocab_tile
+    from seqpar.batch.tiles import MIN_TILE, vocab_tile
 
     assert vocab_tile(32768, 256, 32000) == 131  # 2 * 131 * 32000 <= 32768 * 256 < 2 * 132 * 32000
     assert vocab_tile(8192, 256, 32000) == MIN_TILE  # a thin shard: the floor, not a 32-token matmul
@@ -97,7 +97,7 @@ def test_the_default_tile_holds_no_more_than_the_hidden_states_within_its_bounds
 
 def test_the_default_tile_is_capped_by_the_models_loss_tile():
     import seqpar
-    from seqpar.integrations.memory import DEFAULT_LOSS_TILE
+    from seqpar.batch.tiles import DEFAULT_LOSS_TILE
     from seqpar.integrations.models import build_model
     from seqpar.objectives.tokens import model_tile
 

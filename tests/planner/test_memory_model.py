@@ -8,6 +8,7 @@ import json
 import pytest
 
 from seqpar import bench
+from seqpar.batch.tiles import mlp_tile_for
 from seqpar.cli.main import main
 from seqpar.planner import format_bytes
 from seqpar.planner.memory import SWITCHES_OFF, SWITCHES_ON, MemorySwitches, parameter_count, step_memory
@@ -56,6 +57,9 @@ def test_each_switch_replaces_its_term_by_a_tile():
     assert offload.device_peak(on_cpu=True) == ckpt.total
     on = step_memory(tokens=t, **SHAPE, switches=SWITCHES_ON)
     assert on.activations < min(loss.activations, mlp.activations, ckpt.activations)
+    for tokens in (t, 600):  # no mlp_tile: the library's rule, the tile follows the shard
+        default = step_memory(tokens=tokens, **SHAPE, switches=MemorySwitches(tiled_mlp=True))
+        assert default.mlp == 2 * 5 * mlp_tile_for(tokens, 64, 128) * 128 * 4  # 2048 (the cap), 300 tokens
     short = step_memory(tokens=100, **SHAPE, switches=SWITCHES_ON)  # shorter than a tile: the tile is the shard
     assert short.logits == 3 * 100 * 1000 * 4
 

@@ -132,7 +132,8 @@ def test_memory_switches_options():
     assert memory_options(cfg, "cpu")["checkpoint"] == "layers"  # host memory already holds the saved inputs
     off = TrainConfig(tiled_loss=False, tiled_mlp=False, checkpoint="none")
     assert memory_options(off, "cuda") is None and describe_memory(off).startswith("none")
-    assert describe_memory(cfg) == f"tiled loss (512 tokens), tiled MLP ({cfg.mlp_tile} tokens), checkpoint offload"
+    assert describe_memory(cfg) == "tiled loss (512 tokens), tiled MLP (tiles following the shard), checkpoint offload"
+    assert "tiled MLP (96 tokens)" in describe_memory(cfg.replace(mlp_tile=96))
 
 
 def test_builtin_keeps_its_vocabulary_and_small_llama3_its_shape():
@@ -181,6 +182,17 @@ def test_resume_accepts_a_checkpoint_from_before_the_fine_tuning_options(tmp_pat
     check_resumable(job, {"config": old, "dp": job.dp, "step": 1}, "ckpt")
     with pytest.raises(ValueError, match="--lora-r 0 -> 2"):
         check_resumable(prepare_job(cfg.replace(lora_r=2)), {"config": old, "dp": job.dp, "step": 1}, "ckpt")
+
+
+def test_resume_accepts_a_checkpoint_with_another_mlp_tile(tmp_path):
+    """A run from before the tiles followed the shard (--mlp-tile 2048 then) resumes: the MLP is per
+    token, its tiles change no value; the change is said."""
+    from seqpar.train.job import check_resumable, prepare_job
+
+    cfg = TrainConfig(seq_len=64, save_dir=str(tmp_path))
+    job = prepare_job(cfg)
+    notes = check_resumable(job, {"config": {**cfg.to_dict(), "mlp_tile": 2048}, "dp": job.dp, "step": 1}, "ckpt")
+    assert any("--mlp-tile 2048 -> following the shard" in n for n in notes)
 
 
 def test_summary_and_banner_say_what_the_run_continued_replaced_trained_and_wrote(tmp_path):

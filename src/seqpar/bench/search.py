@@ -14,7 +14,7 @@ from .peak import Trial, try_step
 def estimate(case: BenchCase) -> Any:
     """The planner's :class:`seqpar.planner.memory.StepMemory` for ``case``'s model, strategy and
     switches on its most loaded rank (tiles the case leaves open are :func:`seqpar.reduce_memory`'s)."""
-    from seqpar.integrations.memory import DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
+    from seqpar.batch.tiles import DEFAULT_LOSS_TILE
     from seqpar.integrations.models import builtin_config
     from seqpar.planner.cost import largest_shard
     from seqpar.planner.memory import step_memory
@@ -31,8 +31,7 @@ def estimate(case: BenchCase) -> Any:
                        intermediate_size=cfg.intermediate_size, layers=cfg.num_hidden_layers,
                        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                        vocab_size=cfg.vocab_size, dtype_bytes=DTYPES[case.dtype].itemsize,
-                       tied=bool(cfg.tie_word_embeddings), switches=case.switches, loss_tile=DEFAULT_LOSS_TILE,
-                       mlp_tile=DEFAULT_MLP_TILE)
+                       tied=bool(cfg.tie_word_embeddings), switches=case.switches, loss_tile=DEFAULT_LOSS_TILE)
 
 
 def predicted_max(case: BenchCase, cap_bytes: int, granularity: int, limit: int) -> int:

@@ -46,7 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tied", action="store_true", help="input and output embeddings share one weight")
     p.add_argument("--fsdp", action="store_true", help="weights, gradients and AdamW states sharded over all ranks")
     p.add_argument("--loss-tile", type=int, default=1024, help="tokens per loss tile of the tiled-loss estimate")
-    p.add_argument("--mlp-tile", type=int, default=2048, help="tokens per MLP tile of the tiled-MLP estimate")
+    p.add_argument("--mlp-tile", type=int, default=None, help="tokens per MLP tile of the tiled-MLP estimate "
+                   "(default: reduce_memory's, a tile that follows the shard)")
     p.add_argument("--world-size", type=int, help=f"total ranks (default {DEFAULTS['world_size']})")
     p.add_argument("--devices-per-node", type=int, help=f"ranks per node (default {DEFAULTS['devices_per_node']})")
     p.add_argument("--seq-len", type=parse_size, help=f"tokens per sequence, e.g. 1M or 131072 "
@@ -226,7 +227,7 @@ _SWITCH_ROWS = (("off", {}), ("tiled loss", dict(tiled_loss=True)), ("tiled MLP"
 
 
 def step_memory_table(chosen: Any, kw: dict[str, Any], *, vocab_size: int, tied: bool, fsdp: bool, loss_tile: int,
-                      mlp_tile: int) -> str:
+                      mlp_tile: int | None) -> str:
     """Memory per rank of one training step on the chosen split, for each set of memory switches
     (:mod:`seqpar.planner.memory`): weights, gradients, AdamW states, activations, host offload."""
     from seqpar.planner import format_bytes

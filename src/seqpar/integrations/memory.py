@@ -42,6 +42,7 @@ from .. import compat
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import check_tile, tiled_token_stats
+from ..batch.tiles import DEFAULT_LOSS_TILE
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, axis_group
 from ..errors import Refused
@@ -50,10 +51,6 @@ from .tiled_head import TiledLossFunction, decoder_of, last_hidden, output_head,
 from .tiling import TileContext, checkpoint_layer, is_per_token_mlp, tile_mlp, untile
 
 CHECKPOINT_MODES = ("none", "layers", "offload")
-DEFAULT_LOSS_TILE = 1024
-"""Tokens per loss tile: a [1024, V] float32 tile is 128 MiB at a 32k vocabulary, 512 MiB at 128k."""
-DEFAULT_MLP_TILE = 2048
-"""Tokens per MLP tile: bounds a gated MLP's intermediates to [B, 2048, 3 x intermediate]."""
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -87,13 +84,16 @@ def _offload_mode(model: nn.Module) -> str:
 
 def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_loss: bool = True,
                   tiled_mlp: bool = True, checkpoint: str = "layers", loss_tile: int = DEFAULT_LOSS_TILE,
-                  mlp_tile: int = DEFAULT_MLP_TILE) -> nn.Module:
+                  mlp_tile: int | None = None) -> nn.Module:
     """Turn on the memory switches of a transformers causal LM (in place; returns the model).
 
     Call after :func:`seqpar.parallelize` (``mesh``: the same mesh) or on a plain model (``mesh``
     None), before :func:`seqpar.apply_fsdp`. ``tiled_loss``: loss from the hidden states in tiles
     of ``loss_tile`` tokens (``.logits`` then holds the last token only, see the module doc).
-    ``tiled_mlp``: each decoder layer's MLP in tiles of ``mlp_tile`` tokens, recomputed in backward.
+    ``tiled_mlp``: each decoder layer's MLP in tiles of ``mlp_tile`` tokens, recomputed in backward;
+    None: tiles that follow the shard, chosen per call from its tokens
+    (:func:`seqpar.batch.tiles.mlp_tile_for`: a tile's ``[tile, intermediate]`` within the shard's
+    ``[T, hidden]``).
     ``checkpoint``: "none", "layers" (non-reentrant per decoder layer) or "offload" (also parks
     each layer's input in pinned host memory; on the CPU the same as "layers").
 
@@ -102,7 +102,8 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
     MLP that cannot be tiled exactly, a parallelized model without its mesh, or a second call.
     """
     check_tile(loss_tile, "loss_tile")
-    check_tile(mlp_tile, "mlp_tile")
+    if mlp_tile is not None:
+        check_tile(mlp_tile, "mlp_tile")
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint={checkpoint!r}: choose one of {list(CHECKPOINT_MODES)}")
     record = state_of(model)
@@ -243,7 +244,7 @@ def memory_switches(model: nn.Module) -> dict[str, Any]:
                                 "with bias" if head.bias is not None else "no bias", *extras])
         out["logits"] = "last token only when labels are passed (token_stats for per-token results)"
     if state.tiled_mlp:
-        out["mlp_tile"] = state.mlp_tile
+        out["mlp_tile"] = state.mlp_tile if state.mlp_tile is not None else "follows the shard (mlp_tile_for)"
         out["mlp"] = f"{len(state.mlps)} x {type(state.mlps[0]).__name__}"
     if state.checkpoint != "none":
         out["layers"] = f"{len(state.layers)} x {type(state.layers[0]).__name__}"

@@ -60,7 +60,7 @@ class MemoryState:
     tiled_mlp: bool
     checkpoint: str
     loss_tile: int
-    mlp_tile: int
+    mlp_tile: int | None  # None: each call's tile follows its shard (seqpar.batch.tiles.mlp_tile_for)
     mesh: DeviceMesh | None
     context: TileContext  # the running batch's longest shard, shared by the tiled MLPs and checkpoints
     mlps: list[nn.Module]

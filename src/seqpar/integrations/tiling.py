@@ -17,7 +17,9 @@ in backward")::
 
 The tile count ``n = ceil(longest local shard / tile)`` is the same on every SP rank (the shard
 lengths of the batch are known everywhere), so a rank with a shorter shard runs empty tiles rather
-than fewer calls: a module holding a collective never waits on a peer that skipped one.
+than fewer calls: a module holding a collective never waits on a peer that skipped one. Without a
+fixed tile, the tile follows the shard (:func:`seqpar.batch.tiles.mlp_tile_for` of the longest local
+shard, so again the same on every rank): ``[B, tile, I]`` stays within the shard's ``[B, S_local, H]``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..batch.tiles import mlp_tile_for
 from ..errors import Refused
 
 PER_TOKEN_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
@@ -107,17 +110,30 @@ class _TiledMLP(torch.autograd.Function):
         return (None, None, None, grad_x, *(by_param.get(id(p)) for p in params))
 
 
-class _TiledForward:
-    """``mlp.forward`` with tiled_mlp: the MLP in the agreed number of sequence tiles."""
+def mlp_width(mlp: nn.Module) -> int:
+    """The intermediate width ``I`` of an accepted MLP: its down projection's input (the widest
+    input of its linear layers, for a class that names it otherwise)."""
+    down = getattr(mlp, "down_proj", None)
+    if isinstance(down, nn.Linear):
+        return down.in_features
+    return max(m.in_features for m in mlp.modules() if isinstance(m, nn.Linear))
 
-    def __init__(self, mlp: nn.Module, tile: int, context: TileContext) -> None:
+
+class _TiledForward:
+    """``mlp.forward`` with tiled_mlp: the MLP in the agreed number of sequence tiles, of ``tile``
+    tokens, or (``tile`` None) of :func:`~seqpar.batch.tiles.mlp_tile_for` the longest shard."""
+
+    def __init__(self, mlp: nn.Module, tile: int | None, context: TileContext) -> None:
         self.mlp, self.tile, self.context = mlp, tile, context
+        self.width = mlp_width(mlp)
 
     def __call__(self, x: Tensor) -> Tensor:
-        mlp, tile = self.mlp, self.tile
+        mlp = self.mlp
         if x.dim() != 3:
             raise Refused(f"{type(mlp).__name__} got a {x.dim()}-D input; tiled_mlp splits [batch, seq, hidden] "
                           "along the sequence: use tiled_mlp=False for this model")
+        longest = max(x.shape[1], self.context.longest or 0)  # the same on every SP rank
+        tile = self.tile or mlp_tile_for(longest, x.shape[-1], self.width)
         n = agreed_tiles(x.shape[1], self.context.longest, tile)
         self.context.tiles_run.append(n)
         if not torch.is_grad_enabled():
@@ -126,8 +142,9 @@ class _TiledForward:
         return _TiledMLP.apply(mlp, n, tile, x, *mlp.parameters())
 
 
-def tile_mlp(mlp: nn.Module, tile: int, context: TileContext) -> None:
-    """Run ``mlp`` in sequence tiles of ``tile`` tokens (in place; :func:`untile` undoes it)."""
+def tile_mlp(mlp: nn.Module, tile: int | None, context: TileContext) -> None:
+    """Run ``mlp`` in sequence tiles of ``tile`` tokens (None: following the shard; in place;
+    :func:`untile` undoes it)."""
     mlp.forward = _TiledForward(mlp, tile, context)
 
 

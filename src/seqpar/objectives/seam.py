@@ -41,6 +41,7 @@ from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.loss import ScaleGrad
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import check_tile
+from ..batch.tiles import vocab_tile
 from ..comm import faults
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size
@@ -49,7 +50,7 @@ from ..integrations.tiled_head import check_head, output_head
 from .checks import agree, route
 from .reference import Reference, reference_token_logps
 from .rows import Sequences, local_tokens, row_sums, sequences
-from .tokens import final_hidden, local_targets, model_tile, score_head, token_logps_entropy, vocab_tile
+from .tokens import final_hidden, local_targets, model_tile, score_head, token_logps_entropy
 
 UNITS = ("pair", "sequence", "token")
 TOKEN_QUANTITIES = ("logps", "entropy", "values")
@@ -147,7 +148,7 @@ def compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh:
     batch. ``inputs``: the objective's per-sequence ``[N]`` and per-token ``[B, S]`` inputs, whole
     and identical on every SP rank. ``reference``: see :mod:`seqpar.objectives.reference`.
     ``num_units``: the global unit count (see the module doc). ``temperature`` divides the logits.
-    ``tile``: tokens per vocabulary tile (default :func:`~seqpar.objectives.tokens.vocab_tile`: the
+    ``tile``: tokens per vocabulary tile (default :func:`~seqpar.batch.tiles.vocab_tile`: the
     tiles hold no more than the shard's hidden states, at most the model's ``loss_tile``). Raises
     ValueError for a missing or malformed input (an exception is told to every rank)."""
     mesh = as_mesh(mesh, objective.name)

@@ -29,22 +29,13 @@ from torch import Tensor, nn
 from ..batch.local_batch import BATCH_KWARG
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import Head, accumulate_product, check_tile, token_tiles
+from ..batch.tiles import DEFAULT_LOSS_TILE
 from ..errors import Refused
-from ..integrations.memory import DEFAULT_LOSS_TILE
 from ..integrations.peft import unwrap_peft
 from ..integrations.state import state_of
 from ..integrations.tiled_head import last_hidden
 
 _NOT_MODEL_KEYS = ("labels", "shift_labels")
-MIN_TILE = 64
-"""The fewest tokens a chosen tile holds: below this the head's matmul runs too thin to pay."""
-
-
-def vocab_tile(tokens: int, hidden: int, vocab: int, *, cap: int = DEFAULT_LOSS_TILE) -> int:
-    """Tokens per vocabulary tile for a shard of ``tokens`` hidden states of width ``hidden``: the most
-    whose two ``[T, V]`` buffers hold no more than the hidden states ``[N, H]`` (``2 T V <= N H``),
-    within ``[MIN_TILE, cap]``."""
-    return max(MIN_TILE, min(cap, tokens * hidden // (2 * vocab)))
 
 
 def model_tile(model: nn.Module) -> int:

@@ -21,7 +21,8 @@ The coefficients are counts of the tensors transformers' Llama keeps, checked ag
 probe (:class:`seqpar.testing.memory.LiveMemory`) for hidden, MLP width, KV heads, layers and
 vocabulary varied one at a time (within 2%). Switches (each replaces a term by its tile)::
 
-    tiled_mlp   m -> 5*min(T, mlp_tile)*I*b       (the tile is recomputed in backward)
+    tiled_mlp   m -> 5*min(T, mlp_tile)*I*b       (the tile is recomputed in backward; by default
+                                                  mlp_tile_for(T, h, I): the tile follows the shard)
     tiled_loss  l -> 3*min(T, loss_tile)*V*4      (the lm_head weight gradient is counted with gradients)
     checkpoint  L*(a + m) -> L*T*h*b + a + m      (layer inputs kept; one layer rebuilt at a time)
     offload     L*T*h*b leaves the device         (counted in ``offloaded``: host memory)
@@ -35,6 +36,8 @@ in the same memory, so ``device_peak(on_cpu=True)`` adds them back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..batch.tiles import DEFAULT_LOSS_TILE, mlp_tile_for
 
 CHECKPOINT_MODES = ("none", "layers", "offload")
 LOGIT_COPIES = 3  # fp32 [T, V] alive at once: logits, log-softmax, a gradient (measured: 3.0)
@@ -124,14 +127,16 @@ def parameter_count(*, hidden_size: int, intermediate_size: int, layers: int, he
 
 def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int,
                 head_dim: int, vocab_size: int, dtype_bytes: int = 4, tied: bool = False,
-                fsdp_shards: int = 1, switches: MemorySwitches = SWITCHES_OFF, loss_tile: int = 1024,
-                mlp_tile: int = 1024) -> StepMemory:
+                fsdp_shards: int = 1, switches: MemorySwitches = SWITCHES_OFF,
+                loss_tile: int = DEFAULT_LOSS_TILE, mlp_tile: int | None = None) -> StepMemory:
     """Bytes per rank of one training step with ``tokens`` tokens on this rank (the largest shard:
     :func:`seqpar.planner.cost.largest_shard`). ``loss_tile`` / ``mlp_tile`` are the tiles the
-    library uses when ``switches`` gives none. Raises ValueError for a non-positive size."""
+    library uses when ``switches`` gives none; ``mlp_tile`` None: the library's rule,
+    :func:`seqpar.batch.tiles.mlp_tile_for` of this shard. Raises ValueError for a non-positive size."""
     sizes = dict(tokens=tokens, hidden_size=hidden_size, intermediate_size=intermediate_size, layers=layers,
                  heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab_size,
-                 dtype_bytes=dtype_bytes, fsdp_shards=fsdp_shards, loss_tile=loss_tile, mlp_tile=mlp_tile)
+                 dtype_bytes=dtype_bytes, fsdp_shards=fsdp_shards, loss_tile=loss_tile,
+                 mlp_tile=mlp_tile_for(tokens, hidden_size, intermediate_size) if mlp_tile is None else mlp_tile)
     for name, v in sizes.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -146,7 +151,7 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
         logits = TILE_COPIES * min(t, switches.loss_tile or loss_tile) * vocab_size * 4
     else:
         logits = LOGIT_COPIES * t * vocab_size * 4
-    mlp_tokens = min(t, switches.mlp_tile or mlp_tile) if switches.tiled_mlp else t
+    mlp_tokens = min(t, switches.mlp_tile or sizes["mlp_tile"]) if switches.tiled_mlp else t
     mlp_one = MLP_COPIES * mlp_tokens * i * b  # one layer's MLP intermediates
     rest_one = t * (4 * h + 3 * q + 2 * g) * b + 4 * t * heads  # the rest of one layer; the kernel's fp32 lse
     other = 4 * t * h * b

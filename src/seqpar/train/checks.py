@@ -66,7 +66,7 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
                 "seq_len": cfg.seq_len, "keep_checkpoints": cfg.keep_checkpoints, "loss_tile": cfg.loss_tile,
                 "mlp_tile": cfg.mlp_tile}
     for name, v in positive.items():
-        if v < 1:
+        if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if cfg.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {cfg.lr}")

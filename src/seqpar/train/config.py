@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from seqpar.attention.dispatch import STRATEGIES
-from seqpar.integrations.memory import CHECKPOINT_MODES, DEFAULT_LOSS_TILE, DEFAULT_MLP_TILE
+from seqpar.batch.tiles import DEFAULT_LOSS_TILE
+from seqpar.integrations.memory import CHECKPOINT_MODES
 from seqpar.integrations.models import BUILTIN_MODELS
 from seqpar.objectives import DPO_LOSSES
 from seqpar.planner.bins import SP_SCHEDULES
@@ -145,13 +146,14 @@ class TrainConfig:
     tiled_loss: bool = _opt(True, "the loss from the final hidden states in tiles of --loss-tile tokens: no "
                             "[seq, vocab] logits at once, in training and in the final evaluation "
                             "(--no-tiled-loss: the model's own head and loss)")
-    tiled_mlp: bool = _opt(True, "each decoder layer's MLP in tiles of --mlp-tile tokens, recomputed in backward "
+    tiled_mlp: bool = _opt(True, "each decoder layer's MLP in sequence tiles (--mlp-tile), recomputed in backward "
                            "(--no-tiled-mlp: whole)")
     checkpoint: str = _opt("layers", "activation checkpoints: none, layers (each decoder layer recomputed in "
                            "backward) or offload (layers, with each layer's input parked in pinned host memory; "
                            "the same as layers on the CPU)", choices=CHECKPOINT_MODES)
     loss_tile: int = _opt(DEFAULT_LOSS_TILE, "tokens per tile of the tiled loss")
-    mlp_tile: int = _opt(DEFAULT_MLP_TILE, "tokens per tile of the tiled MLP")
+    mlp_tile: int | None = _opt(None, "tokens per tile of the tiled MLP", shown="tiles following the shard: a tile's "
+                                "[tile, intermediate] within the shard's [tokens, hidden], 64 to 2048 tokens")
     nproc: int | None = _opt(None, "local worker processes when not under torchrun", shown="sp x dp, or sp")
     timeout: float | None = _opt(None, "seconds a collective may wait before the job counts as hung: the process "
                                  "group's timeout (NCCL's watchdog), which must outlast the longest wait of one rank "
@@ -176,7 +178,7 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 OPTIONAL_KINDS: dict[str, type] = {"data": list, "dp": int, "nproc": int, "timeout": float, "lora_alpha": float,
-                                   "lora_targets": list, "token_budget": int}
+                                   "lora_targets": list, "token_budget": int, "mlp_tile": int}
 """The type of each option whose default is None (the others: their default's type)."""
 
 
@@ -301,8 +303,9 @@ def memory_options(cfg: TrainConfig, device_type: str) -> dict[str, Any] | None:
 
 def describe_memory(cfg: TrainConfig) -> str:
     """The memory switches of a run, in words (the run header and the summary)."""
+    mlp_tile = f"{cfg.mlp_tile} tokens" if cfg.mlp_tile is not None else "tiles following the shard"
     on = [f"tiled loss ({cfg.loss_tile} tokens)" if cfg.tiled_loss else "",
-          f"tiled MLP ({cfg.mlp_tile} tokens)" if cfg.tiled_mlp else "",
+          f"tiled MLP ({mlp_tile})" if cfg.tiled_mlp else "",
           f"checkpoint {cfg.checkpoint}" if cfg.checkpoint != "none" else ""]
     return ", ".join(w for w in on if w) or "none (full logits, whole MLPs, no checkpoints)"
 

@@ -35,9 +35,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 # what must match for --resume to continue the same loss curve (--steps may grow: the schedule
 # then follows the new total; --sp and the strategy may change: checkpoints reshard; dp, --micro-batch
-# and --grad-accum may change as long as a step reads the same rows: see check_resumable)
+# and --grad-accum may change as long as a step reads the same rows: see check_resumable; --mlp-tile
+# may change: the MLP is per token, its tiles change no value -- and by default they follow the shard,
+# so they change with --sp anyway)
 RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packing", "seed", "lr", "warmup",
-               "min_lr_ratio", "weight_decay", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "mlp_tile", "tokenizer",
+               "min_lr_ratio", "weight_decay", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "tokenizer",
                "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets", "token_budget",
                "objective", "beta", "dpo_loss")
 
@@ -285,7 +287,9 @@ def check_resumable(job: Job, state: dict[str, Any], path: str) -> list[str]:
     changed = [f"{name} {a} -> {b}" for name, a, b in (
         ("dp", old_dp, job.dp), ("--grad-accum", old_ga, job.cfg.grad_accum),
         ("--micro-batch", old_mb, job.cfg.micro_batch), ("sp", state.get("sp", job.sp), job.sp),
-        ("strategy", state.get("strategy", job.strategy), job.strategy))
+        ("strategy", state.get("strategy", job.strategy), job.strategy),
+        ("--mlp-tile", *(t or "following the shard" for t in (config.get("mlp_tile", job.cfg.mlp_tile),
+                                                                job.cfg.mlp_tile))))
         if a != b]
     if changed:
         notes.append(f"resuming with {', '.join(changed)}: DCP reshards the model and optimizer; step s still reads "
