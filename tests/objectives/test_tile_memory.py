@@ -1,8 +1,8 @@
 """Log-probs and entropy never hold more than one vocabulary tile of ``[S, V]`` (issue 36): the
 tensors :func:`seqpar.objectives.token_logps_entropy` creates in its forward and backward, counted by
-:class:`seqpar.testing.memory.LiveMemory` -- no tensor larger than one ``[T, V]`` tile, at most two
-of them alive at once (log p and p of the same tile), and a peak that does not grow with the
-sequence beyond its ``[S]`` and ``[S, H]`` tensors."""
+:class:`seqpar.testing.memory.LiveMemory` -- no tensor larger than one ``[T, V]`` tile, one tile
+buffer alive at a time (the backward's block of ``T / ROW_BLOCKS`` rows of ``p`` besides it), and a
+peak that does not grow with the sequence beyond its ``[S]`` and ``[S, H]`` tensors."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from seqpar.batch.tiled_loss import Head
 from seqpar.objectives import token_logps_entropy
+from seqpar.objectives.tokens import ROW_BLOCKS
 from seqpar.testing.memory import LiveMemory
 
 V, H, T = 4096, 8, 64  # a vocabulary tile [T, V] float32 is 1 MiB; a token's [H] row 32 bytes
@@ -35,10 +36,12 @@ def _non_tile_bytes(n: int) -> int:
     return 4 * (2 * V * H + 2 * V + 2 * n * H + 8 * n + 16 * T)
 
 
-def _step_memory(rows: int, seq: int, *, temperature: float, grad: bool) -> LiveMemory:
+def _step_memory(rows: int, seq: int, *, temperature: float, grad: bool, tile: int = T,
+                 softcap: float | None = None) -> LiveMemory:
     hidden, head, targets, a, b = _inputs(rows, seq)
+    head = Head(head.weight, head.bias, softcap=softcap)
     with LiveMemory() as mem, torch.set_grad_enabled(grad):
-        logp, ent = token_logps_entropy(hidden, head, targets, temperature=temperature, tile=T)
+        logp, ent = token_logps_entropy(hidden, head, targets, temperature=temperature, tile=tile)
         if grad:
             ((logp * a).sum() + (ent * b).sum()).backward()
         del logp, ent
@@ -52,12 +55,26 @@ def test_logps_and_entropy_hold_one_vocabulary_tile(grad, temperature):
     n = rows * seq
     mem = _step_memory(rows, seq, temperature=temperature, grad=grad)
     assert mem.largest_bytes <= TILE_BYTES  # no tensor spans more than one tile's tokens
-    assert mem.peak_bytes <= 2 * TILE_BYTES + _non_tile_bytes(n)  # log p and p of one tile, and no more
+    assert mem.peak_bytes <= TILE_BYTES + _non_tile_bytes(n)  # one tile's buffer, and no more
     assert n * V * 4 > 6 * mem.peak_bytes  # what the full logits alone would hold, for scale
     # the peak grows with the sequence only by its [S] and [S, H] tensors, never by tiles
     short = _step_memory(rows, T // 2, temperature=temperature, grad=grad)
     assert short.largest_bytes <= TILE_BYTES
     assert mem.peak_bytes - short.peak_bytes <= _non_tile_bytes(n) - _non_tile_bytes(rows * (T // 2))
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain head", "softcapped head"])
+@pytest.mark.parametrize("grad", [True, False], ids=["forward+backward", "no_grad"])
+def test_a_tile_holds_one_vocabulary_buffer_measured(grad, softcap):
+    """Measured, not assumed: doubling the tile grows the peak by what one tile holds at once -- one
+    ``[T, V]`` buffer and ``[T]`` vectors in the forward; in the backward also the block of
+    ``T / ROW_BLOCKS`` rows of ``p`` (and, with a softcap, of its slope) beside the buffer."""
+    rows, seq = 2, 8 * T + 3
+    one = _step_memory(rows, seq, temperature=0.7, grad=grad, softcap=softcap).peak_bytes
+    two = _step_memory(rows, seq, temperature=0.7, grad=grad, softcap=softcap, tile=2 * T).peak_bytes
+    blocks = (1 + (softcap is not None)) / ROW_BLOCKS if grad else 0.0  # [T / ROW_BLOCKS, V] blocks
+    vectors = 16 * T * 4  # up to 16 [T] float32 vectors per tile (max, Z, sums, the gradients' rows)
+    assert TILE_BYTES * (1 + blocks) <= two - one <= TILE_BYTES * (1 + blocks) + vectors
 
 
 def test_the_gradients_through_the_in_place_tiles_equal_full_log_softmax():

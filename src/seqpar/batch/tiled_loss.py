@@ -66,6 +66,19 @@ class Head:
             z = t * self.softcap
         return z, t
 
+    def logits_(self, h: Tensor) -> Tensor:
+        """:meth:`logits` with the scaling and the softcap applied in place: ``z [T, V]`` in the model's
+        dtype, one buffer, the same values (the same operations in the same order). The softcap's
+        ``tanh`` is not kept: it is ``z / softcap``."""
+        z = torch.nn.functional.linear(h, self.weight, self.bias)
+        if self.scale is not None:
+            z.mul_(self.scale)
+        if self.divide is not None:
+            z.div_(self.divide)
+        if self.softcap is not None:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z
+
     def chain(self, dz: Tensor, t: Tensor | None) -> Tensor:
         """d loss / d (hidden @ W^T + b) from d loss / d z: back through softcap, divide, scale."""
         if t is not None:

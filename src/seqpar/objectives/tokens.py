@@ -3,16 +3,18 @@ and from it the log-probability of each target and the entropy of each position 
 tile at a time, never the ``[S, V]`` logits (the machinery of :mod:`seqpar.batch.tiled_loss`)::
 
     hidden   # [N, H]     (N = B * S_local tokens, flattened)
-      forward, per tile of T tokens:  z = head(h) / temperature     # [T, V], dies with the tile
-          logp_i = z_i[target_i] - lse_i          entropy_i = lse_i - sum_v softmax(z_i)_v z_iv
+      forward, per tile of T tokens:  z = head(h) / temperature     # [T, V], one buffer, dies with the tile
+          s = z - max_v z,  e = exp(s) in place,  Z = sum e,  then e log e in place
+          logp_i = s_i[target_i] - log Z_i        entropy_i = log Z_i - sum_v e_iv s_iv / Z_i
       backward, per tile (z recomputed; both gradients arrive per token):
-          dz = g_logp * (onehot - p) - g_ent * p * (log p + entropy)
+          dz = g_logp * (onehot - p) - g_ent * p * (log p + entropy)      # in z's buffer
           grad_h[tile] = chain(dz) @ W,   grad_W += chain(dz)^T @ h
 
-How many tokens a tile holds, unless the caller says (:func:`vocab_tile`): as many as keep the tile's
-two ``[T, V]`` buffers within what the shard's own hidden states ``[N, H]`` hold, so that the
-vocabulary never dominates a rank's memory and that memory shrinks with the shard (sp), between
-:data:`MIN_TILE` and the model's ``loss_tile`` (:func:`seqpar.reduce_memory`; 1024 without it).
+How many tokens a tile holds, unless the caller says (:func:`seqpar.batch.tiles.vocab_tile`): as
+many as keep the tile's ``[T, V]`` buffer within half of what the shard's own hidden states
+``[N, H]`` hold, so that the vocabulary never dominates a rank's memory and that memory shrinks with
+the shard (sp), between :data:`~seqpar.batch.tiles.MIN_TILE` and the model's ``loss_tile``
+(:func:`seqpar.reduce_memory`; 1024 without it).
 
 A per-token value or score (a value head, a sequence-classification head) is the model's own small
 head on the hidden state: ``[B, S_local, K]`` with K the number of labels.
@@ -80,91 +82,117 @@ def score_head(model: nn.Module) -> nn.Linear:
                   "objective needs an AutoModelForSequenceClassification-style model")
 
 
+ROW_BLOCKS = 8
+"""The backward's elementwise pass runs over ``1/ROW_BLOCKS`` of a tile's rows at a time (see
+:class:`_TiledTokenStats`): its temporaries are an eighth of the tile."""
+
+
 class _TiledTokenStats(torch.autograd.Function):
     """Forward: per-token ``log p(target)`` and entropy, tile by tile (see the module doc). Backward:
     the gradients arrive per token, so each tile's logits are recomputed and differentiated at once;
-    the weight's gradient is accumulated across the tiles. At most two ``[T, V]`` buffers of one tile
-    are alive at a time (log p and p; the gradient is built in place in them), never ``[S, V]``."""
+    the weight's gradient is accumulated across the tiles. One ``[T, V]`` buffer of one tile is
+    alive at a time, never ``[S, V]``: the forward reduces it in place (shift, exp, ``e log e``), the
+    backward builds the gradient in it, a block of ``T / ROW_BLOCKS`` rows at a time (the block's
+    ``p``, and with a softcap its slope, are the only other ``[., V]`` tensors). A bfloat16 model's
+    logits are made in bfloat16 and widened: half a buffer more, for that moment."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: Head, targets: Tensor,
                 temperature: float, tile: int, ignore_index: int) -> tuple[Tensor, Tensor]:
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
-        logps, ents = [], []
+        logps, ents, lses = [], [], []
         for a, b in token_tiles(hidden.shape[0], tile):
-            logp_all, _ = _tile_log_softmax(head, hidden[a:b], temperature)  # [T, V]
-            valid = targets[a:b] != ignore_index
-            logps.append(logp_all.gather(1, targets[a:b].clamp(min=0)[:, None]).squeeze(1) * valid)
-            ents.append(_entropy(logp_all.exp(), logp_all))
-            del logp_all  # the tile's buffers die before the next tile's are made
+            z = _tile_logits(head, hidden[a:b], temperature)  # [T, V], the tile's one buffer
+            target = targets[a:b].clamp(min=0)[:, None]
+            top = z.amax(1, keepdim=True)  # [T, 1]
+            shifted = z.sub_(top)  # s = z - max
+            picked = shifted.gather(1, target).squeeze(1)  # [T]
+            e = shifted.exp_()  # e = exp(s)
+            total = e.sum(1)  # [T]: Z
+            e_s = e.xlogy_(e).sum(1)  # [T]: sum e * s (log e = s)
+            del z, shifted, e
+            log_total = total.log()
+            logps.append((picked - log_total) * (targets[a:b] != ignore_index))
+            ents.append(log_total - e_s / total)  # -sum p log p = log Z - sum e s / Z
+            lses.append(top.squeeze(1) + log_total)
         empty = hidden.new_zeros(0, dtype=cdtype)
+        logp, ent = (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)  # [N], [N]
         ctx.set_materialize_grads(False)  # an output nobody used: None, not a [N] of zeros to chain back
-        ctx.save_for_backward(hidden, targets)
+        ctx.save_for_backward(hidden, targets, torch.cat(lses) if lses else empty, ent)
         ctx.head, ctx.temperature, ctx.tile, ctx.ignore_index = head, temperature, tile, ignore_index
-        return (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)  # [N], [N]
+        return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp: Tensor | None, g_ent: Tensor | None):
-        hidden, targets = ctx.saved_tensors
+        hidden, targets, lse, ent = ctx.saved_tensors
         head, weight, bias = ctx.head, ctx.head.weight, ctx.head.bias
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device)  # [V, H]
         grad_b = None if bias is None else torch.zeros(bias.shape, dtype=cdtype, device=bias.device)
         for a, b in token_tiles(hidden.shape[0], ctx.tile):
-            h, target = hidden[a:b], targets[a:b].clamp(min=0)[:, None]
+            h = hidden[a:b]
             g = None if g_logp is None else g_logp[a:b].to(cdtype) * (targets[a:b] != ctx.ignore_index)  # [T]
-            dz, t = _tile_grad(head, h, target, g, None if g_ent is None else g_ent[a:b].to(cdtype),
-                               ctx.temperature)
-            dz = head.chain(dz, t).to(hidden.dtype)  # [T, V]
+            ge = None if g_ent is None else g_ent[a:b].to(cdtype)  # [T]
+            dz = _tile_grad(head, h, targets[a:b].clamp(min=0)[:, None], lse[a:b], ent[a:b], g, ge, ctx.temperature)
+            dz = dz.to(hidden.dtype)  # [T, V], the model's dtype, as autograd would
             grad_h[a:b] = dz @ weight
             accumulate_product(grad_w, dz.t(), h)
             if grad_b is not None:
                 grad_b += dz.sum(0).to(cdtype)
-            del dz, t
+            del dz
         return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
                 None, None, None, None, None)
 
 
-def _tile_log_softmax(head: Head, h: Tensor, temperature: float) -> tuple[Tensor, Tensor | None]:
-    """One tile: ``(log_softmax(head(h) / temperature) [T, V] in compute dtype, tanh or None)``; the
-    logits are scaled in place and die inside ``log_softmax`` (two ``[T, V]`` buffers at its peak)."""
-    z, t = head.logits(h)  # [T, V], a fresh tensor: scaling it in place touches nothing else
+def _tile_logits(head: Head, h: Tensor, temperature: float) -> Tensor:
+    """One tile's ``head(h) / temperature`` ``[T, V]`` in compute dtype (float32 at least), made in
+    one buffer: the head's scaling, softcap and the temperature applied in place."""
+    z = head.logits_(h)  # [T, V]
     z = z.to(torch.promote_types(z.dtype, torch.float32))
-    if temperature != 1.0:
-        z.div_(temperature)
-    return torch.log_softmax(z, dim=1), t
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
-def _entropy(p: Tensor, logp: Tensor) -> Tensor:
-    """``-sum_v p log p`` per row ``[T]`` as a batched dot product: no third ``[T, V]`` buffer."""
-    return -torch.bmm(p.unsqueeze(1), logp.unsqueeze(2)).view(-1)
-
-
-def _tile_grad(head: Head, h: Tensor, target: Tensor, g_logp: Tensor | None, g_ent: Tensor | None,
-               temperature: float) -> tuple[Tensor, Tensor | None]:
-    """``(d(sum g_logp * logp + g_ent * entropy) / d(z / temperature) / temperature [T, V], tanh or None)``
-    with ``z`` the tile's head output, built in place in the two buffers of log p and p::
+def _tile_grad(head: Head, h: Tensor, target: Tensor, lse: Tensor, ent: Tensor, g_logp: Tensor | None,
+               g_ent: Tensor | None, temperature: float) -> Tensor:
+    """``d(sum g_logp * logp + g_ent * entropy) / d(h @ W^T + b)`` ``[T, V]`` in compute dtype, built
+    in the buffer of the tile's recomputed logits (``lse``, ``ent``: the forward's ``[T]``)::
 
         dz = g_logp * (onehot - p) - g_ent * p * (log p + entropy)
-           = -p * (g_logp + g_ent * (log p + entropy)) + g_logp * onehot
-    """
-    logp, t = _tile_log_softmax(head, h, temperature)  # [T, V]
-    p = logp.exp()  # [T, V]
-    coef = logp  # [T, V], in place: log p is not needed after this
-    if g_ent is not None:
-        coef.add_(_entropy(p, logp)[:, None]).mul_(g_ent[:, None])
-    else:
-        coef.zero_()
-    if g_logp is not None:
-        coef.add_(g_logp[:, None])
-    dz = p.mul_(coef).neg_()
-    del coef, logp
-    if g_logp is not None:
-        dz.scatter_add_(1, target, g_logp[:, None])
-    if temperature != 1.0:
-        dz.div_(temperature)
-    return dz, t
+           = -p * (k + g_ent * log p) + g_logp * onehot,     k = g_logp + g_ent * entropy
+
+    then back through the temperature and the head (softcap slope ``1 - (z / softcap)^2``, divide,
+    scale). ``p`` and the slope exist for one block of rows at a time (:data:`ROW_BLOCKS`)."""
+    logp = _tile_logits(head, h, temperature).sub_(lse[:, None])  # [T, V]: log p, the tile's one buffer
+    zero = logp.new_zeros(())
+    k = (zero if g_logp is None else g_logp) + (zero if g_ent is None else g_ent * ent)  # [T] (or a scalar 0)
+    k = k.expand(logp.shape[0])
+    rows = -(-logp.shape[0] // ROW_BLOCKS)
+    for r in range(0, logp.shape[0], rows):
+        block, sl = logp[r:r + rows], slice(r, r + rows)  # [R, V], a view
+        p = block.exp()  # [R, V]
+        slope = None
+        if head.softcap is not None:  # 1 - tanh^2, tanh = z / softcap, z = (log p + lse) * temperature
+            slope = (block + lse[sl, None]).mul_(temperature / head.softcap).square_().neg_().add_(1)
+        if g_ent is not None:
+            block.mul_(g_ent[sl, None]).add_(k[sl, None])
+        else:
+            block.copy_(k[sl, None].expand_as(block))
+        block.mul_(p).neg_()
+        del p
+        if g_logp is not None:
+            block.scatter_add_(1, target[sl], g_logp[sl, None])
+        if temperature != 1.0:
+            block.div_(temperature)
+        if slope is not None:
+            block.mul_(slope)
+        del slope
+    dz = logp
+    if head.divide is not None:
+        dz.div_(head.divide)
+    if head.scale is not None:
+        dz.mul_(head.scale)
+    return dz
 
 
 def token_logps_entropy(hidden: Tensor, head: Head, targets: Tensor, *, temperature: float = 1.0,
