@@ -74,7 +74,7 @@ class Sizes:
     vocab: int = VOCAB
     tile: int | None = None
     dtype: str = "float32"
-    mlp_tile: int = 512
+    mlp_tile: int | None = None  # reduce_memory's default: the tile follows the shard
 
     def model(self) -> dict[str, int]:
         heads = max(4, self.hidden // 64)
@@ -83,7 +83,7 @@ class Sizes:
                     num_hidden_layers=self.layers, max_position_embeddings=self.seq)
 
 
-QUICK = Sizes(seq=256, prompt=32, group=4, hidden=64, layers=1, vocab=4096, mlp_tile=64)
+QUICK = Sizes(seq=256, prompt=32, group=4, hidden=64, layers=1, vocab=4096)
 
 
 def _rows(sizes: Sizes, step: str) -> dict[str, torch.Tensor]:
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--mlp-tile", type=int, default=default.mlp_tile,
-                    help="reduce_memory's mlp_tile (its default, 2048, is the text's 'default switches' row)")
+                    help="reduce_memory's mlp_tile (default: reduce_memory's, a tile that follows the shard)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     args = ap.parse_args(argv)
     sizes = QUICK if args.quick else Sizes(args.seq, args.prompt, args.group, args.hidden, args.layers, VOCAB,
