@@ -23,16 +23,17 @@ SGD, because AdamW's first steps turn rounding-level gradient differences into w
 * rss: the peak resident set size above the baseline (allocator- and load-dependent, for reference).
 
 Printed: both per (step, sp), the max over ranks, and the ratios sp=4 / sp=1 (goal for DPO: step
-<= 0.35x). What does not shrink with sp is fixed by the tiles: the vocabulary tiles (the objectives'
-default tile keeps them within the shard's hidden states), the head's weight gradient ``[V, H]``, and
-the tiled MLP's tile, ``mlp_tile`` tokens of every row. Here ``mlp_tile=512``: at reduce_memory's
-default 2048 the MLP tile holds ~70 MiB per rank at sp=1 and sp=4 alike, a quarter of sp=4's peak on
-this 256-wide, 2-layer model (DPO 0.379x measured; 0.299x at 512), where a real model's layers would
-dwarf it. Measured 2026-12-05 (2 shared cores, float32, counted live storage): DPO 16k-token pairs
-689.8 MiB at sp=1, 205.9 MiB at sp=4: 0.299x; GRPO-style, 4 completions of 8k tokens: 689.8 / 218.4
-MiB, 0.317x. The float32 losses at sp=1 and sp=4 differ by rounding, which grows with the length
-(DPO: 6e-4 at 2k tokens, 3.766 vs 3.607 at 16k, a 37-nat margin of 16k-token sums); in float64
-(``--dtype float64``) they are equal: 2k tokens of this model, 16k of a 64-wide one. Run::
+<= 0.35x), at reduce_memory's defaults. What shrinks less than the shard: the vocabulary tiles and
+the tiled MLP's tile, which follow the shard within bounds (the objectives' default vocabulary tile
+keeps its one [T, V] buffer within half the shard's hidden states, 64 tokens at least;
+:func:`seqpar.batch.tiles.mlp_tile_for` keeps a [tile, I] intermediate within the shard's [T, H], at
+most 2048 tokens: here 2048 tokens of every row at sp=1, 1170 at sp=4), and the head's weight
+gradient ``[V, H]``, which does not shrink at all. Measured 2026-12-06 (2 shared cores, float32,
+counted live storage): DPO 16k-token pairs 695.75 MiB at sp=1, 225.28 MiB at sp=4: 0.324x;
+GRPO-style, 4 completions of 8k tokens: 759.38 / 225.28 MiB, 0.297x. The float32 losses at sp=1
+and sp=4 are equal as printed (DPO 3.6330414, GRPO -0.2999585): the per-sequence sums of log-probs
+accumulate in float64 and round once, so the order in which the ranks' parts arrive does not show.
+``--mlp-tile`` sets a fixed MLP tile instead. Run::
 
     .venv/bin/python benchmarks/bench_objectives.py            # 16k-token pairs, a few minutes
     .venv/bin/python benchmarks/bench_objectives.py --quick    # tiny sizes, seconds (a smoke run)
