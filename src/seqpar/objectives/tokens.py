@@ -94,7 +94,8 @@ class _TiledTokenStats(torch.autograd.Function):
     alive at a time, never ``[S, V]``: the forward reduces it in place (shift, exp, ``e log e``), the
     backward builds the gradient in it, a block of ``T / ROW_BLOCKS`` rows at a time (the block's
     ``p``, and with a softcap its slope, are the only other ``[., V]`` tensors). A bfloat16 model's
-    logits are made in bfloat16 and widened: half a buffer more, for that moment."""
+    logits are made in bfloat16 and widened, its gradient narrowed back for the matmuls: half a
+    buffer more at those two moments."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: Head, targets: Tensor,

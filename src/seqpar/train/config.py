@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from seqpar.attention.dispatch import STRATEGIES
-from seqpar.batch.tiles import DEFAULT_LOSS_TILE
+from seqpar.batch.tiles import DEFAULT_LOSS_TILE, MAX_MLP_TILE, MIN_TILE
 from seqpar.integrations.memory import CHECKPOINT_MODES
 from seqpar.integrations.models import BUILTIN_MODELS
 from seqpar.objectives import DPO_LOSSES
@@ -153,7 +153,8 @@ class TrainConfig:
                            "the same as layers on the CPU)", choices=CHECKPOINT_MODES)
     loss_tile: int = _opt(DEFAULT_LOSS_TILE, "tokens per tile of the tiled loss")
     mlp_tile: int | None = _opt(None, "tokens per tile of the tiled MLP", shown="tiles following the shard: a tile's "
-                                "[tile, intermediate] within the shard's [tokens, hidden], 64 to 2048 tokens")
+                                f"[tile, intermediate] within the shard's [tokens, hidden], {MIN_TILE} to "
+                                f"{MAX_MLP_TILE} tokens")
     nproc: int | None = _opt(None, "local worker processes when not under torchrun", shown="sp x dp, or sp")
     timeout: float | None = _opt(None, "seconds a collective may wait before the job counts as hung: the process "
                                  "group's timeout (NCCL's watchdog), which must outlast the longest wait of one rank "
