@@ -1,6 +1,6 @@
 """Dynamic SP schedule vs static sp=4: step time on the same rows, 4 gloo ranks, a tiny Llama.
 
-    python benchmarks/bench_dynamic_sp.py            # ratios from one run; ~2-3 min on 2 shared cores
+    python benchmarks/bench_dynamic_sp.py            # ratios from one run; ~4-5 min on 2 shared cores
 
 Two mixes, each stepped under both schedules (same rows, same tokens per step, same token budget
 per rank per bin):
@@ -15,6 +15,12 @@ then each bin of one warm-up step of either schedule, :func:`bin_samples`); then
 a burst of load from another job hits both. Each round gives a ratio (dynamic / static, each step's
 time the slowest rank's); the median ratio is reported with its spread (min-max over the rounds),
 and the cost model's prediction beside it.
+
+Measured on 2 shared CPU cores (2026-12-06, load average 1.7 before / 3.6 after, so little beside
+it): long-tailed 0.750x (median of 11 rounds, 0.724-0.796; predicted 0.875x; bins at sp=1: 45 rows,
+sp=2: 2, sp=4: 1), all-long 1.014x (0.981-1.036; predicted 1.000x); planning 8-10 ms of a 0.7-0.9 s
+step. A run beside another job (load 1.3 / 5.2) gave 0.753x and 0.953x (0.735-1.192): the all-long
+ratio is the noise floor.
 """
 
 from __future__ import annotations

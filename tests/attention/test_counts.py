@@ -47,11 +47,45 @@ def _worker(rank, world):
     out["copies"] = _exchange_copies(q, k, v, world)
     out["ring groups"] = _ring_hop_groups(q, k, v, world)
     alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])  # a ring of this rank only
+    out["alone"] = _alone_counts(q, k, v, alone)
     try:  # the world as its grad group: other ranks than the ring's
         ring_attention(q, k, v, group=alone, grad_group=dist.group.WORLD, causal=True)
         out["bad grad group"] = None
     except ValueError as e:
         out["bad grad group"] = str(e)
+    return out
+
+
+def _alone_counts(q, k, v, alone) -> dict[str, tuple[dict, dict, int, int]]:
+    """Per strategy over a group of this rank alone (a dynamic schedule's degree-1 bin), checked per
+    call and per batch: (forward collectives, backward collectives, exchanges, ring loops)."""
+    import seqpar.attention.run as run
+    import seqpar.comm.collectives as collectives
+
+    runs = {"exchanges": 0, "rings": 0}
+    orig_exchange, orig_ring = collectives._exchange, run.run_ring
+
+    def exchange(*args, **kwargs):
+        runs["exchanges"] += 1
+        return orig_exchange(*args, **kwargs)
+
+    def ring(*args, **kwargs):
+        runs["rings"] += 1
+        return orig_ring(*args, **kwargs)
+
+    out = {}
+    collectives._exchange, run.run_ring = exchange, ring
+    try:
+        for name, fn in (("ulysses", ulysses_attention), ("ring", ring_attention)):
+            for how, kw in (("per call", {}), ("per batch", {"shard": SeqShard((5,)), "validate": False})):
+                runs.update(exchanges=0, rings=0)
+                with count_collectives() as fwd:
+                    o = fn(q, k, v, group=alone, causal=True, **kw)
+                with count_collectives() as bwd:
+                    o.sum().backward()
+                out[f"{name} {how}"] = (dict(fwd), dict(bwd), runs["exchanges"], runs["rings"])
+    finally:
+        collectives._exchange, run.run_ring = orig_exchange, orig_ring
     return out
 
 
@@ -135,6 +169,15 @@ def test_ulysses_collective_counts(counts):
         fwd, bwd = per_rank["local mask"]
         assert fwd == {"batch_isend_irecv": 2, "all_gather_flat": 2}
         assert bwd == {"batch_isend_irecv": 2}
+
+
+def test_a_group_of_one_rank_runs_no_collective(counts):
+    """A dynamic schedule's degree-1 bin: Ulysses and ring over this rank alone attend locally, with
+    no collective, no exchange (its copies) and no ring loop, forward or backward, checked per call
+    or per batch (exactness: the P1 cases of test_ulysses and test_ring)."""
+    for per_rank in counts:
+        assert per_rank["alone"] == {f"{name} {how}": ({}, {}, 0, 0) for name in ("ulysses", "ring")
+                                     for how in ("per call", "per batch")}, per_rank["alone"]
 
 
 def test_each_travelling_piece_is_copied_once(counts):

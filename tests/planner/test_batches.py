@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from seqpar.planner.batches import budget_steps, micro_batches
+from seqpar.planner.batches import budget_steps, micro_batches, steps_by_tokens
 
 
 def test_the_docstring_example():
@@ -60,3 +60,12 @@ def test_a_row_too_long_names_the_token_budget():
         list(budget_steps([3], world=2, token_budget=4, micro_steps=0))
     with pytest.raises(ValueError, match="row 0: a row's length must be a positive integer"):
         list(micro_batches([0], world=2, token_budget=4))
+
+
+def test_steps_by_tokens_is_the_micro_steps_grouping_unchecked():
+    """One grouping: where every row fits, steps of ``world x budget`` tokens are the micro-steps;
+    steps_by_tokens alone lets a longer row be a step of its own (a schedule refuses it later)."""
+    rng = random.Random(3)
+    lengths = [rng.randint(1, 1000) for _ in range(300)]
+    assert steps_by_tokens(lengths, 4 * 250) == [list(m) for m in micro_batches(lengths, world=4, token_budget=250)]
+    assert steps_by_tokens([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from seqpar.comm.degrees import degree_chain
+from seqpar.planner.batches import steps_by_tokens
 from seqpar.planner.gain import lognormal_lengths, predict_gain
-from seqpar.planner.schedule import plan_step, steps_by_tokens
+from seqpar.planner.schedule import plan_step
 from seqpar.planner.work import H100, Machine, Shapes, bin_seconds, fit_degrees, fit_machine
 
 

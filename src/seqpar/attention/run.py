@@ -2,11 +2,16 @@
 computation (one kernel over the whole sequence, or the ring), and the fence::
 
     guard.inputs(q, k, v, sinks)                       the backward's fence sits here (per call)
-    [heads_to_seq over the ulysses group]              Ulysses, hybrid
+    [heads_to_seq over the ulysses group]              Ulysses, hybrid (not over one rank)
       local: attend(kernel, the batch's mask)          Ulysses
              ring loop over the ring group             ring, hybrid (a ring x ulysses grid)
     [seq_to_heads over the ulysses group]
     guard.fence("forward")
+
+A call whose groups hold this rank alone (a dynamic SP schedule's degree-1 bin,
+:mod:`seqpar.comm.degrees`) has the whole sequence here: it runs the local attention on it directly,
+with no exchange, no ring and none of their copies -- the computation Ulysses would run after a
+one-rank all-to-all.
 
 A rank whose local compute raises sends zeros on, and every rank raises at the fences: per call,
 or once per batch for a batch's SeqShard under autograd (:mod:`seqpar.comm.guard`). Inside
@@ -46,12 +51,26 @@ def _eager(call: AttnCall, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     guard = call.guard()
     q, k, v, sinks = guard.inputs(q, k, v, call.spec.sinks)
     spec = replace(call.spec, sinks=sinks)
-    if call.groups.ulysses is None:
+    if alone(call):
+        out = _local(call, q, k, v, spec, guard)  # [B, S, H, Dv]
+    elif call.groups.ulysses is None:
         out = _ring(call, q, k, v, spec, guard)  # [B, S/P, H, Dv]
     else:
         out = _exchanged(call, q, k, v, spec, guard)
     guard.fence("forward")
     return out
+
+
+def alone(call: AttnCall) -> bool:
+    """Whether every group of ``call`` is this rank alone (nothing to exchange); a ring collecting
+    stats (:class:`~seqpar.attention.blocks.RingStats`) still runs its loop, which records them."""
+    return call.groups.sizes == (1, 1) and call.stats is None
+
+
+def _local(call: AttnCall, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, guard: Guard) -> Tensor:
+    """The whole sequence's attention on this rank ``[B, S, H, D] -> [B, S, H, Dv]`` (contiguous)."""
+    return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), spec, call.mask(), call.kernel,
+                  guard).transpose(1, 2).contiguous()
 
 
 def _exchanged(call: AttnCall, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, guard: Guard) -> Tensor:
@@ -115,7 +134,7 @@ def _traced(call: AttnCall, kernel: str, q: Tensor, k: Tensor, v: Tensor) -> Ten
                                  *guard)
         return out.transpose(1, 2)
 
-    if u_axis is None:
+    if u_axis is None or (r_axis is None and alone(call)):
         return local(q, k, v, spec).contiguous()
     group = call.groups.ulysses
     lens = call.ulysses_lens()

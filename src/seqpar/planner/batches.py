@@ -48,22 +48,43 @@ def _micro(lengths: Iterable[int], world: int, token_budget: int, max_row: int |
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     capacity = world * token_budget
     limit = capacity if max_row is None else min(max_row, capacity)
+
+    def checked() -> Iterator[int]:  # lazily: the stream may be endless
+        for i, n in enumerate(lengths):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"row {i}: a row's length must be a positive integer, got {n!r}")
+            if n > limit:
+                raise ValueError(f"row {i} has {n} tokens, more than one row may take ({limit}) at token_budget="
+                                 f"{token_budget} per rank: raise the token budget (--token-budget) to >= "
+                                 f"{-(-n * token_budget // limit)}")
+            yield n
+
+    return _grouped(checked(), capacity)
+
+
+def _grouped(lengths: Iterable[int], capacity: int) -> Iterator[tuple[tuple[int, ...], int]]:
+    """``(row indices, tokens)`` of consecutive rows in groups of at most ``capacity`` tokens; a
+    longer row is a group of its own."""
     rows: list[int] = []
     used = 0
     for i, n in enumerate(lengths):
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"row {i}: a row's length must be a positive integer, got {n!r}")
-        if n > limit:
-            raise ValueError(f"row {i} has {n} tokens, more than one row may take ({limit}) at token_budget="
-                             f"{token_budget} per rank: raise the token budget (--token-budget) to >= "
-                             f"{-(-n * token_budget // limit)}")
-        if used + n > capacity:
+        if rows and used + n > capacity:
             yield tuple(rows), used
             rows, used = [], 0
         rows.append(i)
         used += n
     if rows:
         yield tuple(rows), used
+
+
+def steps_by_tokens(lengths: Iterable[int], tokens_per_step: int) -> list[list[int]]:
+    """Consecutive rows grouped into steps of at most ``tokens_per_step`` tokens (a longer row is a
+    step of its own): token-budget steps instead of a fixed row count, unchecked (what
+    :func:`seqpar.planner.gain.predict_gain` steps a length distribution by; a row too long for the
+    schedule is the schedule's error). Raises ValueError for ``tokens_per_step`` < 1."""
+    if tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step must be a positive integer, got {tokens_per_step}")
+    return [list(rows) for rows, _ in _grouped(lengths, tokens_per_step)]
 
 
 def budget_steps(lengths: Iterable[int], *, world: int, token_budget: int, micro_steps: int = 1,

@@ -68,16 +68,29 @@ def row_tokens(row: Mapping[str, Any]) -> tuple[Tensor, Tensor | None, Tensor]:
     return ids[keep], None if labels is None else labels[keep], pos
 
 
+RowTokens = tuple[Tensor, Tensor | None, Tensor]
+"""A row's real tokens: :func:`row_tokens`' ``(input_ids, labels, position_ids)``."""
+
+
 def row_documents(row: Mapping[str, Any]) -> list[int]:
     """Token counts of a row's documents (split where the positions restart)."""
-    _, _, pos = row_tokens(row)
+    return _documents(row_tokens(row), "position_ids" in row)
+
+
+def _documents(tokens: RowTokens, positioned: bool) -> list[int]:
+    pos = tokens[2]
+    if not positioned:  # 0..n-1: one document (no diff to look for restarts in)
+        return [pos.numel()] if pos.numel() else []
     starts = [0, *((torch.diff(pos) != 1).nonzero().flatten() + 1).tolist(), pos.numel()]
     return [b - a for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a]
 
 
 def pack_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
     """The rows' real tokens as one packed row ``[1, T]`` (each row's documents stay documents)."""
-    parts = [row_tokens(r) for r in rows]
+    return _packed([row_tokens(r) for r in rows])
+
+
+def _packed(parts: Sequence[RowTokens]) -> dict[str, Tensor]:
     out = {"input_ids": torch.cat([p[0] for p in parts])[None],
            "position_ids": torch.cat([p[2] for p in parts])[None]}
     if all(p[1] is not None for p in parts):
@@ -90,16 +103,15 @@ def pack_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
 class StepBins:
     """One step under a :class:`Schedule`: iterate it for this rank's bins (local batches)."""
 
-    def __init__(self, dyn: DynamicSP, schedule: Schedule, rows: Sequence[Mapping[str, Any]],
-                 num_items: float) -> None:
+    def __init__(self, dyn: DynamicSP, schedule: Schedule, rows: Sequence[RowTokens], num_items: float) -> None:
         self.schedule, self.num_items = schedule, num_items
-        self._dyn, self._rows = dyn, rows
+        self._dyn, self._rows = dyn, rows  # each row's real tokens, read once by DynamicSP.plan
         self._rank = dist.get_rank(dyn.degrees.all_group)
         self._losses: list[tuple[Tensor, int]] = []
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for b in self.schedule.bins_for(self._rank):
-            batch = pack_rows([self._rows[i] for i in b.rows])
+            batch = _packed([self._rows[i] for i in b.rows])
             yield shard_batch(batch, self._dyn.degrees.mesh(b.degree), layout=self._dyn.layout,
                               num_items_in_batch=self.num_items, grad_ranks=self._dyn.degrees.world,
                               device=self._dyn.device)
@@ -160,12 +172,13 @@ class DynamicSP:
         step, e.g. :func:`step_targets` of all its rows; default: these rows' targets). Raises the
         same ValueError on every rank, before any other collective, for a bad row or budget, or when
         the ranks' rows or schedules differ (one small all-gather)."""
-        problem, docs, schedule, n = None, [], None, 0.0
-        try:
-            docs = [row_documents(r) for r in rows]
+        problem, docs, schedule, n, tokens = None, [], None, 0.0, []
+        try:  # each row's tokens read once: its documents, the step's targets and its bin's packed row
+            tokens = [row_tokens(r) for r in rows]
+            docs = [_documents(t, "position_ids" in r) for t, r in zip(tokens, rows, strict=True)]
             schedule = plan_step(docs, world=self.degrees.world, sp=self.degrees.sp, token_budget=self.token_budget,
                                  cost=self.cost, degrees=self.allowed)
-            n = step_targets(rows, ignore_index=ignore_index)
+            n = _targets(tokens, ignore_index)
         except ValueError as e:
             problem = str(e)
         facts = {"rows": float(len(docs)), "tokens": float(sum(map(sum, docs))),
@@ -180,13 +193,21 @@ class DynamicSP:
               describe=lambda f: f"the step's {f}",
               hint="every rank must plan the same rows with the same token budget and cost model")
         assert schedule is not None
-        return StepBins(self, schedule, rows, n if num_items is None else num_items)
+        return StepBins(self, schedule, tokens, n if num_items is None else num_items)
 
 
 def step_targets(rows: Sequence[Mapping[str, Any]], *, ignore_index: int = IGNORE_INDEX) -> float:
     """The targets of ``rows`` (each row's own, packed documents' first tokens not predicted from
     the previous document): the token mean's denominator of a step of these rows."""
-    return float(count_target_tokens([pack_rows([r]) for r in rows], ignore_index=ignore_index))
+    return _targets([row_tokens(r) for r in rows], ignore_index)
+
+
+def _targets(rows: Sequence[RowTokens], ignore_index: int) -> float:
+    """The rows' targets counted over them packed into one row: each row's positions start at 0, so
+    a row's last token never predicts the next row's first, as if counted row by row (one count of
+    T tokens, not one per row). Rows with labels and rows without count apart."""
+    labelled = [r for r in rows if r[1] is not None]
+    return float(count_target_tokens(_packed(labelled), ignore_index=ignore_index)) if labelled else 0.0
 
 
 def _fingerprint(schedule: Schedule) -> int:

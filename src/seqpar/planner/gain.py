@@ -1,9 +1,10 @@
 """What a dynamic SP schedule is predicted to gain over the static one on a length distribution:
 the cost model's prediction over many steps, no measurement (``seqpar plan --lengths ...``).
 
-Both schedules see the same rows in the same token-budget steps (:func:`steps_by_tokens`); each
-step is planned twice with :func:`plan_step`, once with every degree of the chain and once with
-the job's sp alone, and the predicted step times are summed over the steps.
+Both schedules see the same rows in the same token-budget steps
+(:func:`~seqpar.planner.batches.steps_by_tokens`); each step is planned twice with :func:`plan_step`,
+once with every degree of the chain and once with the job's sp alone, and the predicted step times
+are summed over the steps.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .schedule import Cost, plan_step, steps_by_tokens
+from .batches import steps_by_tokens
+from .schedule import Cost, plan_step
 
 
 def lognormal_lengths(n: int, *, mean: float, sigma: float = 1.2, cap: int, seed: int, floor: int = 16) -> list[int]:

@@ -204,18 +204,3 @@ def _schedule(groups: list[list[int]], placed: tuple[list[tuple[int, int]], list
         hist[b.degree] = hist.get(b.degree, 0) + len(b.rows)
     return Schedule(world, sp, token_budget, tuple(bins), tuple(load), hist)
 
-
-def steps_by_tokens(lengths: Sequence[int], tokens_per_step: int) -> list[list[int]]:
-    """Consecutive rows grouped into steps of at most ``tokens_per_step`` tokens (a longer row is a
-    step of its own): token-budget steps instead of a fixed row count."""
-    if tokens_per_step < 1:
-        raise ValueError(f"tokens_per_step must be a positive integer, got {tokens_per_step}")
-    steps: list[list[int]] = []
-    used = tokens_per_step
-    for i, n in enumerate(lengths):
-        if used + n > tokens_per_step:
-            steps.append([])
-            used = 0
-        steps[-1].append(i)
-        used += n
-    return steps
