@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import compat
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
+from ..batch.loss import bin_group
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import check_tile, tiled_token_stats
 from ..batch.tiles import DEFAULT_LOSS_TILE
@@ -214,7 +215,8 @@ def token_stats(model: nn.Module, batch: dict[str, Any], *, tile: int | None = N
     finally:
         hook.remove()
     if sharded and state is not None and state.mesh is not None:
-        check_failures(axis_group(state.mesh, Axis.SP.value))  # as the loss: nothing from a failed forward
+        # as the loss (over a dynamic schedule's bin's block): nothing from a failed forward
+        check_failures(bin_group(state.mesh, batch[BATCH_KWARG], axis_group(state.mesh, Axis.SP.value)))
     tile = tile or (state.loss_tile if state is not None else DEFAULT_LOSS_TILE)
     losses, correct = tiled_token_stats(captured[-1], output_head(model), targets, tile=tile)
     return TokenStats(losses, correct, targets != IGNORE_INDEX)

@@ -13,11 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.loss import sharded_loss_inputs, sp_token_mean
+from ..batch.loss import bin_group, sharded_loss_inputs, sp_token_mean
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import Head, tiled_loss_sum
 from ..comm import faults
@@ -107,11 +106,8 @@ class TiledLossFunction:
         sharded = isinstance(kwargs.get(BATCH_KWARG), LocalBatch)
         if sharded and state.mesh is None:
             raise ValueError("a sharded batch reached a model whose reduce_memory got no mesh: pass the mesh")
-        group = axis_group(state.mesh, Axis.SP.value) if sharded else None
-        if sharded and kwargs[BATCH_KWARG].sp_size != dist.get_world_size(group):  # a dynamic schedule's bin
-            raise Refused(f"reduce_memory's tiled loss in a dynamic SP schedule's bin of degree "
-                          f"{kwargs[BATCH_KWARG].sp_size}: it reduces over the whole SP group only; use a static "
-                          "schedule (DynamicSP(..., degrees=(sp,))) or reduce_memory(..., tiled_loss=False)")
+        # a dynamic schedule's bin reduces over the block of ranks it was sharded over
+        group = bin_group(state.mesh, kwargs[BATCH_KWARG], axis_group(state.mesh, Axis.SP.value)) if sharded else None
         if sharded:
             batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
                                                               tuple(hidden.shape[:2]))

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...batch.loss import bin_group
 from ...comm.mesh import Axis, axis_group
-from ...errors import Refused
 from .choice import Choice, choose
 from .registry import family_of, mode_named
 
@@ -103,10 +103,11 @@ class _Unwrap:
 def wrap_token_mixers(model: nn.Module, mesh: DeviceMesh,
                       last_batch: Callable[[], LocalBatch | None]) -> Callable[[], None]:
     """Make every handled token mixer of ``model`` exact under sequence parallelism over the
-    ``"sp"`` axis of ``mesh`` (in place). ``last_batch`` returns the LocalBatch of the model's
-    current call (caught by parallelize's pre-hook). Returns the undo: call it to restore the
+    ``"sp"`` axis of ``mesh`` (in place), or over the block of ranks a dynamic schedule's bin was
+    sharded over (:func:`seqpar.batch.loss.bin_group`). ``last_batch`` returns the LocalBatch of the
+    model's current call (caught by parallelize's pre-hook). Returns the undo: call it to restore the
     modules (nothing to undo when the model has no handled mixer)."""
-    forward = ParallelForward(axis_group(mesh, Axis.SP.value), last_batch)
+    forward = ParallelForward(mesh, last_batch)
     wrapped = []
     for _, module in token_mixers(model):
         # a bound method: a deep copy of the model (an EMA or reference model) binds its own module
@@ -122,15 +123,15 @@ class ParallelForward:
     :func:`.choice.choose`, whose measured decisions it keeps), runs it and keeps the choice per
     class (``chosen``)."""
 
-    def __init__(self, group: dist.ProcessGroup, last_batch: Callable[[], LocalBatch | None]) -> None:
-        self.group, self.last_batch = group, last_batch
+    def __init__(self, mesh: DeviceMesh, last_batch: Callable[[], LocalBatch | None]) -> None:
+        self.mesh, self.group, self.last_batch = mesh, axis_group(mesh, Axis.SP.value), last_batch
         self.mode: str | None = None
         self.chosen: dict[str, Choice] = {}
         self.measured: dict[tuple[object, ...], Choice] = {}  # choose()'s measured decisions, this model's
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ParallelForward:
         """A deep copy of the model gets its own (same group, same batch source, its own choices)."""
-        out = ParallelForward(self.group, self.last_batch)
+        out = ParallelForward(self.mesh, self.last_batch)
         out.mode, out.measured = self.mode, dict(self.measured)
         return out
 
@@ -148,20 +149,18 @@ class ParallelForward:
             raise ValueError(f"the batch was sharded with {batch.local_len} tokens on this rank, but "
                              f"{type(module).__name__} runs over {hidden_states.shape[1]}: shard the batch with the "
                              "mesh the model was parallelized with")
-        if batch.sp_size != dist.get_world_size(self.group):  # a dynamic schedule's bin (seqpar.comm.degrees)
-            raise Refused(f"{type(module).__name__} in a dynamic SP schedule's bin of degree {batch.sp_size} (the "
-                          f"model was parallelized over sp={dist.get_world_size(self.group)}): seqpar runs token "
-                          "mixers other than attention over the whole SP group only; use a static schedule "
-                          "(DynamicSP(..., degrees=(sp,)))")
+        # a dynamic schedule's bin runs over the block of ranks it was sharded over (degree 1: this rank
+        # alone, the whole sequence here -- nothing crosses ranks)
+        group = bin_group(self.mesh, batch, self.group)
         batch.attention_calls += 1  # a layer that read the batch (the loss checks that some did)
         family = family_of(module)
         forced = self.mode
         if forced is not None and forced in family.modes and mode_named(forced).fits(family, module, batch):
             choice = Choice(forced, "set by set_mixer_mode")
         else:
-            choice = choose(family, module, hidden_states, batch, self.group, self.measured)
+            choice = choose(family, module, hidden_states, batch, group, self.measured)
         self.chosen[type(module).__name__] = choice
-        return run_token_mixer(module, hidden_states, batch, self.group, mode=choice.mode)
+        return run_token_mixer(module, hidden_states, batch, group, mode=choice.mode)
 
 
 def _forwards(model: nn.Module) -> list[ParallelForward]:
