@@ -1,7 +1,8 @@
 """``seqpar train --sp-schedule dynamic``: on a JSONL of mixed lengths it trains to the static
 schedule's loss curve (float64, the same rows per step), its summary, summary.json and metrics say
 how many rows ran at each degree, ``--token-budget`` forms steps (and grad-accum micro-steps) by
-tokens, and options that do not combine are refused by name before any worker starts."""
+tokens, the memory switches (tiled loss and MLP, layer checkpoints) run in its bins below --sp
+to the same curve, and options that do not combine are refused by name before any worker starts."""
 
 from __future__ import annotations
 
@@ -37,17 +38,22 @@ def runs(tmp_path_factory):
                        dtype="float64", eval_rows=0, progress=False, plot=False, seed=1, **OFF)
     out = {}
     for name, cfg in [("static", base), ("dynamic", base.replace(sp_schedule="dynamic")),
+                      # the memory switches in bins below --sp: tiles far below the shards
+                      ("memory", base.replace(sp_schedule="dynamic", tiled_loss=True, tiled_mlp=True,
+                                              checkpoint="layers", loss_tile=4, mlp_tile=3)),
                       ("budget", base.replace(sp_schedule="dynamic", micro_batch=1, token_budget=40, grad_accum=2))]:
         out[name] = run_local(prepare_job(cfg.replace(save_dir=str(root / name))))
     return out
 
 
 @pytest.mark.distributed
-def test_dynamic_trains_to_the_static_loss_curve(runs):
-    static, dynamic = runs["static"].losses, runs["dynamic"].losses
+@pytest.mark.parametrize("name", ["dynamic", "memory"])
+def test_dynamic_trains_to_the_static_loss_curve(runs, name):
+    static, dynamic = runs["static"].losses, runs[name].losses
     assert [s for s, _ in static] == [s for s, _ in dynamic] == [1, 2, 3]
     for (step, a), (_, b) in zip(static, dynamic, strict=True):
-        assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: static {a!r} vs dynamic {b!r}"
+        assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: static {a!r} vs {name} {b!r}"
+    assert set(runs[name].sp_degrees) == {1, 2}, runs[name].sp_degrees
 
 
 @pytest.mark.distributed
@@ -78,11 +84,10 @@ def test_token_budget_steps(runs):
 
 @pytest.mark.parametrize("changes, needle", [
     (dict(token_budget=64), "--token-budget forms the steps of a dynamic schedule: give --sp-schedule dynamic"),
-    (dict(sp_schedule="dynamic"), "add --no-tiled-loss"),
-    (dict(sp_schedule="dynamic", tiled_loss=False, strategy="hybrid", sp=4), "use --strategy ulysses or ring"),
-    (dict(sp_schedule="dynamic", tiled_loss=False, fsdp="on"), "use --fsdp off"),
-    (dict(sp_schedule="dynamic", tiled_loss=False, token_budget=64, micro_batch=2), "leave --micro-batch at 1"),
-    (dict(sp_schedule="dynamic", tiled_loss=False, token_budget=31, seq_len=64), "use --token-budget >= 32"),
+    (dict(sp_schedule="dynamic", strategy="hybrid", sp=4), "use --strategy ulysses or ring"),
+    (dict(sp_schedule="dynamic", fsdp="on"), "use --fsdp off"),
+    (dict(sp_schedule="dynamic", token_budget=64, micro_batch=2), "leave --micro-batch at 1"),
+    (dict(sp_schedule="dynamic", token_budget=31, seq_len=64), "use --token-budget >= 32"),
     (dict(sp_schedule="weekly"), "unknown --sp-schedule 'weekly'"),
 ])
 def test_options_that_do_not_combine(changes, needle):

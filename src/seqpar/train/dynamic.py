@@ -46,9 +46,6 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
     if cfg.strategy not in ("ulysses", "ring"):
         raise ValueError(f"--sp-schedule dynamic runs bins at degrees below --sp on sub-groups of ranks, which "
                          f"--strategy {cfg.strategy} has none of: use --strategy ulysses or ring")
-    if cfg.tiled_loss:
-        raise ValueError("--sp-schedule dynamic runs bins below --sp, where the tiled loss cannot reduce over the "
-                         "bin's ranks: add --no-tiled-loss (or use --sp-schedule static)")
     if cfg.fsdp == "on" or cfg.dtype == "bfloat16":
         raise ValueError("--sp-schedule dynamic runs a different number of bins on each rank, which FSDP2's "
                          "per-forward all-gathers over every rank cannot follow: use --fsdp off (and --dtype "
