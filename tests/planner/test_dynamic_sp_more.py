@@ -10,6 +10,8 @@ in one spawn:
   bin's block of ranks), and through a hybrid model's token mixer: LFM2's short convolution (halo)
   and Qwen3-Next's Gated DeltaNet in state passing (with seqpar's float64 scans; the parameters
   the model itself sums in float32 held to float32 precision);
+- a bin below sp refuses (``seqpar.Refused``, on every rank, no hang) an MoE router aux loss: a
+  statistic of the whole step's rows, which a bin holds only part of;
 - a rank failing inside a bin of degree 2 (forward or backward) stops every rank with the real
   error within the fault bound;
 - ranks that plan with different cost models or token budgets raise the same ValueError.
@@ -149,6 +151,26 @@ def _switched(rank: int, world: int, what: str) -> tuple[float, float, float, di
             chosen_modes(model) if what != "memory" else {})
 
 
+def _router_refusal(rank: int, world: int) -> tuple[str | None, str]:
+    """Job: a step of two degree-2 bins through an MoE model with its router aux loss on; what this
+    rank raised."""
+    torch.set_num_threads(1)
+    import seqpar
+    from seqpar.planner.bins import DynamicSP
+    from seqpar.testing.zoo import build_tiny
+
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    model = seqpar.parallelize(build_tiny("qwen3_next", layer_types=["full_attention"], num_hidden_layers=1,
+                                          output_router_logits=True), mesh)
+    try:
+        for local in DynamicSP(mesh, token_budget=BUDGET, cost=_cost).plan(
+                _plain_rows(TWO_BINS_OF_2, model.config.vocab_size)):
+            model(**local).loss.backward()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None, ""
+
+
 def _fault(rank: int, world: int, case: Case):
     """Job: ``case`` fires inside one of two degree-2 bins; what this rank raised, and when."""
     torch.set_num_threads(1)
@@ -205,6 +227,7 @@ def results():
         out = {"exact": z.run(_exact, timeout=300)}
         for what in SWITCHED:
             out[what] = z.run(_switched, what, timeout=300)
+        out["router"] = z.run(_router_refusal, timeout=120)
         out["faults"] = [z.run(_fault, case, timeout=120, pg_timeout=60, strict=False) for case in FAULTS]
     return out
 
@@ -226,6 +249,12 @@ def test_memory_switches_and_token_mixers_in_bins_below_sp_are_exact(results, wh
         assert grad_err <= GRAD_TOL, f"rank {rank} {what}: a gradient off by {grad_err:.3g}"
         assert f32_rel <= F32_RTOL, f"rank {rank} {what}: a float32-summed gradient off by {f32_rel:.3g} (relative)"
         assert modes == SWITCHED[what], f"rank {rank}: the mixers ran in {modes}"
+
+
+def test_a_router_aux_loss_in_a_bin_below_sp_refuses_on_every_rank(results):
+    seen = results["router"]
+    assert all(raised == "Refused" for raised, _ in seen), seen
+    assert all("router aux loss in a dynamic SP schedule's bin of degree 2" in message for _, message in seen), seen
 
 
 @pytest.mark.parametrize("i", range(len(FAULTS)), ids=[c.label() for c in FAULTS])

@@ -94,6 +94,8 @@ def make_router_hook(model: nn.Module, mesh: DeviceMesh) -> Any:
         logits = getattr(outputs, "router_logits", None)
         if not isinstance(batch, LocalBatch) or not isinstance(local, Tensor) or not logits:
             return outputs  # no aux loss this call (or no seqpar batch: the attention has raised already)
+        if batch.sp_size != group.size():  # a dynamic schedule's bin (seqpar.comm.degrees), before any collective
+            raise Refused(router_loss_in_bin(batch.sp_size))
         top_k, dtype = int(model_setting(module, ("num_experts_per_tok",))), getattr(module, "dtype", None)
         flags = 0.0
         if not state.checked:  # the model's own aux loss is the rule's on the same (unmasked, local) tokens
@@ -116,6 +118,13 @@ def make_router_hook(model: nn.Module, mesh: DeviceMesh) -> Any:
         return outputs
 
     return exact_router_loss
+
+
+def router_loss_in_bin(degree: int) -> str:
+    """Why a dynamic SP schedule's bin below sp cannot run a router aux loss, and what to change."""
+    return (f"the MoE router aux loss in a dynamic SP schedule's bin of degree {degree}: it is a statistic of the "
+            "whole batch (every row of the step), which a bin holds only part of; turn output_router_logits off "
+            "(or router_aux_loss_coef=0), or use a static schedule (DynamicSP(..., degrees=(sp,)))")
 
 
 def install_router_losses(model: nn.Module, mesh: DeviceMesh) -> Any:
