@@ -42,6 +42,8 @@ PRELOAD = ("seqpar", "transformers", "seqpar.integrations.models", "transformers
 FAULTS = [Case("forward", rank=1, step=0), Case("backward", rank=2, step=0)]
 SWITCHED = {"memory": {}, "short conv": {"Lfm2ShortConv": "halo"},  # what runs in bins -> the modes it takes
             "state passing": {"Qwen3NextGatedDeltaNet": "state"}}
+RECURRENT = ("state passing", "measured")  # Qwen3-Next's Gated DeltaNet: forced to state passing, or left to
+# seqpar's measurement of state passing against heads (inside each bin, over its block; heavy: ~15 s)
 
 
 def _cost(docs, k):  # as test_dynamic_sp: a sub-group only for rows that do not fit one rank, and the
@@ -124,13 +126,13 @@ def _switched(rank: int, world: int, what: str) -> tuple[float, float, float, di
     base = _switched_model(what)
     # the model's own scans compute in float32; seqpar's float64 ones (the same signatures) make the
     # comparison one of float64 rounding
-    with float64_scans(base) if what == "state passing" else contextlib.nullcontext():
+    with float64_scans(base) if what in RECURRENT else contextlib.nullcontext():
         rows = _rows(base.config.vocab_size)
         ref_loss, ref_grads = _reference(base, rows)
         # parameters the model sums in float32 itself (Qwen3-Next's norms, its A_log.float()): their
         # gradients depend on how tokens are grouped, as across ranks -- held to float32 precision
         floor = (precision_floor(base, case_batch(ModelCase(batch="packed", seq=17), base.config.vocab_size)).params
-                 if what == "state passing" else frozenset())
+                 if what in RECURRENT else frozenset())
         mesh = seqpar.init_mesh(sp=world, device_type="cpu")
         model = seqpar.parallelize(copy.deepcopy(base), mesh)
         if what == "memory":  # tiles far below the shards: several loss and MLP tiles per bin
@@ -249,6 +251,18 @@ def test_memory_switches_and_token_mixers_in_bins_below_sp_are_exact(results, wh
         assert grad_err <= GRAD_TOL, f"rank {rank} {what}: a gradient off by {grad_err:.3g}"
         assert f32_rel <= F32_RTOL, f"rank {rank} {what}: a float32-summed gradient off by {f32_rel:.3g} (relative)"
         assert modes == SWITCHED[what], f"rank {rank}: the mixers ran in {modes}"
+
+
+@pytest.mark.heavy
+def test_mixer_modes_measured_inside_bins_are_exact():
+    from seqpar.comm.launch import run_distributed
+
+    for rank, (loss_err, grad_err, f32_rel, hist, modes) in enumerate(
+            run_distributed(_switched, WORLD, "measured", timeout=600)):
+        assert set(hist) == {1, 2, 4}, f"rank {rank}: bins ran at degrees {hist}, not 1, 2 and 4"
+        assert loss_err <= LOSS_TOL and grad_err <= GRAD_TOL and f32_rel <= F32_RTOL, \
+            f"rank {rank}: loss off by {loss_err:.3g}, a gradient by {grad_err:.3g}, a float32 one by {f32_rel:.3g}"
+        assert set(modes.values()) <= {"state", "heads"}, f"rank {rank}: the mixers ran in {modes}"
 
 
 def test_a_router_aux_loss_in_a_bin_below_sp_refuses_on_every_rank(results):
