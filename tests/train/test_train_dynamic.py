@@ -19,6 +19,7 @@ from seqpar.train import TrainConfig
 from seqpar.train.checks import check_config
 from seqpar.train.job import prepare_job
 from seqpar.train.launcher import run_local
+from seqpar.train.loop import fsdp_options
 
 OFF = dict(tiled_loss=False, tiled_mlp=False, checkpoint="none")
 LOSS_TOL = 1e-9  # float64: the schedules agree far below float32 rounding
@@ -92,6 +93,14 @@ def test_options_that_do_not_combine(changes, needle):
     with pytest.raises(ValueError) as e:
         check_config(TrainConfig(**changes))
     assert needle in str(e.value)
+
+
+def test_fsdp_and_bfloat16_combine_with_a_dynamic_schedule():
+    check_config(TrainConfig(sp_schedule="dynamic", tiled_loss=False, fsdp="on", dtype="bfloat16"))
+    dyn, static = TrainConfig(sp_schedule="dynamic"), TrainConfig()
+    assert fsdp_options(dyn, torch.bfloat16)["mp_policy"] == fsdp_options(static, torch.bfloat16)["mp_policy"]
+    assert fsdp_options(dyn, torch.float32) == {"reshard_after_forward": False}
+    assert fsdp_options(static, torch.float32) == {}
 
 
 def test_the_options_reach_the_command_line():
