@@ -136,7 +136,8 @@ def _final_weights(checkpoint: str, tmp) -> dict:
 def fsdp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dyn_fsdp")
     base = TrainConfig(data=[_jsonl(root / "mixed.jsonl", mid=True)], seq_len=64, steps=2, lr=1e-2, warmup=1, seed=1,
-                       dtype="float64", fsdp="on", eval_rows=0, progress=False, plot=False, timeout=120.0, **OFF)
+                       dtype="float64", fsdp="on", eval_rows=6, eval_every=1, progress=False, plot=False, timeout=120.0,
+                       **OFF)  # an evaluation between steps: its forwards leave FSDP2's parameters gathered
     out = {}
     for case, kw in [*FSDP_CASES.items(), ("bf16", BF16_CASE)]:
         for schedule in ("static", "dynamic"):
@@ -158,6 +159,9 @@ def test_dynamic_under_fsdp_trains_to_the_static_losses_and_weights(fsdp_runs, c
     assert w_static.keys() == w_dynamic.keys()
     worst = max(float((w_static[k] - w_dynamic[k]).abs().max()) for k in w_static)
     assert worst <= WEIGHT_TOL, f"{case}: a final weight off by {worst:.3g}"
+    evals = [(st, e.loss) for st, e in static.evals], [(st, e.loss) for st, e in dynamic.evals]
+    assert [st for st, _ in evals[0]] == [st for st, _ in evals[1]] == [1, 2], evals
+    assert all(abs(a - b) <= LOSS_TOL * abs(a) for (_, a), (_, b) in zip(*evals, strict=True)), evals
     assert max(dynamic.sp_degrees) == dynamic.sp and min(dynamic.sp_degrees) == 1, dynamic.sp_degrees
     if case == "sp4_accum2":
         assert set(dynamic.sp_degrees) == {1, 2, 4}, dynamic.sp_degrees
