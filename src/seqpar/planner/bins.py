@@ -117,12 +117,16 @@ class StepBins:
                               device=self._dyn.device)
 
     def fsdp(self, model: Any) -> Iterator[dict[str, Any]]:
-        """This rank's bins for ``model`` under FSDP2 (``fully_shard``, best with
-        ``reshard_after_forward=False``): every bin runs with gradient sync off and the parameters
-        kept gathered; when the loop asks past the last bin, one flush pass (a 2-token degree-1 row
-        times zero) reduce-scatters the accumulated gradients. So every rank runs the same FSDP
-        collectives whatever its number of bins (none too), and none inside a bin: a reduce-scatter
-        in a bin's backward would wait on a peer still inside that bin's all-to-alls (a hang)."""
+        """This rank's bins for ``model`` under FSDP2 (``fully_shard`` with
+        ``reshard_after_forward=False``, needed: by default each bin's forward reshards and its
+        backward all-gathers again, over every rank, which ranks with fewer bins never join -- a
+        hang): every bin runs with gradient sync off and the parameters kept gathered; when the
+        loop asks past the last bin, one flush pass (a 2-token degree-1 row times zero)
+        reduce-scatters the accumulated gradients. So every rank runs the same FSDP collectives
+        whatever its number of bins (none too), and none inside a bin: a reduce-scatter in a bin's
+        backward would wait on a peer still inside that bin's all-to-alls (a hang). Each call
+        ends in step on every rank, so grad-accum micro-steps call it once each (one reduce-scatter
+        per micro-step; FSDP2 adds them into the sharded gradients)."""
         model.set_requires_gradient_sync(False)
         model.set_reshard_after_backward(False)
         yield from self

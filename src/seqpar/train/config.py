@@ -93,7 +93,8 @@ class TrainConfig:
                          "(seqpar.plan picks)", choices=(*STRATEGIES, "auto"))
     sp_schedule: str = _opt("static", "static (every row over all --sp ranks) or dynamic (each step's rows binned, "
                             "each bin at the SP degree its longest row needs -- 1, 2, 4, ... --sp -- on sub-groups of "
-                            "ranks; padding dropped; exact as static)", choices=SP_SCHEDULES)
+                            "ranks; padding dropped; exact as static; under FSDP2 each rank keeps the parameters "
+                            "gathered for the step)", choices=SP_SCHEDULES)
     token_budget: int | None = _opt(None, "with --sp-schedule dynamic: tokens per rank per step; a step (and each "
                                     "--grad-accum micro-step) holds as many rows as fit it, in place of --micro-batch",
                                     shown="--seq-len / --sp, with the static schedule's rows per step")

@@ -8,7 +8,13 @@ Per optimizer step, on every rank (every rank reads the same rows)::
     N             targets of the whole step (every micro-step, every rank)
     for each micro-step: DynamicSP.plan(rows, num_items=N); for each of this rank's bins:
         model(**local).loss.backward()         its share of the step's token mean
-    seqpar.sync_gradients: the world average, every gradient that of the unsharded model
+    seqpar.sync_gradients (or FSDP2's reduce-scatter): the world average, every gradient that of the
+                  unsharded model
+
+Under FSDP2 (``--fsdp on``, and ``--dtype bfloat16``'s mixed precision, the static schedule's policy)
+each micro-step's bins run through :meth:`StepBins.fsdp`: gradient sync held back until this rank's
+last bin, then a flush pass every rank runs; the model is sharded with ``reshard_after_forward=False``
+(:func:`seqpar.train.loop.fsdp_options`) so a bin's backward all-gathers nothing either.
 
 A row's padding is dropped (a bin packs real tokens only), so short rows run at degree 1 on one
 rank while other ranks run others, and a row of ``--seq-len`` tokens takes ``--sp`` ranks.
@@ -46,10 +52,6 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
     if cfg.strategy not in ("ulysses", "ring"):
         raise ValueError(f"--sp-schedule dynamic runs bins at degrees below --sp on sub-groups of ranks, which "
                          f"--strategy {cfg.strategy} has none of: use --strategy ulysses or ring")
-    if cfg.fsdp == "on" or cfg.dtype == "bfloat16":
-        raise ValueError("--sp-schedule dynamic runs a different number of bins on each rank, which FSDP2's "
-                         "per-forward all-gathers over every rank cannot follow: use --fsdp off (and --dtype "
-                         "float32 or float64)")
     if cfg.token_budget is not None:
         if cfg.token_budget < 1:
             raise ValueError(f"--token-budget must be >= 1, got {cfg.token_budget}")
@@ -105,7 +107,10 @@ class DynamicSteps:
         loss_sum, hist, tokens = 0.0, {}, 0
         for rows in micro:
             plan = self.dyn.plan(rows, num_items=n)
-            for local in plan:
+            # FSDP2: the reduce-scatter after this micro-step's last bin, in a flush pass every rank runs
+            # (ranks run different numbers of bins); so each micro-step ends with every rank in step
+            # before the next one's plan (a collective) -- one reduce-scatter per micro-step, not per step
+            for local in plan.fsdp(t.model) if t.use_fsdp else plan:
                 loss = t.model(**local).loss
                 with faults.publishing("the backward"):  # an exception here is told to every rank
                     loss.backward()
@@ -114,7 +119,8 @@ class DynamicSteps:
             tokens += sum(b.tokens for b in plan.schedule.bins)
             for k, count in plan.schedule.rows_at_degree.items():
                 hist[k] = hist.get(k, 0) + count
-        seqpar.sync_gradients(t.model, t.mesh)
+        if not t.use_fsdp:
+            seqpar.sync_gradients(t.model, t.mesh)
         self.last, self.last_tokens = dict(sorted(hist.items())), tokens
         for k, count in hist.items():
             self.rows_at_degree[k] = self.rows_at_degree.get(k, 0) + count
@@ -135,11 +141,8 @@ def describe_degrees(hist: dict[int, int]) -> str:
 
 def dynamic_steps(trainer: Any) -> DynamicSteps | None:
     """The run's :class:`DynamicSteps` (collective: builds the block groups), or None for a static
-    schedule. Raises ValueError where the run's FSDP2 and a dynamic schedule meet."""
+    schedule."""
     if trainer.cfg.sp_schedule != "dynamic":
         return None
-    if trainer.use_fsdp:
-        raise ValueError("--sp-schedule dynamic runs a different number of bins on each rank, which FSDP2's "
-                         "all-gathers over every rank cannot follow: use --fsdp off")
     return DynamicSteps(trainer)
 

@@ -69,6 +69,23 @@ def use_fsdp(cfg: TrainConfig, device_type: str, dtype: str) -> bool:
     return cfg.fsdp == "on" or (cfg.fsdp == "auto" and (device_type == "cuda" or dtype == "bfloat16"))
 
 
+def fsdp_options(cfg: TrainConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """``fully_shard``'s keywords for the run. bfloat16: bf16 compute, fp32 master weights and
+    gradient reduction (the same policy for either --sp-schedule). A dynamic schedule keeps each
+    block's parameters gathered from its first forward of a micro-step to the flush pass
+    (``reshard_after_forward=False``): ranks run different numbers of bins, so an all-gather per
+    bin's backward, over every rank, would wait on ranks that have no such bin (a hang); the price
+    is the whole model's parameters held per rank during the step, as without FSDP."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    kw: dict[str, Any] = {}
+    if dtype == torch.bfloat16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cfg.sp_schedule == "dynamic":
+        kw["reshard_after_forward"] = False
+    return kw
+
+
 def lr_lambda(cfg: TrainConfig):
     """Linear warmup to 1 over ``warmup`` steps, then cosine down to ``min_lr_ratio``."""
     def f(step: int) -> float:
@@ -124,12 +141,7 @@ class Trainer:
             seqpar.reduce_memory(model, self.mesh, **memory)
         self.tiled_loss = cfg.tiled_loss
         if self.use_fsdp:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            kw: dict[str, Any] = {}
-            if dtype == torch.bfloat16:  # bf16 compute, fp32 master weights and gradient reduction
-                kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            seqpar.apply_fsdp(model, self.mesh, **kw)  # FSDP2 over every dp x sp rank, averaging
+            seqpar.apply_fsdp(model, self.mesh, **fsdp_options(cfg, dtype))  # over every dp x sp rank, averaging
         if cfg.model in BUILTIN_MODELS:
             torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the sharding
             materialize(model, self.device)
