@@ -10,7 +10,7 @@ in one spawn:
   bin's block of ranks), and through a hybrid model's token mixer: LFM2's short convolution (halo)
   and Qwen3-Next's Gated DeltaNet in state passing (with seqpar's float64 scans; the parameters
   the model itself sums in float32 held to float32 precision);
-- a bin below sp refuses (``seqpar.Refused``, on every rank, no hang) an MoE router aux loss: a
+- a bin (below sp, or at sp) refuses (``seqpar.Refused``, on every rank, no hang) an MoE router aux loss: a
   statistic of the whole step's rows, which a bin holds only part of;
 - a rank failing inside a bin of degree 2 (forward or backward) stops every rank with the real
   error within the fault bound;
@@ -153,9 +153,9 @@ def _switched(rank: int, world: int, what: str) -> tuple[float, float, float, di
             chosen_modes(model) if what != "memory" else {})
 
 
-def _router_refusal(rank: int, world: int) -> tuple[str | None, str]:
-    """Job: a step of two degree-2 bins through an MoE model with its router aux loss on; what this
-    rank raised."""
+def _router_refusal(rank: int, world: int) -> list[tuple[str | None, str]]:
+    """Job: a step of two degree-2 bins, then the same rows with every bin at the job's sp, through an
+    MoE model with its router aux loss on; what this rank raised each time."""
     torch.set_num_threads(1)
     import seqpar
     from seqpar.planner.bins import DynamicSP
@@ -164,13 +164,16 @@ def _router_refusal(rank: int, world: int) -> tuple[str | None, str]:
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     model = seqpar.parallelize(build_tiny("qwen3_next", layer_types=["full_attention"], num_hidden_layers=1,
                                           output_router_logits=True), mesh)
-    try:
-        for local in DynamicSP(mesh, token_budget=BUDGET, cost=_cost).plan(
-                _plain_rows(TWO_BINS_OF_2, model.config.vocab_size)):
-            model(**local).loss.backward()
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return None, ""
+    seen: list[tuple[str | None, str]] = []
+    for degrees in (None, (world,)):
+        try:
+            for local in DynamicSP(mesh, token_budget=BUDGET, cost=_cost, degrees=degrees).plan(
+                    _plain_rows(TWO_BINS_OF_2, model.config.vocab_size)):
+                model(**local).loss.backward()
+            seen.append((None, ""))
+        except Exception as e:
+            seen.append((type(e).__name__, str(e)))
+    return seen
 
 
 def _fault(rank: int, world: int, case: Case):
@@ -265,10 +268,13 @@ def test_mixer_modes_measured_inside_bins_are_exact():
         assert set(modes.values()) <= {"state", "heads"}, f"rank {rank}: the mixers ran in {modes}"
 
 
-def test_a_router_aux_loss_in_a_bin_below_sp_refuses_on_every_rank(results):
-    seen = results["router"]
-    assert all(raised == "Refused" for raised, _ in seen), seen
-    assert all("router aux loss in a dynamic SP schedule's bin of degree 2" in message for _, message in seen), seen
+def test_a_router_aux_loss_in_a_bin_refuses_on_every_rank(results):
+    # below sp, and at the job's sp too: a bin's aux loss would be over its rows, not the step's
+    for rank, (below, full) in enumerate(results["router"]):
+        assert below[0] == full[0] == "Refused", (rank, below, full)
+        assert "router aux loss in a dynamic SP schedule's bin of degree 2" in below[1], (rank, below)
+        assert f"router aux loss in a dynamic SP schedule's bin of degree {WORLD}" in full[1], (rank, full)
+        assert "--sp-schedule static" in full[1], (rank, full)
 
 
 @pytest.mark.parametrize("i", range(len(FAULTS)), ids=[c.label() for c in FAULTS])

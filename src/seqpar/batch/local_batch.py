@@ -38,10 +38,12 @@ class LocalBatch:
                   family turns them into the shard's bidirectional span ids before its first layer
                   (:func:`seqpar.integrations.vlm_spans.with_spans`)
     positions_given  whether the batch brought its own position_ids (else shard_batch made 0..S-1)
+    in_bin        the batch is one bin of a dynamic schedule's step (``grad_ranks`` given): other
+                  rows of the step run in other forwards, at any degree, the job's sp included
     """
 
     __slots__ = ("shard", "sp_rank", "sp_size", "dp_size", "denominator", "grad_scale", "num_items_in_batch",
-                 "loss_weights", "attention_calls", "visual", "token_types", "positions_given")
+                 "loss_weights", "attention_calls", "visual", "token_types", "positions_given", "in_bin")
 
     def __init__(self, shard: SeqShard, *, sp_rank: int, sp_size: int, dp_size: int, denominator: float,
                  num_items_in_batch: float | None, loss_weights: Tensor | None, grad_ranks: int | None = None) -> None:
@@ -56,6 +58,7 @@ class LocalBatch:
         ranks = sp_size * dp_size if num_items_in_batch is not None else sp_size
         ranks = grad_ranks if grad_ranks is not None else ranks  # a dynamic schedule's bin: every rank
         self.grad_scale = ranks / n
+        self.in_bin = grad_ranks is not None
         self.loss_weights = loss_weights
         self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)
         self.visual: VisualBatch | None = None  # set by shard_batch for a batch with images

@@ -94,7 +94,7 @@ def make_router_hook(model: nn.Module, mesh: DeviceMesh) -> Any:
         logits = getattr(outputs, "router_logits", None)
         if not isinstance(batch, LocalBatch) or not isinstance(local, Tensor) or not logits:
             return outputs  # no aux loss this call (or no seqpar batch: the attention has raised already)
-        if batch.sp_size != group.size():  # a dynamic schedule's bin (seqpar.comm.degrees), before any collective
+        if batch.in_bin:  # a dynamic schedule's bin at any degree (seqpar.planner.bins), before any collective
             raise Refused(router_loss_in_bin(batch.sp_size))
         top_k, dtype = int(model_setting(module, ("num_experts_per_tok",))), getattr(module, "dtype", None)
         flags = 0.0
@@ -123,8 +123,9 @@ def make_router_hook(model: nn.Module, mesh: DeviceMesh) -> Any:
 def router_loss_in_bin(degree: int) -> str:
     """Why a dynamic SP schedule's bin below sp cannot run a router aux loss, and what to change."""
     return (f"the MoE router aux loss in a dynamic SP schedule's bin of degree {degree}: it is a statistic of the "
-            "whole batch (every row of the step), which a bin holds only part of; turn output_router_logits off "
-            "(or router_aux_loss_coef=0), or use a static schedule (DynamicSP(..., degrees=(sp,)))")
+            "whole batch (every row of the step), which a bin holds only part of -- at the job's sp too, where the "
+            "step's other bins run in other forwards; turn output_router_logits off (or router_aux_loss_coef=0), "
+            "or use the static schedule (no DynamicSP; seqpar train --sp-schedule static)")
 
 
 def install_router_losses(model: nn.Module, mesh: DeviceMesh) -> Any:
