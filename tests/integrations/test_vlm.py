@@ -97,6 +97,10 @@ def _misuse(rank, world):
     ovis = build_tiny_vlm("ovis2")
     seqpar.parallelize(ovis, mesh)
     out["ovis2 images"] = _attempt(lambda: ovis(**seqpar.shard_batch(vlm_batch(ovis), mesh)))
+    # ERNIE 4.5 VL routes image and text tokens to different experts
+    ernie = build_tiny_vlm("ernie4_5_vl_moe")
+    seqpar.parallelize(ernie, mesh)
+    out["ernie4_5_vl_moe images"] = _attempt(lambda: ernie(**seqpar.shard_batch(vlm_batch(ernie), mesh)))
     llama, _ = seqpar.integrations.models.build_model("tiny-llama", dtype=torch.float64)
     seqpar.parallelize(llama, mesh)
     with_images = {**text, "input_ids": text["input_ids"] % 64, "labels": text["labels"].clamp(max=63),
@@ -263,8 +267,8 @@ def test_gemma3_token_type_ids_become_spans_not_dropped(results):
     assert all(out["misuse"]["gemma3 spans move the loss"] > 1e-4 for out in outs)
     got = [out["misuse"]["token types into a text model"] for out in outs]
     assert all(g is not None and g[0] == Refused.__name__ and "no bidirectional spans" in g[1] for g in got), got
-    # Ovis2's visual indicators are still refused by their mechanism
-    for name, words in (("ovis2 images", "encoder outputs beside"),):
+    # Ovis2's visual indicators and ERNIE 4.5 VL's modality-routed experts are still refused by their mechanism
+    for name, words in (("ovis2 images", "encoder outputs beside"), ("ernie4_5_vl_moe images", "routed by modality")):
         got = [out["misuse"][name] for out in outs]
         assert all(g is not None and g[0] == Refused.__name__ and words in g[1] for g in got), (name, got)
     got = [out["misuse"]["images into a text model"] for out in outs]

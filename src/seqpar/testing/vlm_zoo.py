@@ -60,6 +60,8 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "llava_next": _ANYRES, "llava_next_video": _ANYRES, "llava_onevision": _ANYRES,
     "step3p7": {"text_config": {"sliding_window": 8}},  # its default leaves the window unset
     "hy_v4_vl": {"text_config": {"qk_rope_head_dim": 8}},  # M-RoPE sections [2, 1, 1] need 4 frequencies
+    # its rotary pairs the h and w sections frequency by frequency: equal sections ([2, 1, 1] does not run)
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [1, 1, 2]}}},
     # VQ tokenizers: image / audio codes are token ids past image_token_offset (a small range here)
     "apertus1p5": {"audio_config": {"codebook_dim": 32, "codebook_size": 16},
                    "vision_config": {"codebook_size": 16, "channel_multiplier": [1, 2], "num_res_blocks": 1},
