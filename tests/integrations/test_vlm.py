@@ -36,13 +36,18 @@ TEXT_MODEL_REFUSED = {"mistral_large4", "hy_v4_vl", "dots3_note", "qwen4_exp"}
 # (Qwen3-VL) and with 1-D positions (Granite 4 Vision), images batched per row (Idefics 3), recurrent
 # mixers in state passing beside the images (Qwen3.5), bidirectional spans inside each image (Gemma 3, on the
 # ring: an image straddles the ring's blocks) and over the prefix with one-based positions (PaliGemma);
+# experts with a router aux loss beside the images (Qwen3-VL-MoE);
 # P = 3 (make verify): every family seqpar runs with
 # images, both strategies (make test's time budget does not hold all of them)
 _BOTH = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision")
-_ONCE = ("apertus1p5", "qwen3_vl", "granite4_vision", "idefics3", "qwen3_5", "gemma3", "paligemma")
+_ONCE = ("apertus1p5", "qwen3_vl", "granite4_vision", "idefics3", "qwen3_5", "gemma3", "paligemma", "qwen3_vl_moe")
 GRID_P2 = [(f, ("ulysses", "ring")) for f in _BOTH] + [(f, (("ulysses", "ring")[i % 2],))
                                                       for i, f in enumerate(_ONCE)]
 GRID_P3 = [(f, ("ulysses", "ring")) for f in RUNS_WITH_IMAGES]
+# issue 36: the MoE families seqpar runs with images, router logits on and the aux loss weighted (the zoo's coef
+# 0.1; the reference adds the whole batch's aux term, test_vlm_zoo.py): exact like the rest, one at P = 2
+# (Qwen3-VL-MoE, on the ring), all of them under both strategies at P = 3
+ROUTER_AUX = ("qwen3_vl_moe", "qwen3_5_moe", "qwen3_omni_moe_thinker", "glm4v_moe", "minimax_m3_vl")
 
 
 def _attempt(fn):
@@ -224,6 +229,7 @@ def test_images_are_exact(results):
     families = {r.family for r in rows}
     assert families == {f for f, _ in (GRID_P2 if p == 2 else GRID_P3)}
     assert {f for f, _ in GRID_P3} == set(RUNS_WITH_IMAGES)  # every family seqpar runs with images, at P = 3
+    assert set(ROUTER_AUX) <= set(RUNS_WITH_IMAGES) and ({"qwen3_vl_moe"} if p == 2 else set(ROUTER_AUX)) <= families
     # every mechanism seqpar runs with images is in the P = 2 grid too
     assert {m for f, _ in GRID_P2 for m in FAMILIES[f].mechanisms} == {
         m for f in RUNS_WITH_IMAGES for m in FAMILIES[f].mechanisms}
