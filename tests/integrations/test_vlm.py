@@ -36,13 +36,18 @@ TEXT_MODEL_REFUSED = {"mistral_large4", "hy_v4_vl", "dots3_note", "qwen4_exp"}
 # (Qwen3-VL) and with 1-D positions (Granite 4 Vision), images batched per row (Idefics 3), recurrent
 # mixers in state passing beside the images (Qwen3.5), bidirectional spans inside each image (Gemma 3, on the
 # ring: an image straddles the ring's blocks) and over the prefix with one-based positions (PaliGemma);
+# experts with a router aux loss beside the images (Qwen3-VL-MoE);
 # P = 3 (make verify): every family seqpar runs with
 # images, both strategies (make test's time budget does not hold all of them)
 _BOTH = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision")
-_ONCE = ("apertus1p5", "qwen3_vl", "granite4_vision", "idefics3", "qwen3_5", "gemma3", "paligemma")
+_ONCE = ("apertus1p5", "qwen3_vl", "granite4_vision", "idefics3", "qwen3_5", "gemma3", "paligemma", "qwen3_vl_moe")
 GRID_P2 = [(f, ("ulysses", "ring")) for f in _BOTH] + [(f, (("ulysses", "ring")[i % 2],))
                                                       for i, f in enumerate(_ONCE)]
 GRID_P3 = [(f, ("ulysses", "ring")) for f in RUNS_WITH_IMAGES]
+# issue 36: the MoE families seqpar runs with images, router logits on and the aux loss weighted (the zoo's coef
+# 0.1; the reference adds the whole batch's aux term, test_vlm_zoo.py): exact like the rest, one at P = 2
+# (Qwen3-VL-MoE, on the ring), all of them under both strategies at P = 3
+ROUTER_AUX = ("qwen3_vl_moe", "qwen3_5_moe", "qwen3_omni_moe_thinker", "glm4v_moe", "minimax_m3_vl")
 
 
 def _attempt(fn):
@@ -97,6 +102,10 @@ def _misuse(rank, world):
     ovis = build_tiny_vlm("ovis2")
     seqpar.parallelize(ovis, mesh)
     out["ovis2 images"] = _attempt(lambda: ovis(**seqpar.shard_batch(vlm_batch(ovis), mesh)))
+    # ERNIE 4.5 VL routes image and text tokens to different experts
+    ernie = build_tiny_vlm("ernie4_5_vl_moe")
+    seqpar.parallelize(ernie, mesh)
+    out["ernie4_5_vl_moe images"] = _attempt(lambda: ernie(**seqpar.shard_batch(vlm_batch(ernie), mesh)))
     llama, _ = seqpar.integrations.models.build_model("tiny-llama", dtype=torch.float64)
     seqpar.parallelize(llama, mesh)
     with_images = {**text, "input_ids": text["input_ids"] % 64, "labels": text["labels"].clamp(max=63),
@@ -220,6 +229,7 @@ def test_images_are_exact(results):
     families = {r.family for r in rows}
     assert families == {f for f, _ in (GRID_P2 if p == 2 else GRID_P3)}
     assert {f for f, _ in GRID_P3} == set(RUNS_WITH_IMAGES)  # every family seqpar runs with images, at P = 3
+    assert set(ROUTER_AUX) <= set(RUNS_WITH_IMAGES) and ({"qwen3_vl_moe"} if p == 2 else set(ROUTER_AUX)) <= families
     # every mechanism seqpar runs with images is in the P = 2 grid too
     assert {m for f, _ in GRID_P2 for m in FAMILIES[f].mechanisms} == {
         m for f in RUNS_WITH_IMAGES for m in FAMILIES[f].mechanisms}
@@ -263,8 +273,8 @@ def test_gemma3_token_type_ids_become_spans_not_dropped(results):
     assert all(out["misuse"]["gemma3 spans move the loss"] > 1e-4 for out in outs)
     got = [out["misuse"]["token types into a text model"] for out in outs]
     assert all(g is not None and g[0] == Refused.__name__ and "no bidirectional spans" in g[1] for g in got), got
-    # Ovis2's visual indicators are still refused by their mechanism
-    for name, words in (("ovis2 images", "encoder outputs beside"),):
+    # Ovis2's visual indicators and ERNIE 4.5 VL's modality-routed experts are still refused by their mechanism
+    for name, words in (("ovis2 images", "encoder outputs beside"), ("ernie4_5_vl_moe images", "routed by modality")):
         got = [out["misuse"][name] for out in outs]
         assert all(g is not None and g[0] == Refused.__name__ and words in g[1] for g in got), (name, got)
     got = [out["misuse"]["images into a text model"] for out in outs]

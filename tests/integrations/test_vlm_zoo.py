@@ -9,9 +9,17 @@ import math
 import pytest
 import torch
 
+from seqpar.integrations.router_losses import model_setting
 from seqpar.integrations.vlm_families import FAMILIES, SINCE, SUPPORTED, UNVERIFIED, VQ_TOKENS
 from seqpar.testing.vlm_inputs import vlm_batch
-from seqpar.testing.vlm_zoo import build_tiny_vlm, run_unsharded, vision_params, vlm_types
+from seqpar.testing.vlm_zoo import (
+    build_tiny_vlm,
+    run_unsharded,
+    vision_params,
+    vlm_reference,
+    vlm_token_loss,
+    vlm_types,
+)
 
 # the issue's goal families that transformers 5.24 builds: each must run unsharded with images
 NAMED = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "llava",
@@ -19,6 +27,11 @@ NAMED = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3
 WITH_VIDEO = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava_onevision"]
 QUICK = ["qwen2_vl", "llava", "gemma3", "idefics3"]  # one per input layout (grid, stacked, token types, per row)
 STATUSES = {"runs", "unbuildable", "no inputs", "fails"}
+# issue 36: the zoo's MoE families whose model adds the load-balancing aux loss (router logits on, coef 0.1 as
+# in the causal-LM zoo). seqpar runs the first five with images, exact at P = 2 and 3 (test_vlm.py); it
+# refuses ERNIE 4.5 VL (experts routed by modality), Qwen4-Exp and GLM-5-Next (their text decoders)
+ROUTER_AUX = ["qwen3_vl_moe", "qwen3_5_moe", "qwen3_omni_moe_thinker", "glm4v_moe", "minimax_m3_vl", "ernie4_5_vl_moe",
+              "qwen4_exp", "glm5_next"]
 
 
 def test_the_zoo_is_the_whole_mapping_and_every_family_is_classified():
@@ -43,6 +56,25 @@ def test_named_families_run_unsharded_with_images(family):
     assert row.images > 0 and row.vision_grads > 0  # the tower and projector are in the gradient
     if family in WITH_VIDEO:
         assert row.videos > 0
+
+
+@pytest.mark.parametrize("family", [f if f == "qwen3_vl_moe" else pytest.param(f, marks=pytest.mark.heavy)
+                                    for f in ROUTER_AUX])
+def test_moe_rows_run_with_router_logits_on(family):
+    """The VLM zoo's tiny MoE models compute the router aux loss, weighted so that it shows, and the
+    float64 reference adds the whole batch's aux term: it is the model's own loss (whose aux loss
+    sums in float32), not the token loss alone."""
+    model = build_tiny_vlm(family)
+    batch = vlm_batch(model)
+    out = model(**batch, use_cache=False)
+    assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
+    coef = model_setting(model, ("router_aux_loss_coef", "aux_loss_coef"))
+    assert coef == 0.1
+    ref, _ = vlm_reference(model, batch)
+    total, n = vlm_token_loss(model, batch)
+    assert abs(ref - float(out.loss.detach())) < 1e-5
+    assert abs(ref - float(total.detach()) / n - coef * float(out.aux_loss.detach())) < 1e-5
+    assert coef * float(out.aux_loss.detach()) > 0.1  # far above the tolerances: a missing term shows
 
 
 def test_tiny_models_are_tiny_and_batches_look_like_a_processors():

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..batch.targets import IGNORE_INDEX
+from .router64 import collect, router_term
 from .vlm_inputs import vlm_batch
 from .zoo import TINY, shrink_config
 
@@ -60,6 +61,8 @@ FAMILY_FIXES: dict[str, dict[str, Any]] = {
     "llava_next": _ANYRES, "llava_next_video": _ANYRES, "llava_onevision": _ANYRES,
     "step3p7": {"text_config": {"sliding_window": 8}},  # its default leaves the window unset
     "hy_v4_vl": {"text_config": {"qk_rope_head_dim": 8}},  # M-RoPE sections [2, 1, 1] need 4 frequencies
+    # its rotary pairs the h and w sections frequency by frequency: equal sections ([2, 1, 1] does not run)
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [1, 1, 2]}}},
     # VQ tokenizers: image / audio codes are token ids past image_token_offset (a small range here)
     "apertus1p5": {"audio_config": {"codebook_dim": 32, "codebook_size": 16},
                    "vision_config": {"codebook_size": 16, "channel_multiplier": [1, 2], "num_res_blocks": 1},
@@ -156,12 +159,9 @@ def tiny_vlm_dict(model_type: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
+    # MoE router logits on and the aux loss weighted (the causal-LM zoo's SWITCHED_ON / TINY):
+    # vlm_reference adds the whole batch's aux term
     d = _extra_tiny(shrink_config(config.to_dict()))
-    # router logits off: the VLM parity's float64 reference is the language-model loss alone (the text
-    # zoo turns them on and adds the whole batch's aux term to its reference; the VLM one does not yet)
-    for holder in (d, d.get("text_config")):
-        if isinstance(holder, dict) and "output_router_logits" in holder:
-            holder["output_router_logits"] = False
     for key, sub in list(d.items()):
         if isinstance(sub, dict) and "vision" in key:
             d[key] = {**sub, **{k: ([v] * len(sub[k]) if isinstance(sub[k], list) and not isinstance(v, list) else v)
@@ -225,10 +225,15 @@ def is_vlm_checkpoint(path: str) -> bool:
         return json.load(f).get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
-def vlm_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, int]:
-    """The unsharded model on the whole batch: ``(sum of the float64 token losses, targets)``."""
+def vlm_token_loss(model: nn.Module, batch: dict[str, Tensor], routers: list[Any] | None = None
+                   ) -> tuple[Tensor, int]:
+    """The unsharded model on the whole batch: ``(sum of the float64 token losses, targets)``.
+    ``routers``: the forward's router logits are appended to it, for the MoE aux loss of the whole
+    batch (:mod:`.router64`)."""
     kw = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**kw, use_cache=False).logits  # [B, S, V]
+    out = model(**kw, use_cache=False)
+    collect(out, kw.get("attention_mask"), routers)
+    logits = out.logits  # [B, S, V]
     targets = batch["labels"][:, 1:]
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).to(torch.float64), targets.reshape(-1),
                          ignore_index=IGNORE_INDEX, reduction="sum")
@@ -237,14 +242,17 @@ def vlm_token_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, 
 
 def vlm_reference(model: nn.Module, batch: dict[str, Tensor], *, loss_scale: float = 1.0
                   ) -> tuple[float, dict[str, Tensor | None]]:
-    """The unsharded token-mean loss and every parameter's gradient (``model``'s grads reset).
+    """The unsharded token-mean loss, plus ``coef * aux`` of the whole batch for an MoE model with
+    router logits on (:mod:`.router64`, as :func:`~seqpar.testing.model_parity.reference_loss`), and
+    every parameter's gradient (``model``'s grads reset).
 
     ``loss_scale``: back-propagate ``loss_scale * loss`` and divide the gradients by it, as
     :func:`~seqpar.testing.model_parity.reference_grads` does: seqpar's loss runs at the SP size's
     scale, and a model that casts to float32 inside rounds its gradients at that scale."""
     model.zero_grad(set_to_none=True)
-    total, n = vlm_token_loss(model, batch)
-    loss = total / n
+    runs: list[Any] = []
+    total, n = vlm_token_loss(model, batch, runs)
+    loss = total / n + router_term(model, runs)
     (loss * loss_scale if loss_scale != 1.0 else loss).backward()
     grads = {name: (q.grad / loss_scale if loss_scale != 1.0 and q.grad is not None else q.grad)
              for name, q in model.named_parameters()}
