@@ -41,7 +41,7 @@ class LocalBatch:
     """
 
     __slots__ = ("shard", "sp_rank", "sp_size", "dp_size", "denominator", "grad_scale", "num_items_in_batch",
-                 "loss_weights", "attention_calls", "visual", "token_types", "positions_given")
+                 "loss_weights", "attention_calls", "visual", "token_types", "positions_given", "grad_ranks")
 
     def __init__(self, shard: SeqShard, *, sp_rank: int, sp_size: int, dp_size: int, denominator: float,
                  num_items_in_batch: float | None, loss_weights: Tensor | None, grad_ranks: int | None = None) -> None:
@@ -55,6 +55,7 @@ class LocalBatch:
         # N, whose dp average is then the mean of the dp ranks' means)
         ranks = sp_size * dp_size if num_items_in_batch is not None else sp_size
         ranks = grad_ranks if grad_ranks is not None else ranks  # a dynamic schedule's bin: every rank
+        self.grad_ranks = grad_ranks
         self.grad_scale = ranks / n
         self.loss_weights = loss_weights
         self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)
