@@ -93,11 +93,26 @@ def test_token_budget_steps(runs):
     (dict(sp_schedule="dynamic", token_budget=64, micro_batch=2), "leave --micro-batch at 1"),
     (dict(sp_schedule="dynamic", token_budget=31, seq_len=64), "use --token-budget >= 32"),
     (dict(sp_schedule="weekly"), "unknown --sp-schedule 'weekly'"),
+    # losses that couple a micro-batch's pairs: a bin holds other pairs than the static micro-batch
+    (dict(sp_schedule="dynamic", objective="orpo"), "--objective orpo's NLL term is a token mean over a micro-batch"),
+    (dict(sp_schedule="dynamic", objective="dpo", dpo_loss="sigmoid,aot"), "--dpo-loss aot sorts the log-ratios"),
+    (dict(sp_schedule="dynamic", objective="dpo", dpo_loss="aot_unpaired"), "--dpo-loss aot_unpaired sorts"),
+    (dict(sp_schedule="dynamic", objective="dpo", dpo_loss="sigmoid,sft"), "--dpo-loss sft is the token mean"),
+    # a pair of two --seq-len rows is one unit of a bin
+    (dict(sp_schedule="dynamic", objective="dpo", token_budget=63, seq_len=64), "a pair of two rows of --seq-len 64 "
+     "on --sp 2 ranks: use --token-budget >= 64"),
 ])
 def test_options_that_do_not_combine(changes, needle):
     with pytest.raises(ValueError) as e:
         check_config(TrainConfig(**changes))
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("objective", ["dpo", "simpo", "reward"])
+def test_pair_objectives_combine_with_a_dynamic_schedule(objective):
+    losses = dict(dpo_loss="sigmoid,ipo,hinge") if objective == "dpo" else {}
+    check_config(TrainConfig(sp_schedule="dynamic", objective=objective, **losses))
+    check_config(TrainConfig(sp_schedule="dynamic", objective=objective, packing=True, token_budget=32, seq_len=64))
 
 
 def test_fsdp_and_bfloat16_combine_with_a_dynamic_schedule():
@@ -187,3 +202,87 @@ def test_dynamic_under_bfloat16_mixed_precision(fsdp_runs):
     a, b = static.losses[0][1], dynamic.losses[0][1]
     assert abs(a - b) <= BF16_FIRST_TOL * abs(a), f"step 1: static {a!r} vs dynamic {b!r}"
     assert all(math.isfinite(loss) for _, loss in dynamic.losses) and len(dynamic.losses) == 2
+
+
+# Preference objectives: a bin holds whole pairs (chosen and rejected packed as two documents), each
+# bin's loss is its pairs' share of the step's mean over pairs, its sequences' sums reduced over the
+# bin's block of ranks; the reference runs on the same bin. Pairs of mixed lengths: short pairs at
+# sp=1, long ones (more tokens than one rank's budget) at sp=2.
+def _pairs_jsonl(path) -> str:
+    rng = random.Random(5)
+
+    def text(lo: int, hi: int) -> str:
+        return "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(lo, hi)))
+
+    with open(path, "w") as f:
+        for _ in range(40):
+            long = rng.random() < 0.3
+            f.write(json.dumps({"prompt": text(4, 12), "chosen": " " + text(30, 45) if long else " " + text(2, 8),
+                                "rejected": " " + text(2, 10) if rng.random() < 0.5 else " " + text(25, 40)}) + "\n")
+    return str(path)
+
+
+PAIR_OBJECTIVES = {"dpo": dict(objective="dpo", dpo_loss="sigmoid,ipo"), "simpo": dict(objective="simpo"),
+                   "reward": dict(objective="reward")}
+
+
+@pytest.fixture(scope="module")
+def pair_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dynpairs")
+    base = TrainConfig(data=[_pairs_jsonl(root / "pairs.jsonl")], seq_len=64, sp=2, micro_batch=4, grad_accum=2,
+                       steps=3, lr=1e-2, warmup=1, dtype="float64", eval_rows=0, progress=False, plot=False, seed=1,
+                       **OFF)
+    out = {}
+    for name, changes in PAIR_OBJECTIVES.items():
+        for schedule in ("static", "dynamic"):
+            cfg = base.replace(sp_schedule=schedule, save_dir=str(root / f"{name}_{schedule}"), **changes)
+            out[name, schedule] = run_local(prepare_job(cfg))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(PAIR_OBJECTIVES))
+def test_preference_objectives_train_to_the_static_losses(pair_runs, name):
+    static, dynamic = pair_runs[name, "static"], pair_runs[name, "dynamic"]
+    assert [s for s, _ in static.losses] == [s for s, _ in dynamic.losses] == [1, 2, 3]
+    for (step, a), (_, b) in zip(static.losses, dynamic.losses, strict=True):
+        assert abs(a - b) <= LOSS_TOL * abs(a), f"{name} step {step}: static {a!r} vs dynamic {b!r}"
+    assert set(dynamic.sp_degrees) == {1, 2}, dynamic.sp_degrees  # short pairs at sp=1, long ones at sp=2
+    assert sum(dynamic.sp_degrees.values()) == 3 * 2 * 4  # steps x micro-steps x pairs: a pair is one row
+
+
+# heavy (4 ranks): degrees 1, 2 and 4 at sp=4; dp=2 x sp=2; FSDP2 with the flush pass of a pair (a
+# reference with LoRA's adapters off for dpo, a new score head for reward); --packing (several pairs a row)
+PAIR_HEAVY = {"sp4": dict(sp=4), "dp2_sp2": dict(sp=2, dp=2), "packed": dict(packing=True, seq_len=128, micro_batch=1),
+              "fsdp_lora": dict(sp=4, fsdp="on", lora_r=4)}
+
+
+@pytest.fixture(scope="module")
+def pair_heavy_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dynpairs_heavy")
+    base = TrainConfig(data=[_pairs_jsonl(root / "pairs.jsonl")], seq_len=64, micro_batch=4, grad_accum=2, steps=3,
+                       lr=1e-2, warmup=1, dtype="float64", eval_rows=0, progress=False, plot=False, seed=1,
+                       timeout=120.0, **OFF)
+    out = {}
+    for case, kw in PAIR_HEAVY.items():
+        for name, changes in PAIR_OBJECTIVES.items():
+            if name == "reward" and "lora_r" in kw:  # reward trains its new head: no LoRA (a frozen copy under FSDP2
+                kw = {k: v for k, v in kw.items() if k != "lora_r"}  # is refused, the head needs none)
+            for schedule in ("static", "dynamic"):
+                cfg = base.replace(sp_schedule=schedule, save_dir=str(root / f"{case}_{name}_{schedule}"), **kw,
+                                   **changes)
+                out[case, name, schedule] = run_local(prepare_job(cfg))
+    return out
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(PAIR_HEAVY))
+@pytest.mark.parametrize("name", list(PAIR_OBJECTIVES))
+def test_preference_objectives_at_four_ranks(pair_heavy_runs, case, name):
+    static, dynamic = pair_heavy_runs[case, name, "static"], pair_heavy_runs[case, name, "dynamic"]
+    assert [s for s, _ in static.losses] == [s for s, _ in dynamic.losses] == [1, 2, 3]
+    for (step, a), (_, b) in zip(static.losses, dynamic.losses, strict=True):
+        assert abs(a - b) <= LOSS_TOL * abs(a), f"{case} {name} step {step}: static {a!r} vs dynamic {b!r}"
+    want = {1, 2, 4} if PAIR_HEAVY[case].get("sp") == 4 else {1, 2}
+    assert set(dynamic.sp_degrees) == want, dynamic.sp_degrees

@@ -38,12 +38,12 @@ class LocalBatch:
                   family turns them into the shard's bidirectional span ids before its first layer
                   (:func:`seqpar.integrations.vlm_spans.with_spans`)
     positions_given  whether the batch brought its own position_ids (else shard_batch made 0..S-1)
-    in_bin        the batch is one bin of a dynamic schedule's step (``grad_ranks`` given): other
-                  rows of the step run in other forwards, at any degree, the job's sp included
+    grad_ranks    the job's rank count W for a dynamic schedule's bin (None otherwise); ``in_bin``
+                  then holds: other rows of the step run in other forwards
     """
 
     __slots__ = ("shard", "sp_rank", "sp_size", "dp_size", "denominator", "grad_scale", "num_items_in_batch",
-                 "loss_weights", "attention_calls", "visual", "token_types", "positions_given", "in_bin")
+                 "loss_weights", "attention_calls", "visual", "token_types", "positions_given", "grad_ranks")
 
     def __init__(self, shard: SeqShard, *, sp_rank: int, sp_size: int, dp_size: int, denominator: float,
                  num_items_in_batch: float | None, loss_weights: Tensor | None, grad_ranks: int | None = None) -> None:
@@ -57,13 +57,19 @@ class LocalBatch:
         # N, whose dp average is then the mean of the dp ranks' means)
         ranks = sp_size * dp_size if num_items_in_batch is not None else sp_size
         ranks = grad_ranks if grad_ranks is not None else ranks  # a dynamic schedule's bin: every rank
+        self.grad_ranks = grad_ranks
         self.grad_scale = ranks / n
-        self.in_bin = grad_ranks is not None
         self.loss_weights = loss_weights
         self.attention_calls = 0  # how many attention layers read this batch (checked by the loss)
         self.visual: VisualBatch | None = None  # set by shard_batch for a batch with images
         self.token_types: Tensor | None = None  # set by shard_batch for a batch with token_type_ids
         self.positions_given = False
+
+    @property
+    def in_bin(self) -> bool:
+        """The batch is one bin of a dynamic schedule's step (``grad_ranks`` given): other rows of the
+        step run in other forwards, at any degree, the job's sp included."""
+        return self.grad_ranks is not None
 
     @property
     def local_len(self) -> int:

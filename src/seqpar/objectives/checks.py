@@ -1,4 +1,5 @@
-"""An objective call's inputs checked before the model runs, agreed over the SP group: a problem on
+"""An objective call's inputs checked before the model runs, agreed over the SP group (a dynamic
+schedule's bin: its block's): a problem on
 any rank raises the same ValueError on every rank (one small all-gather, :mod:`seqpar.comm.agree`),
 so a bad input never leaves a peer waiting in the forward's collectives."""
 
@@ -10,6 +11,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
+from ..batch.loss import bin_group
 from ..comm.agree import check, share
 from ..comm.mesh import Axis, axis_group
 from .reference import Reference, check_reference
@@ -88,4 +90,8 @@ def agree(objective: Objective, model: nn.Module, local: dict[str, Any], mesh: D
         problem = None
     except ValueError as e:
         problem = str(e)
-    check(share({}, axis_group(mesh, Axis.SP.value), problem=problem), what=f"{objective.name} call")
+    group = axis_group(mesh, Axis.SP.value)
+    batch = local.get(BATCH_KWARG)
+    if isinstance(batch, LocalBatch):  # a dynamic schedule's bin: over its block's ranks
+        group = bin_group(mesh, batch, group)
+    check(share({}, group, problem=problem), what=f"{objective.name} call")

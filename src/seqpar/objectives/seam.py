@@ -21,6 +21,9 @@ How it reduces, the same for every objective::
     accum   dp average is then the mean of the dp ranks' means; divide by the accumulation steps
             yourself), or ``num_units`` = the count over every dp rank and micro-batch of the step
             (the exact global mean: each rank's gradient is then scaled by dp for the dp average)
+    bins    a dynamic schedule's bin (:class:`seqpar.planner.bins.StepBins`, whole pairs on a block of
+            k ranks): the sums are reduced over the block (:func:`~seqpar.batch.loss.bin_group`) and,
+            with ``num_units``, the gradient scaled by W / k for the average over all W ranks
 
 Token rule (every objective): the target of position i is token i + 1 of the same document
 (:mod:`seqpar.batch.targets`); a position whose target is ignored, padding, or in another document
@@ -34,11 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.loss import ScaleGrad
+from ..batch.loss import ScaleGrad, bin_group
 from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import check_tile
 from ..batch.tiles import vocab_tile
@@ -163,7 +167,7 @@ def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh
              reference: Reference, num_units: float | None, temperature: float, tile: int | None,
              inputs: dict[str, Tensor]) -> ObjectiveOutput:
     batch = local[BATCH_KWARG]
-    group = axis_group(mesh, Axis.SP.value)
+    group = bin_group(mesh, batch, axis_group(mesh, Axis.SP.value))  # a dynamic schedule's bin: its block's
     per_token = bool(objective.takes.per_token)  # completion tokens: the labels'
     targets = local_targets(local) if per_token else None
     hidden, out = final_hidden(model, local)  # [B, S_local, H]
@@ -191,10 +195,21 @@ def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh
     terms = objective.terms(q)
     denominator = float(num_units) if num_units is not None else max(float(terms.count), 1.0)
     loss = terms.total / denominator
-    dp = dp_size(mesh)
-    if dp > 1 and (num_units is not None or terms.global_count):
-        loss = ScaleGrad.apply(loss, float(dp))  # the dp average of the ranks' shares of a global mean
+    scale = _grad_ranks(batch, mesh) / _size(group)
+    if scale != 1 and (num_units is not None or terms.global_count):  # the average over every rank of their
+        loss = ScaleGrad.apply(loss, scale)                              # shares of a global mean
     return ObjectiveOutput(loss, {k: v.detach() for k, v in terms.metrics.items()})
+
+
+def _grad_ranks(batch: LocalBatch, mesh: DeviceMesh) -> float:
+    """The ranks the gradients are averaged over: dp x sp, or every rank of the job for a dynamic
+    schedule's bin (its sp group is a block of ``k`` ranks, :func:`~seqpar.batch.loss.bin_group`).
+    row_sums scales each rank's share by its group's size; the rest of the factor comes here."""
+    return float(batch.grad_ranks if batch.grad_ranks is not None else dp_size(mesh) * batch.sp_size)
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def _from_model(objective: Objective, model: nn.Module, hidden: Tensor, out: Any, targets: Tensor | None,

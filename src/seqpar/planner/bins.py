@@ -22,7 +22,7 @@ unsharded model's gradient of the step's token mean. The step's loss counts each
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,26 +116,31 @@ class StepBins:
                               num_items_in_batch=self.num_items, grad_ranks=self._dyn.degrees.world,
                               device=self._dyn.device)
 
-    def fsdp(self, model: Any) -> Iterator[dict[str, Any]]:
+    def fsdp(self, model: Any, loss_of: Callable[[dict[str, Any]], Tensor] | None = None
+             ) -> Iterator[dict[str, Any]]:
         """This rank's bins for ``model`` under FSDP2 (``fully_shard`` with
         ``reshard_after_forward=False``, needed: by default each bin's forward reshards and its
         backward all-gathers again, over every rank, which ranks with fewer bins never join -- a
         hang): every bin runs with gradient sync off and the parameters kept gathered; when the
-        loop asks past the last bin, one flush pass (a 2-token degree-1 row times zero)
+        loop asks past the last bin, one flush pass (a 4-token degree-1 row times zero)
         reduce-scatters the accumulated gradients. So every rank runs the same FSDP collectives
         whatever its number of bins (none too), and none inside a bin: a reduce-scatter in a bin's
         backward would wait on a peer still inside that bin's all-to-alls (a hang). Each call
         ends in step on every rank, so grad-accum micro-steps call it once each (one reduce-scatter
-        per micro-step; FSDP2 adds them into the sharded gradients)."""
+        per micro-step; FSDP2 adds them into the sharded gradients). ``loss_of``: the loss of a local
+        batch (default ``model(**local).loss``; a preference objective's: the flush row holds two
+        documents, one pair)."""
         model.set_requires_gradient_sync(False)
         model.set_reshard_after_backward(False)
         yield from self
         model.set_requires_gradient_sync(True)
         model.set_reshard_after_backward(True)
-        ids = torch.zeros(1, 2, dtype=torch.long)
-        local = shard_batch({"input_ids": ids, "labels": ids}, self._dyn.degrees.mesh(1), num_items_in_batch=1.0,
-                            grad_ranks=self._dyn.degrees.world, device=self._dyn.device)
-        (model(**local).loss * 0.0).backward()  # adds exact zeros: the gradients are the bins' alone
+        ids = torch.zeros(1, 4, dtype=torch.long)
+        local = shard_batch({"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1, 0, 1]])},
+                            self._dyn.degrees.mesh(1), num_items_in_batch=1.0, grad_ranks=self._dyn.degrees.world,
+                            device=self._dyn.device)
+        loss = model(**local).loss if loss_of is None else loss_of(local)
+        (loss * 0.0).backward()  # adds exact zeros: the gradients are the bins' alone
 
     def record(self, loss: Tensor) -> None:
         """Note a bin's loss (in iteration order) for :meth:`loss`."""

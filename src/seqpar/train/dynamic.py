@@ -18,6 +18,14 @@ last bin, then a flush pass every rank runs; the model is sharded with ``reshard
 
 A row's padding is dropped (a bin packs real tokens only), so short rows run at degree 1 on one
 rank while other ranks run others, and a row of ``--seq-len`` tokens takes ``--sp`` ranks.
+
+Preference objectives (dpo, simpo, reward) bin whole pairs: a unit of pairs (``[2, S]`` chosen and
+rejected rows, or a --packing row) is one row of the plan, its pairs as documents c0 r0 c1 r1 ...
+(:func:`as_row`). N is the step's pairs; each bin runs :meth:`ObjectiveStep.pair_loss` with
+``num_units=N``: the seam reduces the bin's sequence sums over the bin's block of ranks
+(:func:`seqpar.batch.loss.bin_group`) and scales the gradient for the average over every rank (the
+bin's ``grad_ranks``), so each pair weighs 1/N over bins, micro-steps and dp ranks, as in the static
+schedule. Losses that couple a micro-batch's pairs are refused (:func:`check_objective`).
 """
 
 from __future__ import annotations
@@ -26,15 +34,18 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
+from torch import Tensor
+
 import seqpar
 from seqpar.comm import faults
 from seqpar.integrations.models import decoder_config
 from seqpar.planner.batches import BudgetStep, budget_steps
-from seqpar.planner.bins import SP_SCHEDULES, DynamicSP, row_tokens, step_targets
+from seqpar.planner.bins import SP_SCHEDULES, DynamicSP, pack_rows, row_tokens, step_targets
 from seqpar.planner.model_cost import model_cost
 
-from .config import TrainConfig
+from .config import PAIRED, TrainConfig, dpo_losses
 from .data import row_index
+from .preference_data import pairs_in
 
 
 def check_schedule(cfg: TrainConfig, sp: int) -> None:
@@ -46,9 +57,7 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
         if cfg.token_budget is not None:
             raise ValueError("--token-budget forms the steps of a dynamic schedule: give --sp-schedule dynamic too")
         return
-    if cfg.objective != "sft":
-        raise ValueError(f"--sp-schedule dynamic bins rows for the token mean; --objective {cfg.objective} runs on "
-                         "whole pairs: use --sp-schedule static (or --objective sft)")
+    check_objective(cfg)
     if cfg.strategy not in ("ulysses", "ring"):
         raise ValueError(f"--sp-schedule dynamic runs bins at degrees below --sp on sub-groups of ranks, which "
                          f"--strategy {cfg.strategy} has none of: use --strategy ulysses or ring")
@@ -58,10 +67,49 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
         if cfg.micro_batch != 1:
             raise ValueError("--token-budget sets how many rows a step holds, in place of --micro-batch: leave "
                              "--micro-batch at 1")
-        need = -(-cfg.seq_len // sp)
+        need = -(-unit_tokens(cfg) // sp)
         if cfg.token_budget < need:
-            raise ValueError(f"--token-budget {cfg.token_budget} cannot hold a row of --seq-len {cfg.seq_len} on "
-                             f"--sp {sp} ranks: use --token-budget >= {need}")
+            what = f"a row of --seq-len {cfg.seq_len}" if unit_tokens(cfg) == cfg.seq_len else \
+                f"a pair of two rows of --seq-len {cfg.seq_len}"
+            raise ValueError(f"--token-budget {cfg.token_budget} cannot hold {what} on --sp {sp} ranks: use "
+                             f"--token-budget >= {need}")
+
+
+BATCH_COUPLED = {"aot": "sorts the log-ratios over the micro-batch", "aot_unpaired": "sorts the log-ratios over the "
+                 "micro-batch", "sft": "is the token mean of the micro-batch's chosen completions"}
+"""--dpo-loss types whose loss couples the pairs of a micro-batch: a bin holds other pairs than the
+static schedule's micro-batch, so they would train to another loss."""
+
+
+def check_objective(cfg: TrainConfig) -> None:
+    """--objective under --sp-schedule dynamic (pure): a bin holds whole pairs, and the loss is a sum
+    of per-pair terms over the step's pairs, so it is exact when each pair's term depends on that pair
+    alone. Raises ValueError naming the option for an objective whose loss couples a batch's pairs."""
+    if cfg.objective == "orpo":
+        raise ValueError("--objective orpo's NLL term is a token mean over a micro-batch's chosen completions, "
+                         "which a dynamic schedule's bins (other pairs than the micro-batch's) would change: use "
+                         "--sp-schedule static (dpo, simpo and reward run under dynamic)")
+    if cfg.objective == "dpo":
+        coupled = [t for t in dpo_losses(cfg) if t in BATCH_COUPLED]
+        if coupled:
+            raise ValueError(f"--dpo-loss {coupled[0]} {BATCH_COUPLED[coupled[0]]}, which a dynamic schedule's bins "
+                             f"(other pairs than the micro-batch's) would change: use --sp-schedule static or "
+                             f"another --dpo-loss (not {', '.join(BATCH_COUPLED)})")
+
+
+def unit_tokens(cfg: TrainConfig) -> int:
+    """The most real tokens of one unit of the data order: a row of --seq-len, or a pair of two such
+    rows (preference data without --packing: chosen and rejected, one bin holds both)."""
+    return 2 * cfg.seq_len if cfg.objective in PAIRED and not cfg.packing else cfg.seq_len
+
+
+def as_row(unit: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A unit as one row a bin packs: a row as it is; a pair's two rows ``[2, S]`` (chosen, rejected)
+    as one packed row of two documents, so a pair never splits over bins and keeps the order c, r."""
+    ids = unit["input_ids"]
+    if ids.dim() < 2 or ids.shape[0] == 1:
+        return unit
+    return pack_rows([{k: v[i] for k, v in unit.items()} for i in range(ids.shape[0])])
 
 
 class DynamicSteps:
@@ -71,7 +119,8 @@ class DynamicSteps:
     def __init__(self, trainer: Any) -> None:
         cfg, job = trainer.cfg, trainer.job
         self.trainer = trainer
-        budget = cfg.token_budget if cfg.token_budget is not None else -(-cfg.seq_len // job.sp)
+        self.paired = cfg.objective in PAIRED
+        budget = cfg.token_budget if cfg.token_budget is not None else -(-unit_tokens(cfg) // job.sp)
         cost = model_cost(decoder_config(trainer.model.config)[0], strategy=job.strategy,
                           device_type=trainer.device.type, dtype_bytes=next(trainer.model.parameters()).element_size())
         self.dyn = DynamicSP(trainer.mesh, token_budget=budget, cost=cost, layout=job.layout, device=trainer.device)
@@ -90,7 +139,7 @@ class DynamicSteps:
                                         micro_batch=cfg.micro_batch))
                      for d in range(job.dp) for b in range(cfg.micro_batch)] for m in range(cfg.grad_accum)]
         if self._stream is None:
-            lengths = (int(row_tokens(data.row(i))[0].numel()) for i in itertools.count())
+            lengths = (int(row_tokens(as_row(data.row(i)))[0].numel()) for i in itertools.count())
             self._stream = budget_steps(lengths, world=job.world, token_budget=self.token_budget,
                                         micro_steps=cfg.grad_accum, max_row=job.sp * self.token_budget)
         while len(self._steps) <= step:
@@ -98,20 +147,26 @@ class DynamicSteps:
         return [[data.row(i) for i in m] for m in self._steps[step].micro]
 
     def forward_backward(self, step: int) -> tuple[float, int]:
-        """Gradients of ``step``'s token-mean loss (complete and exact after this: the world
-        average). Returns ``(the loss on dp rank 0, else 0.0; the step's targets)``, as the static
-        :meth:`seqpar.train.loop.Trainer.forward_backward` does."""
+        """Gradients of ``step``'s mean loss over its targets, or its pairs (complete and exact after
+        this: the world average). Returns ``(the loss on dp rank 0, else 0.0; the step's units)``, as
+        the static :meth:`seqpar.train.loop.Trainer.forward_backward` does."""
         t = self.trainer
         micro = self.micro_steps(step)
-        n = sum(step_targets(rows) for rows in micro)
+        if self.paired:  # the mean over the step's pairs; each bin holds whole pairs
+            n = float(sum(pairs_in(u) for rows in micro for u in rows))
+            micro = [[as_row(u) for u in rows] for rows in micro]
+            t.objective.begin_step()
+        else:
+            n = sum(step_targets(rows) for rows in micro)
         loss_sum, hist, tokens = 0.0, {}, 0
         for rows in micro:
             plan = self.dyn.plan(rows, num_items=n)
             # FSDP2: the reduce-scatter after this micro-step's last bin, in a flush pass every rank runs
             # (ranks run different numbers of bins); so each micro-step ends with every rank in step
             # before the next one's plan (a collective) -- one reduce-scatter per micro-step, not per step
-            for local in plan.fsdp(t.model) if t.use_fsdp else plan:
-                loss = t.model(**local).loss
+            flush = (lambda local: t.objective.pair_loss(local, 1.0, note=False)[0]) if self.paired else None
+            for local in plan.fsdp(t.model, flush) if t.use_fsdp else plan:
+                loss = t.objective.pair_loss(local, n)[0] if self.paired else t.model(**local).loss
                 with faults.publishing("the backward"):  # an exception here is told to every rank
                     loss.backward()
                 plan.record(loss)

@@ -111,13 +111,17 @@ class ObjectiveStep:
     def count(self, batches: list[dict[str, Tensor]]) -> float:
         """The step's units over every dp rank: targets (sft, as shard_batch counts them) or pairs.
         Called once per step: it starts the step's metrics afresh."""
-        self.metrics = {}
-        self._micro = 0
+        self.begin_step()
         if not self.paired:
             return seqpar.count_target_tokens(batches, self.trainer.mesh)
         n = torch.tensor([float(sum(pairs_in(b) for b in batches))], dtype=torch.float64, device=self.trainer.device)
         collectives.all_reduce(n, group=axis_group(self.trainer.mesh, "dp"))
         return float(n)
+
+    def begin_step(self) -> None:
+        """Start a step's metrics afresh."""
+        self.metrics = {}
+        self._micro = 0
 
     def loss(self, batch: dict[str, Tensor], n_units: float) -> tuple[Tensor, dict[str, Tensor]]:
         """``(loss, metrics)`` of one micro-batch: this rank's share of the step's mean over ``n_units``."""
@@ -125,10 +129,20 @@ class ObjectiveStep:
         if not self.paired:  # the denominator travels in the batch, as the model's own loss takes it
             local = seqpar.shard_batch(batch, t.mesh, layout=t.job.layout, num_items_in_batch=n_units or None)
             out = self.objective(self.policy, local, t.mesh, tile=self.tile)
-        else:
-            local = seqpar.shard_batch(batch, t.mesh, layout=t.job.layout)
-            out = self.objective(self.policy, local, t.mesh, reference=self.reference, num_units=n_units or None,
-                                 tile=self.tile)
+            return self._noted(out)
+        local = seqpar.shard_batch(batch, t.mesh, layout=t.job.layout)
+        return self.pair_loss(local, n_units)
+
+    def pair_loss(self, local: dict[str, Any], n_units: float, *, note: bool = True
+                  ) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(loss, metrics)`` of a sharded batch of whole pairs (a micro-batch, or a dynamic schedule's
+        bin: sharded over its block, the seam reduces over that block): its share of the step's mean
+        over ``n_units`` pairs. ``note``: count its metrics in the step's (not for an FSDP flush row)."""
+        out = self.objective(self.policy, local, self.trainer.mesh, reference=self.reference,
+                             num_units=n_units or None, tile=self.tile)
+        return self._noted(out) if note else (out.loss, out.metrics)
+
+    def _noted(self, out: Any) -> tuple[Tensor, dict[str, Tensor]]:
         self._micro += 1  # a running mean over the step's micro-batches
         for k, v in out.metrics.items():
             self.metrics[k] = self.metrics.get(k, 0.0) + (float(v) - self.metrics.get(k, 0.0)) / self._micro
