@@ -1,9 +1,10 @@
 """A dynamic SP step is the unsharded model's step: one float64 step at 4 gloo ranks whose bins run at
 degrees 1, 2 and 4 (padded, packed and plain rows of odd lengths; 4 query heads over 2 KV heads, so
 fewer KV heads than the degree-4 block) gives the unsharded model's loss (1e-9) and every
-parameter's gradient (1e-8), under ``sync_gradients``, under a plain world average (what stock DDP /
-FSDP2 compute) and under stock ``DistributedDataParallel``. Ranks that plan different rows, or rows
-that fit no degree, raise the same ValueError on every rank before any other collective."""
+parameter's gradient (1e-8), with packed rows' documents binned apart too, under
+``sync_gradients``, under a plain world average (what stock DDP / FSDP2 compute) and under stock
+``DistributedDataParallel``. Ranks that plan different rows, or rows that fit no degree, raise the
+same ValueError on every rank before any other collective."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def _rows(vocab: int) -> list[dict]:
 
 
 def _cost(docs, k):  # a sub-group only for rows that do not fit one rank: degrees 1, 2 and 4 all occur
-    # (a degree above 1 doubles a rank's work, as on a CPU whose ranks share cores, so the mixed
-    # schedule is predicted faster than static and plan_step keeps it)
-    return sum(docs) / k * (2.0 if k > 1 else 1.0) + (5.0 if k > 1 else 0.0)
+    # (a degree above 1 triples a rank's work, as on a CPU whose ranks share cores, so the mixed
+    # schedule is predicted faster than static and plan_step keeps it, packed documents apart too)
+    return sum(docs) / k * (3.0 if k > 1 else 1.0) + (5.0 if k > 1 else 0.0)
 
 
 def _reference(base, rows):
@@ -65,7 +66,7 @@ def _step(base, mesh, rows, mode):
 
     model = seqpar.parallelize(copy.deepcopy(base), mesh)
     runner = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
-    dyn = DynamicSP(mesh, token_budget=BUDGET, cost=_cost)
+    dyn = DynamicSP(mesh, token_budget=BUDGET, cost=_cost, documents=mode == "documents")
     step = dyn.plan(rows)
     mine = step.schedule.bins_for(dist.get_rank())
     for i, local in enumerate(step):
@@ -78,7 +79,7 @@ def _step(base, mesh, rows, mode):
             loss = runner(**local).loss
             loss.backward()
         step.record(loss)
-    if mode == "sync":
+    if mode in ("sync", "documents"):
         seqpar.sync_gradients(model, mesh)
     elif mode == "average":  # the arithmetic of stock DDP / FSDP2: a plain mean over every rank
         for p in model.parameters():
@@ -100,7 +101,7 @@ def _worker(rank: int, world: int) -> dict:
     ref_loss, ref_grads = _reference(base, rows)
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     out: dict = {}
-    for mode in ("sync", "average", "ddp"):
+    for mode in ("sync", "average", "ddp", "documents"):
         loss, grads, hist, n_bins = _step(base, mesh, rows, mode)
         out[mode] = (abs(loss - ref_loss), max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()),
                      hist, n_bins)
@@ -122,12 +123,13 @@ def results():
     return run_distributed(_worker, WORLD, timeout=600)
 
 
-@pytest.mark.parametrize("mode", ["sync", "average", "ddp"])
+@pytest.mark.parametrize("mode", ["sync", "average", "ddp", "documents"])
 def test_dynamic_step_equals_the_unsharded_model(results, mode):
     for rank, res in enumerate(results):
         loss_err, grad_err, hist, n_bins = res[mode]
         assert set(hist) == {1, 2, 4}, f"rank {rank}: bins ran at degrees {hist}, not 1, 2 and 4"
-        assert sum(hist.values()) == 9
+        # documents: the three packed rows' six documents binned apart
+        assert sum(hist.values()) == (12 if mode == "documents" else 9), hist
         assert loss_err <= LOSS_TOL, f"rank {rank} {mode}: loss off by {loss_err:.3g}"
         assert grad_err <= GRAD_TOL, f"rank {rank} {mode}: a gradient off by {grad_err:.3g}"
 

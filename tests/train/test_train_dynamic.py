@@ -46,7 +46,10 @@ def runs(tmp_path_factory):
                       # the memory switches in bins below --sp: tiles far below the shards
                       ("memory", base.replace(sp_schedule="dynamic", tiled_loss=True, tiled_mlp=True,
                                               checkpoint="layers", loss_tile=4, mlp_tile=3)),
-                      ("budget", base.replace(sp_schedule="dynamic", micro_batch=1, token_budget=40, grad_accum=2))]:
+                      ("budget", base.replace(sp_schedule="dynamic", micro_batch=1, token_budget=40, grad_accum=2)),
+                      # --packing: rows packed to --seq-len, their documents binned apart
+                      ("static packed", base.replace(packing=True)),
+                      ("packed", base.replace(packing=True, sp_schedule="dynamic"))]:
         out[name] = run_local(prepare_job(cfg.replace(save_dir=str(root / name))))
     return out
 
@@ -59,6 +62,18 @@ def test_dynamic_trains_to_the_static_loss_curve(runs, name):
     for (step, a), (_, b) in zip(static, dynamic, strict=True):
         assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: static {a!r} vs {name} {b!r}"
     assert set(runs[name].sp_degrees) == {1, 2}, runs[name].sp_degrees
+
+
+@pytest.mark.distributed
+def test_packed_documents_are_binned_apart(runs):
+    static, dynamic = runs["static packed"].losses, runs["packed"].losses
+    assert [s for s, _ in static] == [s for s, _ in dynamic] == [1, 2, 3]
+    for (step, a), (_, b) in zip(static, dynamic, strict=True):
+        assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: static {a!r} vs dynamic {b!r} (--packing)"
+    # every packed row holds --seq-len tokens (a row as a unit would need sp=2): its short documents
+    # run at degree 1, and the histogram counts more units than the 3 x 4 rows
+    degrees = runs["packed"].sp_degrees
+    assert degrees.get(1, 0) > 0 and sum(degrees.values()) > 3 * 4, degrees
 
 
 @pytest.mark.distributed

@@ -85,6 +85,16 @@ def _documents(tokens: RowTokens, positioned: bool) -> list[int]:
     return [b - a for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a]
 
 
+def _restarts(tokens: RowTokens) -> list[RowTokens]:
+    """A packed row's tokens cut where its positions restart at 0: units that each start at 0, so
+    packed together again they keep their boundaries (a document not starting at 0 stays with the
+    one before it)."""
+    ids, labels, pos = tokens
+    cuts = [0, *(pos[1:] == 0).nonzero().flatten().add(1).tolist(), pos.numel()]
+    return [(ids[a:b], None if labels is None else labels[a:b], pos[a:b])
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+
+
 def pack_rows(rows: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
     """The rows' real tokens as one packed row ``[1, T]`` (each row's documents stay documents)."""
     return _packed([row_tokens(r) for r in rows])
@@ -159,16 +169,20 @@ class DynamicSP:
 
     ``token_budget``: tokens per rank per bin; ``cost``: predicted seconds of a bin
     (:func:`seqpar.planner.work.bin_seconds` bound to a model and machine); ``degrees``: the degrees
-    allowed (default ``1, 2, 4, ..., sp``; ``(sp,)`` is the static schedule). Building it is
-    collective the first time over a mesh: every rank creates the block groups, once per mesh
-    (:func:`~seqpar.comm.degrees.degree_meshes`).
+    allowed (default ``1, 2, 4, ..., sp``; ``(sp,)`` is the static schedule). ``documents``: bin
+    a packed row's documents apart (each run of positions from 0 is a unit of its own): they attend
+    only within themselves and their targets are the same, so the step's loss and gradients are those
+    of the rows as given, while a row packed to ``--seq-len`` of short documents no longer needs the
+    degree of its length. Building it is collective the first time over a mesh: every rank creates
+    the block groups, once per mesh (:func:`~seqpar.comm.degrees.degree_meshes`).
     """
 
     def __init__(self, mesh: DeviceMesh, *, token_budget: int, cost: Cost, degrees: Sequence[int] | None = None,
-                 layout: str = "contiguous", device: torch.device | str | None = None) -> None:
+                 layout: str = "contiguous", device: torch.device | str | None = None, documents: bool = False) -> None:
         self.degrees = degree_meshes(mesh)
         self.token_budget, self.cost, self.layout, self.device = token_budget, cost, layout, device
         self.allowed = tuple(degrees) if degrees is not None else self.degrees.degrees
+        self.documents = documents
 
     def targets(self, rows: Sequence[Mapping[str, Any]], *, ignore_index: int = IGNORE_INDEX) -> float:
         """The targets of ``rows`` (:func:`step_targets`): the ``num_items`` of a step of them."""
@@ -183,8 +197,11 @@ class DynamicSP:
         the ranks' rows or schedules differ (one small all-gather)."""
         problem, docs, schedule, n, tokens = None, [], None, 0.0, []
         try:  # each row's tokens read once: its documents, the step's targets and its bin's packed row
-            tokens = [row_tokens(r) for r in rows]
-            docs = [_documents(t, "position_ids" in r) for t, r in zip(tokens, rows, strict=True)]
+            units = [(row_tokens(r), "position_ids" in r) for r in rows]
+            if self.documents:  # a packed row's documents, each a unit of its own
+                units = [(piece, True) for t, positioned in units for piece in (_restarts(t) if positioned else [t])]
+            tokens = [t for t, _ in units]
+            docs = [_documents(t, positioned) for t, positioned in units]
             schedule = plan_step(docs, world=self.degrees.world, sp=self.degrees.sp, token_budget=self.token_budget,
                                  cost=self.cost, degrees=self.allowed)
             n = _targets(tokens, ignore_index)

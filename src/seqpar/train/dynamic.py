@@ -123,7 +123,10 @@ class DynamicSteps:
         budget = cfg.token_budget if cfg.token_budget is not None else -(-unit_tokens(cfg) // job.sp)
         cost = model_cost(decoder_config(trainer.model.config)[0], strategy=job.strategy,
                           device_type=trainer.device.type, dtype_bytes=next(trainer.model.parameters()).element_size())
-        self.dyn = DynamicSP(trainer.mesh, token_budget=budget, cost=cost, layout=job.layout, device=trainer.device)
+        # --packing: a packed row's documents are binned apart (a pair's two stay one unit: paired objectives
+        # pack whole pairs, which as_row keeps together)
+        self.dyn = DynamicSP(trainer.mesh, token_budget=budget, cost=cost, layout=job.layout, device=trainer.device,
+                             documents=cfg.packing and not self.paired)
         self.token_budget = budget
         self.rows_at_degree: dict[int, int] = {}
         self.last: dict[int, int] = {}
