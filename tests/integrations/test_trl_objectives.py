@@ -78,8 +78,9 @@ def _reward_model():
     return LlamaForSequenceClassification(config).to(torch.float64)
 
 
-def _common(out: str) -> dict:
-    return dict(output_dir=out, per_device_train_batch_size=ROWS, max_steps=1, learning_rate=LR, optim="sgd",
+def _common(out: str, accum: int = 1) -> dict:
+    return dict(output_dir=out, per_device_train_batch_size=ROWS, gradient_accumulation_steps=accum, max_steps=1,
+                learning_rate=LR, optim="sgd",
                 max_grad_norm=0.0, logging_steps=1, report_to=[], use_cpu=True, bf16=False, seed=0,
                 disable_tqdm=True, save_strategy="no", lr_scheduler_type="constant")
 
@@ -111,9 +112,10 @@ def _reward(completions, **kwargs) -> list[float]:
     return [sum(int(w[1:]) % 5 for w in c.split() if w[1:].isdigit()) / 10 for c in completions]
 
 
-def train(case: str, out: str, sp: int | None = None, dp: int = 1) -> dict:
-    """One step of ``case``; with ``sp`` the one seqpar line is added. Returns the logged loss and
-    metrics and the weights after the step."""
+def train(case: str, out: str, sp: int | None = None, dp: int = 1, *, accum: int = 1, line=None) -> dict:
+    """One step of ``case``; with ``sp`` the one seqpar line is added (or ``line(trainer)``, another
+    one: test_trl_dynamic's). ``accum``: micro-batches per step (their rows: dp x accum x ROWS pairs).
+    Returns the logged loss and metrics and the weights after the step."""
     import seqpar
 
     if case in DPO_CASES:
@@ -125,9 +127,9 @@ def train(case: str, out: str, sp: int | None = None, dp: int = 1) -> dict:
         ref = None if extra.get("precompute_ref_log_probs") else _causal_lm(seed=2)
         # eval at dp=1 (at dp > 1 seqpar refuses it: every rank evaluates every batch)
         evals = {"eval_dataset": _dataset(_pairs(3), out)} if case == "dpo-sigmoid" and dp == 1 else {}
-        data = _dataset(_pairs(1, dp), out, on_disk=ref is None)
-        trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**_common(out), **extra), train_dataset=data,
-                             processing_class=_tokenizer(), **evals)
+        data = _dataset(_pairs(1, dp * accum), out, on_disk=ref is None)
+        trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**_common(out, accum), **extra),
+                             train_dataset=data, processing_class=_tokenizer(), **evals)
     elif case in GRPO_CASES:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -141,13 +143,15 @@ def train(case: str, out: str, sp: int | None = None, dp: int = 1) -> dict:
         from trl import RewardConfig, RewardTrainer
 
         rows = [{"chosen": f"{r['prompt']} {r['chosen']}", "rejected": f"{r['prompt']} {r['rejected']}"}
-                for r in _pairs(2, dp)]
+                for r in _pairs(2, dp * accum)]
         if case == "reward-margin-centered":
             rows = [{**r, "margin": 0.25 * i} for i, r in enumerate(rows)]
         model = _reward_model()
-        trainer = RewardTrainer(model=model, args=RewardConfig(**_common(out), **REWARD_CASES[case]),
+        trainer = RewardTrainer(model=model, args=RewardConfig(**_common(out, accum), **REWARD_CASES[case]),
                                 train_dataset=_dataset(rows, out), processing_class=_tokenizer())
-    if sp is not None:
+    if line is not None:
+        line(trainer)
+    elif sp is not None:
         seqpar.parallelize_trainer(trainer, sp=sp)  # the line a user adds
     result = {}
     if trainer.eval_dataset is not None:  # before the step, on equal weights: loss, TRL's metrics, logits

@@ -83,6 +83,10 @@ class _State:
         self.sp = self.world // self.dp
         self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
 
+    def over(self, mesh: DeviceMesh) -> _State:
+        """The same layout and strategy over another mesh (a dynamic schedule's block of ranks)."""
+        return _State(mesh, self.layout, self.strategy)
+
 
 class SeqParTrainerMixin:
     """Sequence parallelism for a ``transformers.Trainer`` subclass (``Trainer``, TRL's
@@ -248,7 +252,8 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     at dp > 1 each dp rank's own, as under DDP without seqpar). Another TRL trainer adding a router
     aux loss at dp > 1 is Refused (not yet held against DDP).
     ``schedule``: a dynamic SP schedule over ``mesh`` (``seqpar.planner.bins.DynamicSP``): each
-    micro-batch's rows binned, each bin at the degree it needs (:mod:`.trainer_dynamic`).
+    micro-batch's rows binned, each bin at the degree it needs (:mod:`.trainer_dynamic`; TRL's DPO
+    and reward trainers: whole pairs per bin, :mod:`.trl_dynamic`; GRPO is refused).
     """
     dynamic: tuple[type, ...] = ()
     if schedule is not None:  # the dynamic schedule (issue 37): its methods live in their own module
@@ -259,9 +264,11 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
                          "seqpar.SeqParTrainerMixin)")
     entry = trl_entry(type(trainer))
-    if entry is not None and schedule is not None:
-        raise Refused(f"a dynamic SP schedule (schedule=) with TRL's {type(trainer).__name__} is not supported: "
-                      "its loss runs on whole pairs / groups; leave schedule=None (the static schedule)")
+    if entry is not None and schedule is not None:  # TRL's DPO / Reward: whole pairs per bin, TRL's loss
+        from .trl_dynamic import DynamicPairMethods, check_pair_dynamic
+
+        check_pair_dynamic(trainer)
+        dynamic = (DynamicPairMethods,)
     mixin = entry[0] if entry else SeqParTrainerMixin  # TRL's DPO / Reward / GRPO trainers: their own
     state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
     base = type(trainer)

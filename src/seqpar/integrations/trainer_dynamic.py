@@ -19,8 +19,16 @@ sub-groups of the ``dp x sp`` ranks (:class:`~seqpar.planner.bins.DynamicSP`; a 
                 micro-batch's share of that mean (the same on every rank, as the Trainer logs it)
     eval        as the static schedule (whole batches over the job's SP group)
 
-accelerate's FSDP and DeepSpeed are refused: their collectives run inside each backward, which ranks
-running different bins cannot match (in a loop of one's own, ``StepBins.fsdp`` is the way).
+    FSDP2       accelerate's FSDP2 (``fsdp_config={"version": 2}``): the bins run through
+                ``StepBins.fsdp`` (gradient sync held back until this rank's last bin, then one flush
+                pass every rank runs, so every rank runs the same FSDP collectives), with the
+                parameters kept gathered from forward to backward (``set_reshard_after_forward(False)``
+                for the step, the plugin's setting restored after); FSDP2's reduce-scatter is the
+                world average, so no sync_gradients
+
+accelerate's FSDP1 and DeepSpeed are refused: their collectives run inside each backward, which
+ranks running different bins cannot match. TRL's DPO and reward trainers: whole pairs per bin,
+:mod:`.trl_dynamic`.
 This module imports nothing of :mod:`.trainer`: ``parallelize_trainer`` puts
 :class:`DynamicTrainerMethods` before ``SeqParTrainerMixin`` in the trainer's class.
 """
@@ -29,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -81,17 +89,44 @@ class DynamicTrainerMethods:
             model.train()
             n = None if num_items_in_batch is None else float(num_items_in_batch)
             step = self._dynamic.plan(batch_rows(inputs), num_items=n)
-            no_sync = getattr(model, "no_sync", None)  # DDP: the average is sync_gradients' below
-            with no_sync() if callable(no_sync) else contextlib.nullcontext():
-                for local in step:
+            fsdp = getattr(self, "is_fsdp_enabled", False)  # FSDP2 (check_dynamic refused FSDP1)
+            plugin = self.accelerator.state.fsdp_plugin if fsdp else None
+            with fsdp2_bins(step, model, plugin) if fsdp else plain_bins(step, model) as bins:
+                for local in bins:
                     loss = model(**local).loss
                     self.accelerator.backward(loss)
                     step.record(loss)
             for k, count in step.schedule.rows_at_degree.items():
                 self.rows_at_degree[k] = self.rows_at_degree.get(k, 0) + count
-            if self.accelerator.sync_gradients:
+            if self.accelerator.sync_gradients and not fsdp:  # FSDP2's reduce-scatter already averaged
                 sync_gradients(self.model, self._seqpar.mesh)
             return step.loss().to(self.args.device).detach()
+
+
+@contextlib.contextmanager
+def plain_bins(step: Any, model: nn.Module) -> Iterator[Iterable[dict[str, Any]]]:
+    """This rank's bins of ``step``; under DDP with its sync off (the average is sync_gradients')."""
+    no_sync = getattr(model, "no_sync", None)
+    with no_sync() if callable(no_sync) else contextlib.nullcontext():
+        yield step
+
+
+@contextlib.contextmanager
+def fsdp2_bins(step: Any, model: Any, plugin: Any) -> Iterator[Iterable[dict[str, Any]]]:
+    """This rank's bins of ``step`` for accelerate's FSDP2 root ``model``: ``step.fsdp(model)``, with
+    the parameters kept gathered from forward to backward meanwhile (a bin's backward must all-gather
+    nothing: ranks with fewer bins would never join), then ``plugin.reshard_after_forward`` back (the
+    root's own False, FSDP2's default for the root)."""
+    if not callable(getattr(model, "set_reshard_after_forward", None)):
+        raise ValueError(f"accelerate's FSDP is on but the Trainer's model is a {type(model).__name__}, not an "
+                         "FSDP2 module (fully_shard): a dynamic SP schedule needs FSDP2 (fsdp_config "
+                         "version 2) and no torch_compile")
+    model.set_reshard_after_forward(False)
+    try:
+        yield step.fsdp(model)
+    finally:
+        model.set_reshard_after_forward(bool(getattr(plugin, "reshard_after_forward", True)))
+        model.set_reshard_after_forward(False, recurse=False)
 
 
 def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -105,15 +140,21 @@ def check_dynamic(trainer: Any, mesh: DeviceMesh | None, schedule: StepSchedule,
                   layout: str) -> str:
     """``parallelize_trainer(trainer, mesh, schedule=...)``'s own checks; returns the layout (the
     schedule's). Raises ValueError without the mesh the schedule was built over, for a ``layout``
-    other than the schedule's, and for FSDP or DeepSpeed under accelerate."""
+    other than the schedule's, and for accelerate's FSDP1 or DeepSpeed (naming the option)."""
     if mesh is None or sp is not None:
         raise ValueError("parallelize_trainer(trainer, mesh, schedule=...) takes the mesh the schedule was built "
                          "over (DynamicSP(mesh, ...)), not sp=")
     if layout not in ("contiguous", schedule.layout):
         raise ValueError(f"layout={layout!r} differs from the schedule's {schedule.layout!r}: give "
                          f"DynamicSP(..., layout={layout!r}) instead")
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
-        raise ValueError("a dynamic SP schedule runs a different number of bins on each rank, which accelerate's "
-                         "FSDP / DeepSpeed collectives inside each backward cannot follow: use plain DDP, or "
-                         "parallelize_trainer without schedule=")
+    why = ("a dynamic SP schedule runs a different number of bins on each rank, which {} collectives inside "
+           "each backward cannot follow: {}, or parallelize_trainer without schedule=")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError(why.format("DeepSpeed's (TrainingArguments.deepspeed)",
+                                    "drop deepspeed= and use FSDP2 (fsdp_config={'version': 2}) or plain DDP"))
+    if getattr(trainer, "is_fsdp_enabled", False):
+        version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
+        if version != 2:
+            raise ValueError(why.format(f"FSDP{version}'s (fsdp_config version={version})",
+                                        "use FSDP2 (fsdp_config={'version': 2}, run exact) or plain DDP"))
     return schedule.layout

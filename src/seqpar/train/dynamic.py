@@ -39,6 +39,7 @@ from torch import Tensor
 import seqpar
 from seqpar.comm import faults
 from seqpar.integrations.models import decoder_config
+from seqpar.integrations.trl_dynamic import BATCH_COUPLED
 from seqpar.planner.batches import BudgetStep, budget_steps
 from seqpar.planner.bins import SP_SCHEDULES, DynamicSP, pack_rows, row_tokens, step_targets
 from seqpar.planner.model_cost import model_cost
@@ -73,12 +74,6 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
                 f"a pair of two rows of --seq-len {cfg.seq_len}"
             raise ValueError(f"--token-budget {cfg.token_budget} cannot hold {what} on --sp {sp} ranks: use "
                              f"--token-budget >= {need}")
-
-
-BATCH_COUPLED = {"aot": "sorts the log-ratios over the micro-batch", "aot_unpaired": "sorts the log-ratios over the "
-                 "micro-batch", "sft": "is the token mean of the micro-batch's chosen completions"}
-"""--dpo-loss types whose loss couples the pairs of a micro-batch: a bin holds other pairs than the
-static schedule's micro-batch, so they would train to another loss."""
 
 
 def check_objective(cfg: TrainConfig) -> None:
