@@ -249,6 +249,28 @@ def test_preference_objectives_train_to_the_static_losses(pair_runs, name):
         assert abs(a - b) <= LOSS_TOL * abs(a), f"{name} step {step}: static {a!r} vs dynamic {b!r}"
     assert set(dynamic.sp_degrees) == {1, 2}, dynamic.sp_degrees  # short pairs at sp=1, long ones at sp=2
     assert sum(dynamic.sp_degrees.values()) == 3 * 2 * 4  # steps x micro-steps x pairs: a pair is one row
+    _assert_same_metrics(static, dynamic, name)
+
+
+METRICS_TOL = 1e-12  # float64: the same pair-weighted sums in another order (relative; near 0, 1e-15 absolute)
+
+
+def _step_metrics(summary) -> list[dict]:
+    """metrics.jsonl's objective metrics (rewards/..., logps/..., accuracy, margin) of each step."""
+    keep = ("rewards/", "logps/", "accuracy", "margin")
+    with open(summary.metrics) as f:
+        return [{k: v for k, v in m.items() if k.startswith(keep)} for m in map(json.loads, f) if "lr" in m]
+
+
+def _assert_same_metrics(static, dynamic, name: str) -> None:
+    """The objective's metrics of each step: the dynamic schedule's (every rank's bins) equal the static
+    schedule's (every dp rank's micro-batches), both over every pair of the step."""
+    a, b = _step_metrics(static), _step_metrics(dynamic)
+    assert len(a) == len(b) == 3 and all(a) and a[0].keys() == b[0].keys(), (a, b)
+    for step, (ma, mb) in enumerate(zip(a, b, strict=True), 1):
+        for k in ma:
+            assert abs(ma[k] - mb[k]) <= METRICS_TOL * max(abs(ma[k]), 1e-3), f"{name} step {step} {k}: {ma[k]!r} " \
+                f"vs {mb[k]!r}"
 
 
 # heavy (4 ranks): degrees 1, 2 and 4 at sp=4; dp=2 x sp=2; FSDP2 with the flush pass of a pair (a
@@ -286,3 +308,4 @@ def test_preference_objectives_at_four_ranks(pair_heavy_runs, case, name):
         assert abs(a - b) <= LOSS_TOL * abs(a), f"{case} {name} step {step}: static {a!r} vs dynamic {b!r}"
     want = {1, 2, 4} if PAIR_HEAVY[case].get("sp") == 4 else {1, 2}
     assert set(dynamic.sp_degrees) == want, dynamic.sp_degrees
+    _assert_same_metrics(static, dynamic, f"{case} {name}")

@@ -154,19 +154,24 @@ class DynamicSteps:
         micro = self.micro_steps(step)
         if self.paired:  # the mean over the step's pairs; each bin holds whole pairs
             n = float(sum(pairs_in(u) for rows in micro for u in rows))
-            micro = [[as_row(u) for u in rows] for rows in micro]
             t.objective.begin_step()
         else:
             n = sum(step_targets(rows) for rows in micro)
         loss_sum, hist, tokens = 0.0, {}, 0
-        for rows in micro:
+        for units in micro:
+            rows = [as_row(u) for u in units] if self.paired else units
             plan = self.dyn.plan(rows, num_items=n)
             # FSDP2: the reduce-scatter after this micro-step's last bin, in a flush pass every rank runs
             # (ranks run different numbers of bins); so each micro-step ends with every rank in step
             # before the next one's plan (a collective) -- one reduce-scatter per micro-step, not per step
-            flush = (lambda local: t.objective.pair_loss(local, 1.0, note=False)[0]) if self.paired else None
-            for local in plan.fsdp(t.model, flush) if t.use_fsdp else plan:
-                loss = t.objective.pair_loss(local, n)[0] if self.paired else t.model(**local).loss
+            flush = (lambda local: t.objective.pair_loss(local, 1.0)[0]) if self.paired else None
+            # the bins first: zip must drive StepBins.fsdp past the last bin, to its flush pass
+            for local, b in zip(plan.fsdp(t.model, flush) if t.use_fsdp else plan, plan.mine, strict=True):
+                if self.paired:  # the bin's metrics weigh its pairs, held alike by its block's b.degree ranks
+                    pairs = sum(pairs_in(units[i]) for i in b.rows)
+                    loss = t.objective.pair_loss(local, n, units=pairs, copies=b.degree)[0]
+                else:
+                    loss = t.model(**local).loss
                 with faults.publishing("the backward"):  # an exception here is told to every rank
                     loss.backward()
                 plan.record(loss)
@@ -176,6 +181,8 @@ class DynamicSteps:
                 hist[k] = hist.get(k, 0) + count
         if not t.use_fsdp:
             seqpar.sync_gradients(t.model, t.mesh)
+        if self.paired:  # over every pair of the step, every rank's bins (one all-reduce over the job)
+            t.objective.finish_step(self.dyn.degrees.all_group)
         self.last, self.last_tokens = dict(sorted(hist.items())), tokens
         for k, count in hist.items():
             self.rows_at_degree[k] = self.rows_at_degree.get(k, 0) + count
