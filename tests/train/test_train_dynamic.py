@@ -248,7 +248,11 @@ def test_preference_objectives_train_to_the_static_losses(pair_runs, name):
     for (step, a), (_, b) in zip(static.losses, dynamic.losses, strict=True):
         assert abs(a - b) <= LOSS_TOL * abs(a), f"{name} step {step}: static {a!r} vs dynamic {b!r}"
     assert set(dynamic.sp_degrees) == {1, 2}, dynamic.sp_degrees  # short pairs at sp=1, long ones at sp=2
-    assert sum(dynamic.sp_degrees.values()) == 3 * 2 * 4  # steps x micro-steps x pairs: a pair is one row
+    # the histogram counts rows, as its words say: a pair is two (chosen and rejected, one bin, one degree)
+    assert sum(dynamic.sp_degrees.values()) == 3 * 2 * 4 * 2  # steps x micro-steps x pairs x 2 rows
+    assert f"rows at sp=1/2: {dynamic.sp_degrees[1]}/{dynamic.sp_degrees[2]}" in format_summary(dynamic)
+    with open(dynamic.metrics) as f:
+        assert [sum(m["rows_at_degree"].values()) for m in map(json.loads, f) if "lr" in m] == [16] * 3
     _assert_same_metrics(static, dynamic, name)
 
 
@@ -308,4 +312,7 @@ def test_preference_objectives_at_four_ranks(pair_heavy_runs, case, name):
         assert abs(a - b) <= LOSS_TOL * abs(a), f"{case} {name} step {step}: static {a!r} vs dynamic {b!r}"
     want = {1, 2, 4} if PAIR_HEAVY[case].get("sp") == 4 else {1, 2}
     assert set(dynamic.sp_degrees) == want, dynamic.sp_degrees
+    kw = PAIR_HEAVY[case]  # rows: 2 per pair of padded rows, 1 per --packing row (of several pairs)
+    units = 3 * 2 * kw.get("dp", 1) * kw.get("micro_batch", 4)
+    assert sum(dynamic.sp_degrees.values()) == units * (1 if kw.get("packing") else 2), dynamic.sp_degrees
     _assert_same_metrics(static, dynamic, f"{case} {name}")

@@ -103,6 +103,12 @@ def unit_tokens(cfg: TrainConfig) -> int:
     return 2 * cfg.seq_len if cfg.objective in PAIRED and not cfg.packing else cfg.seq_len
 
 
+def rows_in(unit: dict[str, Tensor]) -> int:
+    """The rows a unit holds: 2 for a pair of padded rows ``[2, S]`` (chosen, rejected), else 1."""
+    ids = unit["input_ids"]
+    return ids.shape[0] if ids.dim() == 2 else 1
+
+
 def as_row(unit: dict[str, Tensor]) -> dict[str, Tensor]:
     """A unit as one row a bin packs: a row as it is; a pair's two rows ``[2, S]`` (chosen, rejected)
     as one packed row of two documents, so a pair never splits over bins and keeps the order c, r."""
@@ -114,7 +120,8 @@ def as_row(unit: dict[str, Tensor]) -> dict[str, Tensor]:
 
 class DynamicSteps:
     """The steps of a ``seqpar train`` run under a dynamic schedule, and the degree histogram of
-    the rows it ran (``rows_at_degree``: the whole run; ``last``: the latest step)."""
+    the rows it ran (``rows_at_degree``: the whole run; ``last``: the latest step; a pair of padded
+    rows counts 2, chosen and rejected, as "rows" says)."""
 
     def __init__(self, trainer: Any) -> None:
         cfg, job = trainer.cfg, trainer.job
@@ -177,8 +184,8 @@ class DynamicSteps:
                 plan.record(loss)
             loss_sum += float(plan.loss())
             tokens += sum(b.tokens for b in plan.schedule.bins)
-            for k, count in plan.schedule.rows_at_degree.items():
-                hist[k] = hist.get(k, 0) + count
+            for b in plan.schedule.bins:  # rows, not units: a pair's chosen and rejected rows count 2
+                hist[b.degree] = hist.get(b.degree, 0) + sum(rows_in(units[i]) for i in b.rows)
         if not t.use_fsdp:
             seqpar.sync_gradients(t.model, t.mesh)
         if self.paired:  # over every pair of the step, every rank's bins (one all-reduce over the job)
