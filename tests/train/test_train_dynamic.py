@@ -204,6 +204,36 @@ def test_dynamic_under_bfloat16_mixed_precision(fsdp_runs):
     assert all(math.isfinite(loss) for _, loss in dynamic.losses) and len(dynamic.losses) == 2
 
 
+# --resume under --fsdp on: FSDP2's sharded checkpoint of a dynamic run, its --token-budget steps formed
+# again from the data order (2 micro-steps each), continue the uninterrupted run: the same losses, the
+# same bins per step (rows at each degree, tokens) and the same final weights, float64 at sp=4
+@pytest.mark.distributed
+def test_dynamic_under_fsdp_resumes_to_the_uninterrupted_run(tmp_path):
+    cfg = TrainConfig(data=[_jsonl(tmp_path / "mixed.jsonl", mid=True)], seq_len=64, sp=4, fsdp="on",
+                      sp_schedule="dynamic", micro_batch=1, token_budget=40, grad_accum=2, steps=3, save_every=0,
+                      lr=1e-2, warmup=1, seed=1, dtype="float64", eval_rows=0, progress=False, plot=False,
+                      timeout=120.0, **OFF)
+    straight = run_local(prepare_job(cfg.replace(save_dir=str(tmp_path / "straight"))))
+    first = run_local(prepare_job(cfg.replace(save_dir=str(tmp_path / "parts"))), stop_after=1)  # saves step 1
+    resumed = run_local(prepare_job(cfg.replace(save_dir=str(tmp_path / "parts"), resume=True)))
+    assert first.steps == 1 and resumed.resumed_step == 1 and resumed.fsdp and resumed.world == 4
+    assert [s for s, _ in resumed.losses] == [2, 3]
+    for (step, a), (_, b) in zip(straight.losses[1:], resumed.losses, strict=True):
+        assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: uninterrupted {a!r} vs resumed {b!r}"
+
+    def bins(summary) -> list[tuple]:
+        with open(summary.metrics) as f:
+            return [(m["step"], m["rows_at_degree"], m["tokens"]) for m in map(json.loads, f) if "lr" in m]
+
+    assert bins(straight) == bins(resumed) and len(bins(straight)) == 3, (bins(straight), bins(resumed))
+    assert max(straight.sp_degrees) > 1 and min(straight.sp_degrees) == 1, straight.sp_degrees
+    w_straight = _final_weights(straight.checkpoint, tmp_path / "straight")
+    w_resumed = _final_weights(resumed.checkpoint, tmp_path / "parts")
+    assert w_straight.keys() == w_resumed.keys()
+    worst = max(float((w_straight[k] - w_resumed[k]).abs().max()) for k in w_straight)
+    assert worst <= WEIGHT_TOL, f"a final weight off by {worst:.3g}"
+
+
 # Preference objectives: a bin holds whole pairs (chosen and rejected packed as two documents), each
 # bin's loss is its pairs' share of the step's mean over pairs, its sequences' sums reduced over the
 # bin's block of ranks; the reference runs on the same bin. Pairs of mixed lengths: short pairs at
