@@ -25,7 +25,10 @@ rejected rows, or a --packing row) is one row of the plan, its pairs as document
 ``num_units=N``: the seam reduces the bin's sequence sums over the bin's block of ranks
 (:func:`seqpar.batch.loss.bin_group`) and scales the gradient for the average over every rank (the
 bin's ``grad_ranks``), so each pair weighs 1/N over bins, micro-steps and dp ranks, as in the static
-schedule. Losses that couple a micro-batch's pairs are refused (:func:`check_objective`).
+schedule. Losses that couple a micro-batch's pairs are refused (:func:`check_objective`). The step's
+metrics weigh each bin by its pairs over its ``degree`` ranks (:meth:`ObjectiveStep.finish_step`: one
+all-reduce over the job), so they are the static schedule's. The degree histogram counts rows: a
+unit of two padded rows counts 2.
 """
 
 from __future__ import annotations
