@@ -43,6 +43,37 @@ def test_step_memory_by_hand():
     assert step_memory(tokens=t, **SHAPE, dtype_bytes=2).mlp == m.mlp // 2
 
 
+def test_dynamic_schedule_under_fsdp_keeps_parameters_gathered():
+    # StepBins.fsdp: reshard_after_forward=False and gradient sync held back to the flush, so the whole
+    # weights and the whole (unsharded, accumulated) gradients live beside the shards for the step
+    t, b, n = 100, 4, parameter_count(**SHAPE)
+    static = step_memory(tokens=t, **SHAPE, fsdp_shards=4)
+    dynamic = step_memory(tokens=t, **SHAPE, fsdp_shards=4, sp_schedule="dynamic")
+    assert static.gathered == 0 and dynamic.gathered == 2 * n * b
+    assert dynamic.total == static.total + 2 * n * b
+    assert (dynamic.weights, dynamic.gradients, dynamic.optimizer) == (static.weights, static.gradients,
+                                                                      static.optimizer)
+    assert step_memory(tokens=t, **SHAPE, sp_schedule="dynamic").gathered == 0  # replicated: nothing to gather
+    # bfloat16 weights, float32 gradients: FSDP2 accumulates unsynced gradients in the policy's reduce_dtype
+    assert step_memory(tokens=t, **SHAPE, fsdp_shards=4, dtype_bytes=2, sp_schedule="dynamic").gathered == n * (2 + 4)
+    with pytest.raises(ValueError, match="sp_schedule='weekly'"):
+        step_memory(tokens=t, **SHAPE, sp_schedule="weekly")
+
+
+def test_plan_cli_shows_the_dynamic_schedules_gathered_parameters(capsys):
+    args = ["plan", "--model", "small-llama3", "--world-size", "4", "--devices-per-node", "4", "--seq-len", "65536",
+            "--dtype", "fp32", "--fsdp", "--length-mean", "4k", "--steps", "1"]
+    assert main(args) == 0
+    shape = dict(hidden_size=256, intermediate_size=896, layers=4, heads=8, kv_heads=2, head_dim=32, vocab_size=8192,
+                 fsdp_shards=4, mlp_tile=2048, loss_tile=1024, sp_schedule="dynamic")
+    off, on = (step_memory(tokens=16384, **shape, switches=sw) for sw in (SWITCHES_OFF, SWITCHES_ON))
+    assert f"  --sp-schedule dynamic under FSDP2: + {format_bytes(off.gathered)} per rank (total " \
+           f"{format_bytes(off.total)} off, {format_bytes(on.total)} all): every parameter gathered\n" \
+           "  and its gradient whole for the step" in capsys.readouterr().out
+    assert main(args[:-5] + ["--length-mean", "4k", "--steps", "1"]) == 0  # without --fsdp: no such line
+    assert "--sp-schedule dynamic under FSDP2" not in capsys.readouterr().out
+
+
 def test_each_switch_replaces_its_term_by_a_tile():
     t = 5000
     off = step_memory(tokens=t, **SHAPE)

@@ -219,6 +219,36 @@ def test_dynamic_under_bfloat16_mixed_precision(fsdp_runs):
     assert all(math.isfinite(loss) for _, loss in dynamic.losses) and len(dynamic.losses) == 2
 
 
+# --resume under --fsdp on: FSDP2's sharded checkpoint of a dynamic run, its --token-budget steps formed
+# again from the data order (2 micro-steps each), continue the uninterrupted run: the same losses, the
+# same bins per step (rows at each degree, tokens) and the same final weights, float64 at sp=4
+@pytest.mark.distributed
+def test_dynamic_under_fsdp_resumes_to_the_uninterrupted_run(tmp_path):
+    cfg = TrainConfig(data=[_jsonl(tmp_path / "mixed.jsonl", mid=True)], seq_len=64, sp=4, fsdp="on",
+                      sp_schedule="dynamic", micro_batch=1, token_budget=40, grad_accum=2, steps=3, save_every=0,
+                      lr=1e-2, warmup=1, seed=1, dtype="float64", eval_rows=0, progress=False, plot=False,
+                      timeout=120.0, **OFF)
+    straight = run_local(prepare_job(cfg.replace(save_dir=str(tmp_path / "straight"))))
+    first = run_local(prepare_job(cfg.replace(save_dir=str(tmp_path / "parts"))), stop_after=1)  # saves step 1
+    resumed = run_local(prepare_job(cfg.replace(save_dir=str(tmp_path / "parts"), resume=True)))
+    assert first.steps == 1 and resumed.resumed_step == 1 and resumed.fsdp and resumed.world == 4
+    assert [s for s, _ in resumed.losses] == [2, 3]
+    for (step, a), (_, b) in zip(straight.losses[1:], resumed.losses, strict=True):
+        assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: uninterrupted {a!r} vs resumed {b!r}"
+
+    def bins(summary) -> list[tuple]:
+        with open(summary.metrics) as f:
+            return [(m["step"], m["rows_at_degree"], m["tokens"]) for m in map(json.loads, f) if "lr" in m]
+
+    assert bins(straight) == bins(resumed) and len(bins(straight)) == 3, (bins(straight), bins(resumed))
+    assert max(straight.sp_degrees) > 1 and min(straight.sp_degrees) == 1, straight.sp_degrees
+    w_straight = _final_weights(straight.checkpoint, tmp_path / "straight")
+    w_resumed = _final_weights(resumed.checkpoint, tmp_path / "parts")
+    assert w_straight.keys() == w_resumed.keys()
+    worst = max(float((w_straight[k] - w_resumed[k]).abs().max()) for k in w_straight)
+    assert worst <= WEIGHT_TOL, f"a final weight off by {worst:.3g}"
+
+
 # Preference objectives: a bin holds whole pairs (chosen and rejected packed as two documents), each
 # bin's loss is its pairs' share of the step's mean over pairs, its sequences' sums reduced over the
 # bin's block of ranks; the reference runs on the same bin. Pairs of mixed lengths: short pairs at
@@ -263,7 +293,33 @@ def test_preference_objectives_train_to_the_static_losses(pair_runs, name):
     for (step, a), (_, b) in zip(static.losses, dynamic.losses, strict=True):
         assert abs(a - b) <= LOSS_TOL * abs(a), f"{name} step {step}: static {a!r} vs dynamic {b!r}"
     assert set(dynamic.sp_degrees) == {1, 2}, dynamic.sp_degrees  # short pairs at sp=1, long ones at sp=2
-    assert sum(dynamic.sp_degrees.values()) == 3 * 2 * 4  # steps x micro-steps x pairs: a pair is one row
+    # the histogram counts rows, as its words say: a pair is two (chosen and rejected, one bin, one degree)
+    assert sum(dynamic.sp_degrees.values()) == 3 * 2 * 4 * 2  # steps x micro-steps x pairs x 2 rows
+    assert f"rows at sp=1/2: {dynamic.sp_degrees[1]}/{dynamic.sp_degrees[2]}" in format_summary(dynamic)
+    with open(dynamic.metrics) as f:
+        assert [sum(m["rows_at_degree"].values()) for m in map(json.loads, f) if "lr" in m] == [16] * 3
+    _assert_same_metrics(static, dynamic, name)
+
+
+METRICS_TOL = 1e-12  # float64: the same pair-weighted sums in another order (relative; near 0, 1e-15 absolute)
+
+
+def _step_metrics(summary) -> list[dict]:
+    """metrics.jsonl's objective metrics (rewards/..., logps/..., accuracy, margin) of each step."""
+    keep = ("rewards/", "logps/", "accuracy", "margin")
+    with open(summary.metrics) as f:
+        return [{k: v for k, v in m.items() if k.startswith(keep)} for m in map(json.loads, f) if "lr" in m]
+
+
+def _assert_same_metrics(static, dynamic, name: str) -> None:
+    """The objective's metrics of each step: the dynamic schedule's (every rank's bins) equal the static
+    schedule's (every dp rank's micro-batches), both over every pair of the step."""
+    a, b = _step_metrics(static), _step_metrics(dynamic)
+    assert len(a) == len(b) == 3 and all(a) and a[0].keys() == b[0].keys(), (a, b)
+    for step, (ma, mb) in enumerate(zip(a, b, strict=True), 1):
+        for k in ma:
+            assert abs(ma[k] - mb[k]) <= METRICS_TOL * max(abs(ma[k]), 1e-3), f"{name} step {step} {k}: {ma[k]!r} " \
+                f"vs {mb[k]!r}"
 
 
 # heavy (4 ranks): degrees 1, 2 and 4 at sp=4; dp=2 x sp=2; FSDP2 with the flush pass of a pair (a
@@ -301,3 +357,7 @@ def test_preference_objectives_at_four_ranks(pair_heavy_runs, case, name):
         assert abs(a - b) <= LOSS_TOL * abs(a), f"{case} {name} step {step}: static {a!r} vs dynamic {b!r}"
     want = {1, 2, 4} if PAIR_HEAVY[case].get("sp") == 4 else {1, 2}
     assert set(dynamic.sp_degrees) == want, dynamic.sp_degrees
+    kw = PAIR_HEAVY[case]  # rows: 2 per pair of padded rows, 1 per --packing row (of several pairs)
+    units = 3 * 2 * kw.get("dp", 1) * kw.get("micro_batch", 4)
+    assert sum(dynamic.sp_degrees.values()) == units * (1 if kw.get("packing") else 2), dynamic.sp_degrees
+    _assert_same_metrics(static, dynamic, f"{case} {name}")

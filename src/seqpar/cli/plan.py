@@ -160,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"reason: {p.reason}")
     mesh = ", ".join(f"{k}={v}" for k, v in p.mesh_kwargs().items())
     print(f"use:    mesh = seqpar.init_mesh({mesh}); strategy={p.strategy!r}")
-    print("\n" + step_memory_table(p.chosen, kw, vocab_size=kw["vocab_size"], tied=args.tied,
-                                   fsdp=args.fsdp, loss_tile=args.loss_tile, mlp_tile=args.mlp_tile))
-    if args.length_mean is not None or args.lengths_file is not None:
+    dynamic = args.length_mean is not None or args.lengths_file is not None
+    print("\n" + step_memory_table(p.chosen, kw, vocab_size=kw["vocab_size"], tied=args.tied, fsdp=args.fsdp,
+                                   loss_tile=args.loss_tile, mlp_tile=args.mlp_tile, dynamic=dynamic))
+    if dynamic:
         print("\n" + dynamic_prediction(args, kw, p.chosen))
     return 0
 
@@ -227,9 +228,10 @@ _SWITCH_ROWS = (("off", {}), ("tiled loss", dict(tiled_loss=True)), ("tiled MLP"
 
 
 def step_memory_table(chosen: Any, kw: dict[str, Any], *, vocab_size: int, tied: bool, fsdp: bool, loss_tile: int,
-                      mlp_tile: int | None) -> str:
+                      mlp_tile: int | None, dynamic: bool = False) -> str:
     """Memory per rank of one training step on the chosen split, for each set of memory switches
-    (:mod:`seqpar.planner.memory`): weights, gradients, AdamW states, activations, host offload."""
+    (:mod:`seqpar.planner.memory`): weights, gradients, AdamW states, activations, host offload.
+    ``dynamic`` with ``fsdp``: a line more, the dynamic schedule's (parameters gathered for the step)."""
     from seqpar.planner import format_bytes
     from seqpar.planner.cost import largest_shard
     from seqpar.planner.memory import MemorySwitches, step_memory
@@ -250,6 +252,12 @@ def step_memory_table(chosen: Any, kw: dict[str, Any], *, vocab_size: int, tied:
     for name, m in rows:
         lines.append(f"  {name:<22} {format_bytes(m.logits):>10} {format_bytes(m.mlp):>10} {format_bytes(m.layers):>10}"
                      f" {format_bytes(m.other):>10} {format_bytes(m.offloaded):>10} {format_bytes(m.total):>10}")
+    if dynamic and fsdp:
+        off, on = (step_memory(**shape, switches=MemorySwitches(**dict(_SWITCH_ROWS)[name]), sp_schedule="dynamic")
+                   for name in ("off", "all (loss+mlp+layers)"))
+        lines.append(f"  --sp-schedule dynamic under FSDP2: + {format_bytes(off.gathered)} per rank (total "
+                     f"{format_bytes(off.total)} off, {format_bytes(on.total)} all): every parameter gathered\n"
+                     f"  and its gradient whole for the step")
     return "\n".join(lines)
 
 

@@ -81,6 +81,8 @@ class DPO(Objective):
     needs = Needs(rows="pairs", reference=True)
     takes = Takes(per_token=("logps",))
     unit = "pair"
+    metric_names = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                    "logps/rejected")
 
     def __post_init__(self) -> None:
         self.types = [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
@@ -134,6 +136,7 @@ class SimPO(Objective):
     needs = Needs(rows="pairs")
     takes = Takes(per_token=("logps",))
     unit = "pair"
+    metric_names = ("logps/chosen", "logps/rejected", "rewards/accuracies")
 
     def terms(self, q: Quantities) -> Terms:
         mean = q.sums(q.token["logps"]) / q.counts.clamp(min=1.0)
@@ -157,6 +160,8 @@ class ORPO(Objective):
     needs = Needs(rows="pairs")
     takes = Takes(per_token=("logps",))
     unit = "pair"
+    # nll_loss is the batch's token mean, not a pair mean: weighed by pairs, it is exact for equal batches
+    metric_names = ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/accuracies")
 
     def terms(self, q: Quantities) -> Terms:
         sums = q.sums(q.token["logps"])

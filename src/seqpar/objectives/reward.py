@@ -32,6 +32,7 @@ class BradleyTerry(Objective):
     needs = Needs(rows="pairs", per_pair=("margin",))
     takes = Takes(per_row=("score",))
     unit = "pair"
+    metric_names = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")
 
     def terms(self, q: Quantities) -> Terms:
         score = q.row["score"]

@@ -128,6 +128,10 @@ class Objective:
     needs: ClassVar[Needs] = Needs()
     takes: ClassVar[Takes] = Takes()
     unit: ClassVar[str] = "sequence"
+    metric_names: ClassVar[tuple[str, ...]] = ()
+    """The metrics :meth:`terms` returns, each a mean over the batch's units: a caller that weighs them
+    by units adds them up over batches and ranks (``seqpar train``), and knows the names on a rank
+    that ran no batch."""
     pairing: str = "halves"  # pairs: sequences [chosen..., rejected...] ("halves", TRL's) or "interleaved"
 
     def terms(self, q: Quantities) -> Terms:

@@ -35,7 +35,7 @@ from ..batch.targets import IGNORE_INDEX
 from ..comm import collectives
 from ..comm.agree import check, share
 from ..comm.degrees import degree_meshes
-from .schedule import Cost, Schedule, plan_step
+from .schedule import Bin, Cost, Schedule, plan_step
 
 ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 SP_SCHEDULES = ("static", "dynamic")
@@ -119,8 +119,13 @@ class StepBins:
         self._rank = dist.get_rank(dyn.degrees.all_group)
         self._losses: list[tuple[Tensor, int]] = []
 
+    @property
+    def mine(self) -> list[Bin]:
+        """This rank's bins, in the order iterating yields their local batches."""
+        return self.schedule.bins_for(self._rank)
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for b in self.schedule.bins_for(self._rank):
+        for b in self.mine:
             batch = _packed([self._rows[i] for i in b.rows])
             yield shard_batch(batch, self._dyn.degrees.mesh(b.degree), layout=self._dyn.layout,
                               num_items_in_batch=self.num_items, grad_ranks=self._dyn.degrees.world,
@@ -154,7 +159,7 @@ class StepBins:
 
     def record(self, loss: Tensor) -> None:
         """Note a bin's loss (in iteration order) for :meth:`loss`."""
-        self._losses.append((loss.detach(), self.schedule.bins_for(self._rank)[len(self._losses)].degree))
+        self._losses.append((loss.detach(), self.mine[len(self._losses)].degree))
 
     def loss(self) -> Tensor:
         """The step's token-weighted mean over every rank's bins (one all-reduce over the job)."""

@@ -27,7 +27,19 @@ vocabulary varied one at a time (within 2%). Switches (each replaces a term by i
     checkpoint  L*(a + m) -> L*T*h*b + a + m      (layer inputs kept; one layer rebuilt at a time)
     offload     L*T*h*b leaves the device         (counted in ``offloaded``: host memory)
 
-Peak of a step = weights + optimizer + gradients + activations: the steady state of training
+A dynamic SP schedule under FSDP2 (``gathered``: :meth:`seqpar.planner.bins.StepBins.fsdp`, sharded
+with ``reshard_after_forward=False`` and gradient sync held back until the micro-step's flush) keeps
+every parameter all-gathered from the first bin's forward to the flush, and its gradient accumulated
+unsharded until that flush reduce-scatters it, beside the shards::
+
+    gathered = n*b + n*max(b, 4)    (whole weights, whole gradients; 0 for the static schedule, which
+                                     gathers one layer at a time)
+
+The gradients count in float32 when ``b`` is narrower: FSDP2 accumulates unsynced gradients in the
+mixed-precision policy's ``reduce_dtype`` (float32 in ``seqpar train --dtype bfloat16``; torch's
+``FSDPParam.to_accumulated_grad_if_needed``). Not yet checked against a measured peak.
+
+Peak of a step = weights + optimizer + gradients + gathered + activations: the steady state of training
 (optimizer states exist from the first step on), gradients counted whole at the activation peak
 (an upper bound: they appear while activations are freed). On a CPU rank the offloaded bytes stay
 in the same memory, so ``device_peak(on_cpu=True)`` adds them back.
@@ -38,6 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..batch.tiles import DEFAULT_LOSS_TILE, mlp_tile_for
+from .bins import SP_SCHEDULES
 
 CHECKPOINT_MODES = ("none", "layers", "offload")
 LOGIT_COPIES = 3  # fp32 [T, V] alive at once: logits, log-softmax, a gradient (measured: 3.0)
@@ -101,6 +114,7 @@ class StepMemory:
     layers: int  # the rest the decoder layers keep for the backward (checkpointed: their inputs)
     other: int  # outside the layers: embedding output, final norm, the gradient flowing back
     offloaded: int  # saved layer inputs moved to host memory (checkpoint="offload")
+    gathered: int = 0  # a dynamic schedule under FSDP2: whole weights and gradients held for the step
 
     @property
     def activations(self) -> int:
@@ -109,7 +123,7 @@ class StepMemory:
     @property
     def total(self) -> int:
         """Peak device bytes: weights, optimizer states, gradients and activations together."""
-        return self.weights + self.optimizer + self.gradients + self.activations
+        return self.weights + self.optimizer + self.gradients + self.gathered + self.activations
 
     def device_peak(self, on_cpu: bool = False) -> int:
         """:attr:`total`, plus the offloaded bytes where host and device memory are the same (CPU)."""
@@ -128,11 +142,16 @@ def parameter_count(*, hidden_size: int, intermediate_size: int, layers: int, he
 def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int,
                 head_dim: int, vocab_size: int, dtype_bytes: int = 4, tied: bool = False,
                 fsdp_shards: int = 1, switches: MemorySwitches = SWITCHES_OFF,
-                loss_tile: int = DEFAULT_LOSS_TILE, mlp_tile: int | None = None) -> StepMemory:
+                loss_tile: int = DEFAULT_LOSS_TILE, mlp_tile: int | None = None,
+                sp_schedule: str = "static") -> StepMemory:
     """Bytes per rank of one training step with ``tokens`` tokens on this rank (the largest shard:
-    :func:`seqpar.planner.cost.largest_shard`). ``loss_tile`` / ``mlp_tile`` are the tiles the
-    library uses when ``switches`` gives none; ``mlp_tile`` None: the library's rule,
-    :func:`seqpar.batch.tiles.mlp_tile_for` of this shard. Raises ValueError for a non-positive size."""
+    :func:`seqpar.planner.cost.largest_shard`; a dynamic schedule's bin: its token budget).
+    ``loss_tile`` / ``mlp_tile`` are the tiles the library uses when ``switches`` gives none;
+    ``mlp_tile`` None: the library's rule, :func:`seqpar.batch.tiles.mlp_tile_for` of this shard.
+    ``sp_schedule="dynamic"`` with ``fsdp_shards > 1``: the parameters and gradients held whole for the
+    step (``gathered``). Raises ValueError for a non-positive size or an unknown schedule."""
+    if sp_schedule not in SP_SCHEDULES:
+        raise ValueError(f"sp_schedule={sp_schedule!r}: choose one of {', '.join(SP_SCHEDULES)}")
     sizes = dict(tokens=tokens, hidden_size=hidden_size, intermediate_size=intermediate_size, layers=layers,
                  heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab_size,
                  dtype_bytes=dtype_bytes, fsdp_shards=fsdp_shards, loss_tile=loss_tile,
@@ -146,6 +165,7 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
                         head_dim=d, vocab_size=vocab_size, tied=tied)
     weights = -(-n // fsdp_shards) * b
     optimizer = ADAM_STATES * -(-n // fsdp_shards) * 4
+    gathered = n * (b + max(b, 4)) if sp_schedule == "dynamic" and fsdp_shards > 1 else 0
 
     if switches.tiled_loss:
         logits = TILE_COPIES * min(t, switches.loss_tile or loss_tile) * vocab_size * 4
@@ -156,7 +176,8 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
     rest_one = t * (4 * h + 3 * q + 2 * g) * b + 4 * t * heads  # the rest of one layer; the kernel's fp32 lse
     other = 4 * t * h * b
     if switches.checkpoint == "none":
-        return StepMemory(weights, weights, optimizer, logits, layers * mlp_one, layers * rest_one, other, 0)
+        return StepMemory(weights, weights, optimizer, logits, layers * mlp_one, layers * rest_one, other, 0, gathered)
     inputs = layers * t * h * b  # each layer's input, kept for the recompute
     offloaded = inputs if switches.checkpoint == "offload" else 0
-    return StepMemory(weights, weights, optimizer, logits, mlp_one, rest_one + inputs - offloaded, other, offloaded)
+    return StepMemory(weights, weights, optimizer, logits, mlp_one, rest_one + inputs - offloaded, other, offloaded,
+                      gathered)

@@ -25,7 +25,10 @@ rejected rows, or a --packing row) is one row of the plan, its pairs as document
 ``num_units=N``: the seam reduces the bin's sequence sums over the bin's block of ranks
 (:func:`seqpar.batch.loss.bin_group`) and scales the gradient for the average over every rank (the
 bin's ``grad_ranks``), so each pair weighs 1/N over bins, micro-steps and dp ranks, as in the static
-schedule. Losses that couple a micro-batch's pairs are refused (:func:`check_objective`).
+schedule. Losses that couple a micro-batch's pairs are refused (:func:`check_objective`). The step's
+metrics weigh each bin by its pairs over its ``degree`` ranks (:meth:`ObjectiveStep.finish_step`: one
+all-reduce over the job), so they are the static schedule's. The degree histogram counts rows: a
+unit of two padded rows counts 2.
 """
 
 from __future__ import annotations
@@ -98,6 +101,12 @@ def unit_tokens(cfg: TrainConfig) -> int:
     return 2 * cfg.seq_len if cfg.objective in PAIRED and not cfg.packing else cfg.seq_len
 
 
+def rows_in(unit: dict[str, Tensor]) -> int:
+    """The rows a unit holds: 2 for a pair of padded rows ``[2, S]`` (chosen, rejected), else 1."""
+    ids = unit["input_ids"]
+    return ids.shape[0] if ids.dim() == 2 else 1
+
+
 def as_row(unit: dict[str, Tensor]) -> dict[str, Tensor]:
     """A unit as one row a bin packs: a row as it is; a pair's two rows ``[2, S]`` (chosen, rejected)
     as one packed row of two documents, so a pair never splits over bins and keeps the order c, r."""
@@ -109,7 +118,8 @@ def as_row(unit: dict[str, Tensor]) -> dict[str, Tensor]:
 
 class DynamicSteps:
     """The steps of a ``seqpar train`` run under a dynamic schedule, and the degree histogram of
-    the rows it ran (``rows_at_degree``: the whole run; ``last``: the latest step)."""
+    the rows it ran (``rows_at_degree``: the whole run; ``last``: the latest step; a pair of padded
+    rows counts 2, chosen and rejected, as "rows" says)."""
 
     def __init__(self, trainer: Any) -> None:
         cfg, job = trainer.cfg, trainer.job
@@ -152,28 +162,35 @@ class DynamicSteps:
         micro = self.micro_steps(step)
         if self.paired:  # the mean over the step's pairs; each bin holds whole pairs
             n = float(sum(pairs_in(u) for rows in micro for u in rows))
-            micro = [[as_row(u) for u in rows] for rows in micro]
             t.objective.begin_step()
         else:
             n = sum(step_targets(rows) for rows in micro)
         loss_sum, hist, tokens = 0.0, {}, 0
-        for rows in micro:
+        for units in micro:
+            rows = [as_row(u) for u in units] if self.paired else units
             plan = self.dyn.plan(rows, num_items=n)
             # FSDP2: the reduce-scatter after this micro-step's last bin, in a flush pass every rank runs
             # (ranks run different numbers of bins); so each micro-step ends with every rank in step
             # before the next one's plan (a collective) -- one reduce-scatter per micro-step, not per step
-            flush = (lambda local: t.objective.pair_loss(local, 1.0, note=False)[0]) if self.paired else None
-            for local in plan.fsdp(t.model, flush) if t.use_fsdp else plan:
-                loss = t.objective.pair_loss(local, n)[0] if self.paired else t.model(**local).loss
+            flush = (lambda local: t.objective.pair_loss(local, 1.0)[0]) if self.paired else None
+            # the bins first: zip must drive StepBins.fsdp past the last bin, to its flush pass
+            for local, b in zip(plan.fsdp(t.model, flush) if t.use_fsdp else plan, plan.mine, strict=True):
+                if self.paired:  # the bin's metrics weigh its pairs, held alike by its block's b.degree ranks
+                    pairs = sum(pairs_in(units[i]) for i in b.rows)
+                    loss = t.objective.pair_loss(local, n, units=pairs, copies=b.degree)[0]
+                else:
+                    loss = t.model(**local).loss
                 with faults.publishing("the backward"):  # an exception here is told to every rank
                     loss.backward()
                 plan.record(loss)
             loss_sum += float(plan.loss())
             tokens += sum(b.tokens for b in plan.schedule.bins)
-            for k, count in plan.schedule.rows_at_degree.items():
-                hist[k] = hist.get(k, 0) + count
+            for b in plan.schedule.bins:  # rows, not units: a pair's chosen and rejected rows count 2
+                hist[b.degree] = hist.get(b.degree, 0) + sum(rows_in(units[i]) for i in b.rows)
         if not t.use_fsdp:
             seqpar.sync_gradients(t.model, t.mesh)
+        if self.paired:  # over every pair of the step, every rank's bins (one all-reduce over the job)
+            t.objective.finish_step(self.dyn.degrees.all_group)
         self.last, self.last_tokens = dict(sorted(hist.items())), tokens
         for k, count in hist.items():
             self.rows_at_degree[k] = self.rows_at_degree.get(k, 0) + count

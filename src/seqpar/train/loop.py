@@ -220,6 +220,7 @@ class Trainer:
             share += float(loss.detach())
         if not self.use_fsdp:
             seqpar.sync_gradients(self.model, self.mesh)
+        self.objective.finish_step()  # its metrics over every pair of the step (every dp rank's)
         return share, int(n_items)
 
     def grad_norm(self) -> tuple[Tensor, float]:

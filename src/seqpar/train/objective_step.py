@@ -23,6 +23,7 @@ import copy
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 import seqpar
@@ -94,8 +95,10 @@ class ObjectiveStep:
         self.objective = make_objective(cfg)
         self.paired = cfg.objective in PAIRED
         self.tile = cfg.loss_tile if cfg.tiled_loss else 1 << 62  # off: the whole shard in one tile
-        self.metrics: dict[str, float] = {}  # the objective's metrics of the last step (this dp rank's mean)
-        self._micro = 0  # micro-batches of the step so far
+        self.metrics: dict[str, float] = {}  # the objective's metrics of the last step: over its every pair
+        # [units, each metric times its units] of this rank's batches so far, each divided by the ranks that
+        # hold the same batch (its SP group, or its bin's block): the sum over the job counts each batch once
+        self._sums = torch.zeros(1 + len(self.objective.metric_names), dtype=torch.float64, device=trainer.device)
         self.policy = trainer.peft or trainer.model  # ADAPTERS_OFF turns the peft model's adapters off
         self.reference: nn.Module | str | None = None
         if self.objective.needs.reference:
@@ -121,7 +124,20 @@ class ObjectiveStep:
     def begin_step(self) -> None:
         """Start a step's metrics afresh."""
         self.metrics = {}
-        self._micro = 0
+        self._sums.zero_()
+
+    def finish_step(self, group: dist.ProcessGroup | None = None) -> None:
+        """The step's metrics (:attr:`metrics`): the unit-weighted mean of its batches' over every rank of
+        the job (``group``: a group of all of them, default the world), so over every pair of the step,
+        whichever rank ran it. Collective (one all-reduce of ``1 + metrics`` numbers) when the objective
+        has metrics; a rank with no batch adds zeros."""
+        names = self.objective.metric_names
+        if not names:
+            return
+        sums = self._sums.to(collectives.comm_device(group or dist.group.WORLD))
+        collectives.all_reduce(sums, group=group)
+        units, *totals = sums.tolist()
+        self.metrics = {k: v / units for k, v in zip(names, totals, strict=True)} if units else {}
 
     def loss(self, batch: dict[str, Tensor], n_units: float) -> tuple[Tensor, dict[str, Tensor]]:
         """``(loss, metrics)`` of one micro-batch: this rank's share of the step's mean over ``n_units``."""
@@ -129,23 +145,27 @@ class ObjectiveStep:
         if not self.paired:  # the denominator travels in the batch, as the model's own loss takes it
             local = seqpar.shard_batch(batch, t.mesh, layout=t.job.layout, num_items_in_batch=n_units or None)
             out = self.objective(self.policy, local, t.mesh, tile=self.tile)
-            return self._noted(out)
+            return out.loss, out.metrics  # a token mean has no metrics (CausalLM.metric_names)
         local = seqpar.shard_batch(batch, t.mesh, layout=t.job.layout)
-        return self.pair_loss(local, n_units)
+        return self.pair_loss(local, n_units, units=pairs_in(batch), copies=t.job.sp)
 
-    def pair_loss(self, local: dict[str, Any], n_units: float, *, note: bool = True
+    def pair_loss(self, local: dict[str, Any], n_units: float, *, units: float = 0.0, copies: int = 1
                   ) -> tuple[Tensor, dict[str, Tensor]]:
         """``(loss, metrics)`` of a sharded batch of whole pairs (a micro-batch, or a dynamic schedule's
         bin: sharded over its block, the seam reduces over that block): its share of the step's mean
-        over ``n_units`` pairs. ``note``: count its metrics in the step's (not for an FSDP flush row)."""
+        over ``n_units`` pairs. ``units``: its pairs, whose metrics count in the step's (0: none, as an
+        FSDP flush row's); ``copies``: the ranks it is sharded over (each holds the same metrics)."""
         out = self.objective(self.policy, local, self.trainer.mesh, reference=self.reference,
                              num_units=n_units or None, tile=self.tile)
-        return self._noted(out) if note else (out.loss, out.metrics)
+        return self._noted(out, units, copies)
 
-    def _noted(self, out: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        self._micro += 1  # a running mean over the step's micro-batches
-        for k, v in out.metrics.items():
-            self.metrics[k] = self.metrics.get(k, 0.0) + (float(v) - self.metrics.get(k, 0.0)) / self._micro
+    def _noted(self, out: Any, units: float, copies: int) -> tuple[Tensor, dict[str, Tensor]]:
+        names = self.objective.metric_names
+        if names and units:
+            assert set(out.metrics) == set(names), (sorted(out.metrics), names)  # metric_names is declared
+            row = torch.stack([torch.ones((), dtype=torch.float64, device=self._sums.device),
+                               *(out.metrics[k].to(self._sums) for k in names)])
+            self._sums += row * (units / copies)
         return out.loss, out.metrics
 
     @torch.no_grad()

@@ -193,7 +193,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
                            "peak_mem_mib": [round(m, 1) for m in mem],
                            "peak_reserved_mib": [round(m, 1) for m in reserved],
                            **({"rows_at_degree": dyn.last} if dyn is not None else {}),
-                           **trainer.objective.metrics,  # rewards/..., logps/... (dp rank 0's micro-batches)
+                           **trainer.objective.metrics,  # rewards/..., logps/...: over every pair of the step
                            **({"skipped": "non-finite loss or gradient norm"} if not finite else {})})
             if bar is not None:
                 bar.update(1)
