@@ -24,6 +24,13 @@ from seqpar.train.loop import fsdp_options
 
 OFF = dict(tiled_loss=False, tiled_mlp=False, checkpoint="none")
 LOSS_TOL = 1e-9  # float64: the schedules agree far below float32 rounding
+# the builtin cost model: the same schedules every run, so the degrees these tests expect do not hang on
+# timings (--cost-model measure, the default, is tested by itself: test_a_measured_cost_model)
+DYN = dict(sp_schedule="dynamic", cost_model="builtin")
+
+
+def _schedule(schedule: str) -> dict:
+    return DYN if schedule == "dynamic" else dict(sp_schedule=schedule)
 
 
 def _jsonl(path, mid: bool = False) -> str:
@@ -42,14 +49,15 @@ def runs(tmp_path_factory):
     base = TrainConfig(data=[_jsonl(root / "mixed.jsonl")], seq_len=64, sp=2, micro_batch=4, steps=3, lr=1e-2, warmup=1,
                        dtype="float64", eval_rows=0, progress=False, plot=False, seed=1, **OFF)
     out = {}
-    for name, cfg in [("static", base), ("dynamic", base.replace(sp_schedule="dynamic")),
+    for name, cfg in [("static", base), ("dynamic", base.replace(**DYN)),
                       # the memory switches in bins below --sp: tiles far below the shards
-                      ("memory", base.replace(sp_schedule="dynamic", tiled_loss=True, tiled_mlp=True,
+                      ("memory", base.replace(**DYN, tiled_loss=True, tiled_mlp=True,
                                               checkpoint="layers", loss_tile=4, mlp_tile=3)),
-                      ("budget", base.replace(sp_schedule="dynamic", micro_batch=1, token_budget=40, grad_accum=2)),
+                      ("budget", base.replace(**DYN, micro_batch=1, token_budget=40, grad_accum=2)),
                       # --packing: rows packed to --seq-len, their documents binned apart
                       ("static packed", base.replace(packing=True)),
-                      ("packed", base.replace(packing=True, sp_schedule="dynamic"))]:
+                      ("packed", base.replace(packing=True, **DYN)),
+                      ("measured", base.replace(sp_schedule="dynamic"))]:  # --cost-model measure (the default)
         out[name] = run_local(prepare_job(cfg.replace(save_dir=str(root / name))))
     return out
 
@@ -72,8 +80,25 @@ def test_packed_documents_are_binned_apart(runs):
         assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: static {a!r} vs dynamic {b!r} (--packing)"
     # every packed row holds --seq-len tokens (a row as a unit would need sp=2): its short documents
     # run at degree 1, and the histogram counts more units than the 3 x 4 rows
-    degrees = runs["packed"].sp_degrees
-    assert degrees.get(1, 0) > 0 and sum(degrees.values()) > 3 * 4, degrees
+    s = runs["packed"]
+    assert s.sp_unit == "documents" and s.sp_degrees.get(1, 0) > 0 and sum(s.sp_degrees.values()) > 3 * 4, s.sp_degrees
+    assert "documents at sp=1/2: " in format_summary(s)
+    with open(s.metrics) as f:
+        counts = [sum(m["documents_at_degree"].values()) for m in map(json.loads, f) if "lr" in m]
+    assert sum(counts) == sum(s.sp_degrees.values()), counts
+
+
+@pytest.mark.distributed
+def test_a_measured_cost_model(runs):
+    # refitted from the model's own bins at the start, the same on every rank (else plan() raises);
+    # whatever the schedules it gives, the losses are the static schedule's
+    s, static = runs["measured"], runs["static"].losses
+    assert [st for st, _ in s.losses] == [st for st, _ in static] == [1, 2, 3]
+    for (step, a), (_, b) in zip(static, s.losses, strict=True):
+        assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: static {a!r} vs measured {b!r}"
+    assert s.sp_cost.startswith("measured in ") and "GFLOP/s" in s.sp_cost, s.sp_cost
+    assert f"cost model {s.sp_cost}" in format_summary(s)
+    assert runs["dynamic"].sp_cost == "builtin (cpu)"
 
 
 @pytest.mark.distributed
@@ -108,6 +133,8 @@ def test_token_budget_steps(runs):
     (dict(sp_schedule="dynamic", token_budget=64, micro_batch=2), "leave --micro-batch at 1"),
     (dict(sp_schedule="dynamic", token_budget=31, seq_len=64), "use --token-budget >= 32"),
     (dict(sp_schedule="weekly"), "unknown --sp-schedule 'weekly'"),
+    (dict(cost_model="builtin"), "--cost-model chooses a dynamic schedule's cost model: give --sp-schedule dynamic"),
+    (dict(sp_schedule="dynamic", token_budget=15, seq_len=30), "use --cost-model builtin or a budget of >= 16"),
     # losses that couple a micro-batch's pairs: a bin holds other pairs than the static micro-batch
     (dict(sp_schedule="dynamic", objective="orpo"), "--objective orpo's NLL term is a token mean over a micro-batch"),
     (dict(sp_schedule="dynamic", objective="dpo", dpo_loss="sigmoid,aot"), "--dpo-loss aot sorts the log-ratios"),
@@ -183,7 +210,7 @@ def fsdp_runs(tmp_path_factory):
     for case, kw in [*FSDP_CASES.items(), ("bf16", BF16_CASE)]:
         for schedule in ("static", "dynamic"):
             d = root / f"{case}_{schedule}"
-            s = run_local(prepare_job(base.replace(sp_schedule=schedule, save_dir=str(d), **kw)))
+            s = run_local(prepare_job(base.replace(**_schedule(schedule), save_dir=str(d), **kw)))
             out[case, schedule] = (s, _final_weights(s.checkpoint, root / f"{case}_{schedule}"))
     return out
 
@@ -225,7 +252,7 @@ def test_dynamic_under_bfloat16_mixed_precision(fsdp_runs):
 @pytest.mark.distributed
 def test_dynamic_under_fsdp_resumes_to_the_uninterrupted_run(tmp_path):
     cfg = TrainConfig(data=[_jsonl(tmp_path / "mixed.jsonl", mid=True)], seq_len=64, sp=4, fsdp="on",
-                      sp_schedule="dynamic", micro_batch=1, token_budget=40, grad_accum=2, steps=3, save_every=0,
+                      **DYN, micro_batch=1, token_budget=40, grad_accum=2, steps=3, save_every=0,
                       lr=1e-2, warmup=1, seed=1, dtype="float64", eval_rows=0, progress=False, plot=False,
                       timeout=120.0, **OFF)
     straight = run_local(prepare_job(cfg.replace(save_dir=str(tmp_path / "straight"))))
@@ -280,7 +307,7 @@ def pair_runs(tmp_path_factory):
     out = {}
     for name, changes in PAIR_OBJECTIVES.items():
         for schedule in ("static", "dynamic"):
-            cfg = base.replace(sp_schedule=schedule, save_dir=str(root / f"{name}_{schedule}"), **changes)
+            cfg = base.replace(**_schedule(schedule), save_dir=str(root / f"{name}_{schedule}"), **changes)
             out[name, schedule] = run_local(prepare_job(cfg))
     return out
 
@@ -340,7 +367,7 @@ def pair_heavy_runs(tmp_path_factory):
             if name == "reward" and "lora_r" in kw:  # reward trains its new head: no LoRA (a frozen copy under FSDP2
                 kw = {k: v for k, v in kw.items() if k != "lora_r"}  # is refused, the head needs none)
             for schedule in ("static", "dynamic"):
-                cfg = base.replace(sp_schedule=schedule, save_dir=str(root / f"{case}_{name}_{schedule}"), **kw,
+                cfg = base.replace(**_schedule(schedule), save_dir=str(root / f"{case}_{name}_{schedule}"), **kw,
                                    **changes)
                 out[case, name, schedule] = run_local(prepare_job(cfg))
     return out

@@ -90,7 +90,8 @@ def format_summary(s: RunSummary) -> str:
     lines.append(f"  attention   {s.attention}; layout {s.layout}")
     lines.append(f"  memory      {s.memory}")
     if s.sp_degrees:  # --sp-schedule dynamic
-        lines.append(f"  schedule    dynamic: {describe_degrees(s.sp_degrees)} over the run")
+        lines.append(f"  schedule    dynamic: {describe_degrees(s.sp_degrees, s.sp_unit)} over the run; cost model "
+                     f"{s.sp_cost}")
     if s.losses:
         (s0, l0), (s1, l1) = s.losses[0], s.losses[-1]
         lines.append(f"  loss        {l0:.4f} (step {s0}) -> {l1:.4f} (step {s1})")

@@ -26,10 +26,13 @@ def config_shapes(text_config: Any, dtype_bytes: int) -> Shapes:
                   layers=int(c.num_hidden_layers), vocab_size=int(c.vocab_size), dtype_bytes=dtype_bytes)
 
 
-def model_cost(text_config: Any, *, dtype_bytes: int, device_type: str, strategy: str = "ulysses") -> Cost:
-    """``cost(docs, degree)``: :func:`seqpar.planner.work.bin_seconds` at the config's shapes on an
-    H100 (``device_type`` "cuda") or a gloo CPU rank (:data:`CPU_GLOO`); the same on every rank."""
-    shapes, machine = config_shapes(text_config, dtype_bytes), H100 if device_type == "cuda" else CPU_GLOO
+def model_cost(text_config: Any, *, dtype_bytes: int, device_type: str, strategy: str = "ulysses",
+               machine: Machine | None = None) -> Cost:
+    """``cost(docs, degree)``: :func:`seqpar.planner.work.bin_seconds` at the config's shapes on
+    ``machine`` (measured: :func:`seqpar.planner.calibrate.measure_machine`), else on an H100
+    (``device_type`` "cuda") or a gloo CPU rank (:data:`CPU_GLOO`); the same on every rank."""
+    shapes = config_shapes(text_config, dtype_bytes)
+    machine = machine if machine is not None else H100 if device_type == "cuda" else CPU_GLOO
 
     def cost(docs: Sequence[int], degree: int) -> float:
         return bin_seconds(docs, degree, shapes, machine, strategy=strategy)

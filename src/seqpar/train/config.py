@@ -98,6 +98,10 @@ class TrainConfig:
     token_budget: int | None = _opt(None, "with --sp-schedule dynamic: tokens per rank per step; a step (and each "
                                     "--grad-accum micro-step) holds as many rows as fit it, in place of --micro-batch",
                                     shown="--seq-len / --sp, with the static schedule's rows per step")
+    cost_model: str = _opt("measure", "with --sp-schedule dynamic: the cost model its bins are balanced with: "
+                           "measure (refitted at the start from the model's own bins on these ranks, a few seconds) "
+                           "or builtin (a fixed guess per device type: the same schedules every run)",
+                           choices=("measure", "builtin"))
     steps: int = _opt(300, "optimizer steps")
     lr: float = _opt(1e-2, "peak learning rate (AdamW)")
     warmup: int = _opt(30, "linear warmup steps, then cosine decay to --min-lr-ratio x lr")

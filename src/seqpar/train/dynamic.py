@@ -28,12 +28,14 @@ bin's ``grad_ranks``), so each pair weighs 1/N over bins, micro-steps and dp ran
 schedule. Losses that couple a micro-batch's pairs are refused (:func:`check_objective`). The step's
 metrics weigh each bin by its pairs over its ``degree`` ranks (:meth:`ObjectiveStep.finish_step`: one
 all-reduce over the job), so they are the static schedule's. The degree histogram counts rows: a
-unit of two padded rows counts 2.
+unit of two padded rows counts 2. With --packing (sft) a packed row's documents are binned apart
+(``DynamicSP(documents=True)``) and the histogram counts documents.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,7 +47,9 @@ from seqpar.integrations.models import decoder_config
 from seqpar.integrations.trl_dynamic import BATCH_COUPLED
 from seqpar.planner.batches import BudgetStep, budget_steps
 from seqpar.planner.bins import SP_SCHEDULES, DynamicSP, pack_rows, row_tokens, step_targets
-from seqpar.planner.model_cost import model_cost
+from seqpar.planner.calibrate import MIN_MEASURED_BUDGET, describe_machine, measure_machine
+from seqpar.planner.model_cost import config_shapes, model_cost
+from seqpar.planner.work import Machine
 
 from .config import PAIRED, TrainConfig, dpo_losses
 from .data import row_index
@@ -60,8 +64,15 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
     if cfg.sp_schedule == "static":
         if cfg.token_budget is not None:
             raise ValueError("--token-budget forms the steps of a dynamic schedule: give --sp-schedule dynamic too")
+        if cfg.cost_model != "measure":
+            raise ValueError("--cost-model chooses a dynamic schedule's cost model: give --sp-schedule dynamic too")
         return
     check_objective(cfg)
+    budget = cfg.token_budget if cfg.token_budget is not None else -(-unit_tokens(cfg) // sp)
+    if cfg.cost_model == "measure" and budget < MIN_MEASURED_BUDGET:
+        raise ValueError(f"--cost-model measure times bins of up to 16 documents per rank, which {budget} tokens per "
+                         f"rank (--token-budget, or --seq-len / --sp) cannot hold: use --cost-model builtin or a "
+                         f"budget of >= {MIN_MEASURED_BUDGET}")
     if cfg.strategy not in ("ulysses", "ring"):
         raise ValueError(f"--sp-schedule dynamic runs bins at degrees below --sp on sub-groups of ranks, which "
                          f"--strategy {cfg.strategy} has none of: use --strategy ulysses or ring")
@@ -126,12 +137,24 @@ class DynamicSteps:
         self.trainer = trainer
         self.paired = cfg.objective in PAIRED
         budget = cfg.token_budget if cfg.token_budget is not None else -(-unit_tokens(cfg) // job.sp)
-        cost = model_cost(decoder_config(trainer.model.config)[0], strategy=job.strategy,
-                          device_type=trainer.device.type, dtype_bytes=next(trainer.model.parameters()).element_size())
+        text_config = decoder_config(trainer.model.config)[0]
+        dtype_bytes = next(trainer.model.parameters()).element_size()
+        self.machine: Machine | None = None  # --cost-model measure: what was measured, and in how many seconds
+        self.measure_s = 0.0
+        if cfg.cost_model == "measure":
+            t0 = time.perf_counter()
+            loss_of = (lambda local: trainer.objective.pair_loss(local, 1.0)[0]) if self.paired else None
+            with faults.publishing("measuring the cost model"):
+                self.machine = measure_machine(trainer.model, trainer.mesh, config_shapes(text_config, dtype_bytes),
+                                               token_budget=budget, loss_of=loss_of, device=trainer.device)
+            self.measure_s = time.perf_counter() - t0
+        cost = model_cost(text_config, strategy=job.strategy, device_type=trainer.device.type, dtype_bytes=dtype_bytes,
+                          machine=self.machine)
         # --packing: a packed row's documents are binned apart (a pair's two stay one unit: paired objectives
         # pack whole pairs, which as_row keeps together)
         self.dyn = DynamicSP(trainer.mesh, token_budget=budget, cost=cost, layout=job.layout, device=trainer.device,
                              documents=cfg.packing and not self.paired)
+        self.unit = "documents" if self.dyn.documents else "rows"  # what the histogram counts
         self.token_budget = budget
         self.rows_at_degree: dict[int, int] = {}
         self.last: dict[int, int] = {}
@@ -186,7 +209,8 @@ class DynamicSteps:
             loss_sum += float(plan.loss())
             tokens += sum(b.tokens for b in plan.schedule.bins)
             for b in plan.schedule.bins:  # rows, not units: a pair's chosen and rejected rows count 2
-                hist[b.degree] = hist.get(b.degree, 0) + sum(rows_in(units[i]) for i in b.rows)
+                count = sum(rows_in(units[i]) for i in b.rows) if self.paired else len(b.rows)  # rows or documents
+                hist[b.degree] = hist.get(b.degree, 0) + count
         if not t.use_fsdp:
             seqpar.sync_gradients(t.model, t.mesh)
         if self.paired:  # over every pair of the step, every rank's bins (one all-reduce over the job)
@@ -197,16 +221,22 @@ class DynamicSteps:
         self.rows_at_degree = dict(sorted(self.rows_at_degree.items()))
         return (loss_sum if t.dp_rank == 0 else 0.0), int(n)
 
+    def describe_cost(self) -> str:
+        """The cost model in words: ``"measured in 4.1 s: matmuls ..."`` or ``"builtin (cpu)"``."""
+        if self.machine is None:
+            return f"builtin ({self.trainer.device.type})"
+        return f"measured in {self.measure_s:.1f} s: {describe_machine(self.machine)}"
+
     def describe_last(self) -> str:
         """The progress line's part: ``"rows at sp=1/2/4: 9/3/1"``."""
-        return describe_degrees(self.last)
+        return describe_degrees(self.last, self.unit)
 
 
-def describe_degrees(hist: dict[int, int]) -> str:
-    """``"rows at sp=1/2/4: 9/3/1"`` ("" for an empty histogram)."""
+def describe_degrees(hist: dict[int, int], unit: str = "rows") -> str:
+    """``"rows at sp=1/2/4: 9/3/1"`` (``unit``: what the histogram counts; "" for an empty histogram)."""
     if not hist:
         return ""
-    return f"rows at sp={'/'.join(map(str, hist))}: {'/'.join(map(str, hist.values()))}"
+    return f"{unit} at sp={'/'.join(map(str, hist))}: {'/'.join(map(str, hist.values()))}"
 
 
 def dynamic_steps(trainer: Any) -> DynamicSteps | None:

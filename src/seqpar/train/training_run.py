@@ -65,7 +65,9 @@ class RunSummary:
     memory: str  # the memory switches, in words
     setup_s: float
     eval_s: float
-    sp_degrees: dict[int, int] = field(default_factory=dict)  # --sp-schedule dynamic: rows run at each degree
+    sp_degrees: dict[int, int] = field(default_factory=dict)  # --sp-schedule dynamic: units run at each degree
+    sp_unit: str = "rows"  # what sp_degrees counts: rows, or documents (--packing: packed rows binned apart)
+    sp_cost: str = ""  # --sp-schedule dynamic: the cost model it balanced with (measured: its constants, the seconds)
     objective: str = "sft"  # --objective: the held-out accuracy counts answers (sft) or pairs (the others)
 
     @property
@@ -192,7 +194,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
                            "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                            "peak_mem_mib": [round(m, 1) for m in mem],
                            "peak_reserved_mib": [round(m, 1) for m in reserved],
-                           **({"rows_at_degree": dyn.last} if dyn is not None else {}),
+                           **({f"{dyn.unit}_at_degree": dyn.last} if dyn is not None else {}),
                            **trainer.objective.metrics,  # rewards/..., logps/...: over every pair of the step
                            **({"skipped": "non-finite loss or gradient norm"} if not finite else {})})
             if bar is not None:
@@ -251,7 +253,9 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         summary_file=os.path.abspath(os.path.join(cfg.save_dir, SUMMARY_FILE)), plot=plot, export=export,
         export_lora=cfg.lora_export if cfg.lora_r and export else "",
         objective=cfg.objective,
-        sp_degrees=dict(trainer.dynamic.rows_at_degree) if trainer.dynamic is not None else {})
+        sp_degrees=dict(trainer.dynamic.rows_at_degree) if trainer.dynamic is not None else {},
+        sp_unit=trainer.dynamic.unit if trainer.dynamic is not None else "rows",
+        sp_cost=trainer.dynamic.describe_cost() if trainer.dynamic is not None else "")
     if trainer.rank == 0:
         if plot is not None:
             plot_losses(cfg.save_dir)
