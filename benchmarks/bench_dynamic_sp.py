@@ -9,18 +9,18 @@ per rank per bin):
                 so the ratio shows what the dynamic path itself adds per step, and the measurement's
                 noise at the machine's load (the same bins run twice)
 
-First the cost model is refitted on this machine (:func:`calibrate`: medians of interleaved probes,
-then each bin of one warm-up step of either schedule, :func:`bin_samples`); then each mix runs
+First the cost model is refitted on this machine (seqpar's own probes,
+:func:`seqpar.planner.calibrate.measure`: medians of interleaved probes, then each bin of one warm-up
+step of either schedule, :func:`bin_samples`); then each mix runs
 ``--repeat`` rounds of one static and one dynamic step, alternating which goes first (ABBA...), so
 a burst of load from another job hits both. Each round gives a ratio (dynamic / static, each step's
 time the slowest rank's); the median ratio is reported with its spread (min-max over the rounds),
 and the cost model's prediction beside it.
 
-Measured on 2 shared CPU cores (2026-12-06, load average 1.7 before / 3.6 after, so little beside
-it): long-tailed 0.750x (median of 11 rounds, 0.724-0.796; predicted 0.875x; bins at sp=1: 45 rows,
-sp=2: 2, sp=4: 1), all-long 1.014x (0.981-1.036; predicted 1.000x); planning 8-10 ms of a 0.7-0.9 s
-step. A run beside another job (load 1.3 / 5.2) gave 0.753x and 0.953x (0.735-1.192): the all-long
-ratio is the noise floor.
+Measured on 2 shared CPU cores (2026-12-06), the schedule always 45 rows at sp=1, 2 at sp=2, 1 at
+sp=4: with nothing else running (load 0.1 before / 3.2 after) long-tailed 0.758x (0.734-0.787;
+predicted 0.801x), all-long 0.996x (0.979-1.038; predicted 1.000x); beside other jobs 0.732x and
+0.721x (all-long 1.009x and 1.120x: the noise floor). Planning 6-14 ms of a 0.7-1.0 s step.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -60,71 +61,27 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def calibrate(model, shapes, mesh, rounds: int = 5):
-    """``(fit, samples)``: probes of this machine and ``fit(samples) -> Machine``, the cost model
-    refitted from them (and from any more samples, e.g. :func:`bin_samples` of real steps), the same
-    on every rank. Every probe runs once per round, all of them in turn for ``rounds`` rounds, and
-    counts with its median: a burst of another job's load then lands on every probe alike instead
-    of on whichever ran during it. Then averaged over ranks.
-
-    - compute: degree-1 bins on every rank at once (one short, one at the budget, the budget as 8
-      and as 16 documents for a document's cost, one 4k document for the attention rate) ->
-      :func:`fit_machine`;
-    - each degree k > 1: bins of k x 512 tokens, k x 2048 (one document, and eight) on every block at
-      once -> :func:`fit_degrees` (how much slower a rank computes at degree k, a layer's fixed cost);
-    - a step's fixed cost: gradient sync and zeroing after a backward;
-    - link: all-to-alls of two sizes over the sp group -> bandwidth and one collective's latency.
-    """
-    from dataclasses import replace
-
+def step_seconds(model, mesh, rounds: int = 5) -> float:
+    """A step's fixed seconds: the gradient sync and zeroing after a backward (the median of
+    ``rounds``, the slowest rank's, the same on every rank)."""
     import torch.distributed as dist
 
     import seqpar
     from seqpar.comm.degrees import degree_meshes
     from seqpar.planner.bins import pack_rows
-    from seqpar.planner.work import fit_degrees, fit_machine
 
-    meshes = degree_meshes(mesh)
-    bins = [([512], 1), ([2048], 1), ([256] * 8, 1), ([128] * 16, 1), ([4096], 1)]
-    bins += [(docs, k) for k in meshes.degrees if k > 1 for docs in ([k * 512], [k * 256] * 8, [k * 2048])]
-    probes = []
-    for docs, k in bins:
-        local = seqpar.shard_batch(pack_rows(_rows(docs, shapes.vocab_size, sum(docs))), meshes.mesh(k))
-        probes.append(lambda local=local: model(**local).loss.backward())
+    local = seqpar.shard_batch(pack_rows(_rows([64], model.config.vocab_size, 0)), degree_meshes(mesh).mesh(1))
+    times = []
+    for _ in range(rounds + 1):  # the first warms up
+        model(**local).loss.backward()
 
-    def sync():
-        seqpar.sync_gradients(model, mesh)
-        model.zero_grad(set_to_none=True)
-
-    probes.append(sync)  # right after the bins' backwards: the gradients are there
-    group = mesh.get_group("sp")
-    link = []
-    for n in (1024, 8192):
-        x = torch.randn(n * shapes.heads * shapes.head_dim)
-        out = torch.empty_like(x)
-        link.append(x.numel() * 4 * (WORLD - 1) / WORLD)  # bytes leaving this rank
-        probes.append(lambda x=x, out=out: dist.all_to_all_single(out, x, group=group))
-    for probe in probes:  # warm-up
-        probe()
-    times = [[_timed(probe) for probe in probes] for _ in range(rounds)]
-    # every rank must plan with the same cost model (else the schedules differ and plan() refuses)
-    mean = torch.tensor([statistics.median(t[i] for t in times) for i in range(len(probes))], dtype=torch.float64)
-    dist.all_reduce(mean)
-    mean = (mean / dist.get_world_size()).tolist()
-    (b0, b1), (t0, t1) = link, mean[-2:]
-    if t1 > t0:
-        bandwidth = (b1 - b0) / (t1 - t0)
-        latency = max(t0 - b0 / bandwidth, 0.0)
-    else:  # the larger all-to-all was not slower (load noise): charge all of its time to bytes
-        bandwidth, latency = b1 / t1, 0.0
-    samples = [(docs, k, s) for (docs, k), s in zip(bins, mean, strict=False)]
-
-    def fit(samples):
-        machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=bandwidth,
-                              collective_s=latency)
-        return replace(fit_degrees(samples, shapes, machine), step_s=mean[len(bins)])
-
-    return fit, samples
+        def sync():
+            seqpar.sync_gradients(model, mesh)
+            model.zero_grad(set_to_none=True)
+        times.append(_timed(sync))
+    t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
 
 
 def bin_samples(model, mesh, dyn, rows) -> list[tuple[list[int], int, float]]:
@@ -182,6 +139,7 @@ def _worker(rank: int, world: int, repeat: int) -> dict:
     import seqpar
     from seqpar.integrations.models import build_model
     from seqpar.planner.bins import DynamicSP
+    from seqpar.planner.calibrate import measure
     from seqpar.planner.work import Shapes, bin_seconds
 
     torch.manual_seed(0)
@@ -195,16 +153,20 @@ def _worker(rank: int, world: int, repeat: int) -> dict:
     budget = MAX_LEN // world  # tokens per rank per bin: an 8k row needs all 4 ranks
     tail = lognormal_lengths(48, mean=512, cap=MAX_LEN, seed=37)
     mixes = {"long-tailed": tail, "all-long": [MAX_LEN] * max(1, round(sum(tail) / MAX_LEN))}
-    fit, samples = calibrate(model, shapes, mesh)
-    # refit on the workload too: each bin of one step of either schedule on the long-tailed rows,
-    # planned with the probes' model (a real static bin packs a dozen documents at sp=4, which the
+    # the cost model refitted on this machine: seqpar's probes (seqpar.planner.calibrate, what `seqpar
+    # train --cost-model measure` runs), then each bin of one step of either schedule on the long-tailed
+    # rows, planned with the probes' model (a real static bin packs a dozen documents at sp=4, which the
     # probes only approximate)
-    probe_cost = functools.partial(bin_seconds, shapes=shapes, machine=fit(samples))
+    measured = measure(model, mesh, shapes, token_budget=budget, rounds=5)
+    step_s = step_seconds(model, mesh)
+    probe_cost = functools.partial(bin_seconds, shapes=shapes, machine=measured.machine(shapes))
     warm = _rows(tail, cfg.vocab_size, seed=2)  # other tokens than the timed steps', the same lengths
+    workload = []
     for degrees in (None, (world,)):
-        samples += bin_samples(model, mesh, DynamicSP(mesh, token_budget=budget, cost=probe_cost,
-                                                      degrees=degrees), warm)
-    machine = fit(samples)
+        workload += bin_samples(model, mesh, DynamicSP(mesh, token_budget=budget, cost=probe_cost, degrees=degrees),
+                                warm)
+    machine = replace(measured.machine(shapes, workload), step_s=step_s)
+    samples = [*measured.samples, *workload]
     cost = functools.partial(bin_seconds, shapes=shapes, machine=machine)
     schedules = {"dynamic": DynamicSP(mesh, token_budget=budget, cost=cost),
                  "static": DynamicSP(mesh, token_budget=budget, cost=cost, degrees=(world,))}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,13 +74,42 @@ def _timed(fn: Callable[[], object], group: Any) -> float:
     return time.perf_counter() - t0
 
 
+Sample = tuple[list[int], int, float]
+"""``(documents' token counts, degree, seconds per rank)`` of one measured bin."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What :func:`measure` timed: each probe bin's seconds, and the link's bytes/s and latency."""
+
+    samples: list[Sample]
+    bytes_per_s: float
+    collective_s: float
+
+    def machine(self, shapes: Shapes, more: Sequence[Sample] = ()) -> Machine:
+        """The :class:`Machine` fitted to these samples and ``more`` (e.g. a real step's bins)."""
+        samples = [*self.samples, *more]
+        machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=self.bytes_per_s,
+                              collective_s=self.collective_s)
+        return fit_degrees(samples, shapes, machine) if any(k > 1 for _, k, _ in samples) else machine
+
+
 def measure_machine(model: Any, mesh: DeviceMesh, shapes: Shapes, *, token_budget: int,
                     loss_of: Callable[[dict[str, Any]], torch.Tensor] | None = None, rounds: int = 3,
                     device: torch.device | str | None = None) -> Machine:
     """The cost model's :class:`~seqpar.planner.work.Machine` refitted from ``model``'s own bins on
-    this machine (collective over ``mesh``'s ranks: every rank calls it). ``loss_of(local)``: a
-    probe's loss (default ``model(**local).loss``). Raises ValueError for a budget under 16 tokens
-    (too small to tell a document's cost from a token's)."""
+    this machine: :func:`measure`, then fitted."""
+    return measure(model, mesh, shapes, token_budget=token_budget, loss_of=loss_of, rounds=rounds,
+                   device=device).machine(shapes)
+
+
+def measure(model: Any, mesh: DeviceMesh, shapes: Shapes, *, token_budget: int,
+            loss_of: Callable[[dict[str, Any]], torch.Tensor] | None = None, rounds: int = 3,
+            device: torch.device | str | None = None) -> Measured:
+    """Time the probes (module doc) of ``model`` on this machine (collective over ``mesh``'s ranks:
+    every rank calls it; the same result on every rank). ``loss_of(local)``: a probe's loss
+    (default ``model(**local).loss``). Raises ValueError for a budget under
+    :data:`MIN_MEASURED_BUDGET` tokens (too small to tell a document's cost from a token's)."""
     if token_budget < MIN_MEASURED_BUDGET:
         raise ValueError(f"measuring the cost model needs a budget of >= {MIN_MEASURED_BUDGET} tokens per rank, "
                          f"got {token_budget}")
@@ -119,12 +148,7 @@ def measure_machine(model: Any, mesh: DeviceMesh, shapes: Shapes, *, token_budge
         latency = max(t0 - b0 / bandwidth, 0.0)
     else:  # the larger all-to-all was not slower (load noise): charge all of its time to bytes
         bandwidth, latency = b1 / t1, 0.0
-    samples = [(docs, k, s) for (docs, k), s in zip(bins, mean, strict=False)]
-    machine = fit_machine([(d, s) for d, k, s in samples if k == 1], shapes, bytes_per_s=bandwidth,
-                          collective_s=latency)
-    if any(k > 1 for _, k, _ in samples):
-        machine = fit_degrees(samples, shapes, machine)
-    return replace(machine, step_s=0.0)
+    return Measured([(docs, k, s) for (docs, k), s in zip(bins, mean, strict=False)], bandwidth, latency)
 
 
 def describe_machine(m: Machine) -> str:
