@@ -135,8 +135,8 @@ def train(case: str, out: str, sp: int | None = None, dp: int = 1, *, accum: int
 
         model = _causal_lm()
         prompts = [{"prompt": r["prompt"]} for r in _pairs(4, dp)]
-        args = GRPOConfig(**_common(out), num_generations=ROWS, max_completion_length=7, shuffle_dataset=False,
-                          **GRPO_CASES[case])
+        args = GRPOConfig(**{**_common(out), **GRPO_CASES[case]}, num_generations=ROWS, max_completion_length=7,
+                          shuffle_dataset=False)  # a case's own gradient_accumulation_steps wins
         trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(prompts, out),
                               processing_class=_tokenizer())
     else:
@@ -147,7 +147,7 @@ def train(case: str, out: str, sp: int | None = None, dp: int = 1, *, accum: int
         if case == "reward-margin-centered":
             rows = [{**r, "margin": 0.25 * i} for i, r in enumerate(rows)]
         model = _reward_model()
-        trainer = RewardTrainer(model=model, args=RewardConfig(**_common(out, accum), **REWARD_CASES[case]),
+        trainer = RewardTrainer(model=model, args=RewardConfig(**{**_common(out, accum), **REWARD_CASES[case]}),
                                 train_dataset=_dataset(rows, out), processing_class=_tokenizer())
     if line is not None:
         line(trainer)
