@@ -212,7 +212,22 @@ def fsdp_runs(tmp_path_factory):
             d = root / f"{case}_{schedule}"
             s = run_local(prepare_job(base.replace(**_schedule(schedule), save_dir=str(d), **kw)))
             out[case, schedule] = (s, _final_weights(s.checkpoint, root / f"{case}_{schedule}"))
+    # --cost-model measure (the default): its probes run forward and backward through the FSDP2 model
+    d = root / "measured"
+    s = run_local(prepare_job(base.replace(sp_schedule="dynamic", save_dir=str(d), **FSDP_CASES["sp4_accum2"])))
+    out["measured"] = (s, _final_weights(s.checkpoint, d))
     return out
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_a_measured_cost_model_under_fsdp(fsdp_runs):
+    (static, w_static), (measured, w_measured) = fsdp_runs["sp4_accum2", "static"], fsdp_runs["measured"]
+    assert measured.sp_cost.startswith("measured in "), measured.sp_cost
+    for (step, a), (_, b) in zip(static.losses, measured.losses, strict=True):
+        assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: static {a!r} vs measured {b!r}"
+    worst = max(float((w_static[k] - w_measured[k]).abs().max()) for k in w_static)
+    assert worst <= WEIGHT_TOL, f"a final weight off by {worst:.3g}"  # the probes' gradients left no trace
 
 
 @pytest.mark.heavy
