@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from .. import compat
 from ..batch.loss import ScaleGrad, sync_gradients
 from ..comm import faults
+from ..errors import Refused
 from .trainer_dynamic import DynamicTrainerMethods
 from .trl_objectives import swapped, trl_kind
 
@@ -93,7 +94,8 @@ def pairs_in(batch: Mapping[str, Any]) -> int:
 
 def pair_rows(batch: Mapping[str, Any]) -> list[dict[str, Tensor]]:
     """One plan row per pair (on the CPU): its chosen then its rejected real tokens
-    (``attention_mask``), positions restarting at the rejected one (two documents)."""
+    (``attention_mask``), positions restarting at the rejected one (two documents). (The planner's
+    ``pack_rows`` does the same for seqpar train; this layer may not import the planner.)"""
     ids, mask = batch["input_ids"], batch.get("attention_mask")
     half = pairs_in(batch)
     rows = []
@@ -126,17 +128,18 @@ def pair_batch(batch: Mapping[str, Any], pairs: Sequence[int]) -> dict[str, Any]
 
 def check_pair_dynamic(trainer: Any) -> None:
     """A TRL objective trainer under ``schedule=``: DPO and reward run, exact; raises ValueError
-    naming the option for GRPO, FSDP and DPO's loss types that couple a micro-batch's pairs."""
+    seqpar.Refused (a ValueError) naming the option for GRPO, FSDP and DPO's loss types that
+    couple a micro-batch's pairs: seqpar cannot make those exact under a dynamic schedule."""
     kind = trl_kind(type(trainer))
     if kind not in ("DPOTrainer", "RewardTrainer"):
-        raise ValueError(f"a dynamic SP schedule (schedule=) with TRL's {kind} is not supported (its loss runs on "
+        raise Refused(f"a dynamic SP schedule (schedule=) with TRL's {kind} is not supported (its loss runs on "
                          "whole generation groups): leave schedule=None (the static schedule)")
     if getattr(trainer, "is_fsdp_enabled", False):
-        raise ValueError(f"a dynamic SP schedule with TRL's {kind} runs under DDP only (TRL's fused LM head "
+        raise Refused(f"a dynamic SP schedule with TRL's {kind} runs under DDP only (TRL's fused LM head "
                          "gathers FSDP's sharded head inside each bin): drop fsdp=, or leave schedule=None")
     types = getattr(trainer.args, "loss_type", None) or () if kind == "DPOTrainer" else ()
     coupled = [t for t in types if t in BATCH_COUPLED]
     if coupled:
-        raise ValueError(f"DPO's loss_type {coupled[0]!r} {BATCH_COUPLED[coupled[0]]}, which a dynamic SP schedule's "
+        raise Refused(f"DPO's loss_type {coupled[0]!r} {BATCH_COUPLED[coupled[0]]}, which a dynamic SP schedule's "
                          f"bins (other pairs than the micro-batch's) would change: leave schedule=None, or use "
                          f"another loss_type (not {', '.join(BATCH_COUPLED)})")
