@@ -139,6 +139,7 @@ CASES = {
     "lora alpha without rank": (lambda d: ["--lora-alpha", "16"], ["--lora-alpha", "without --lora-r"]),
     "lora rank negative": (lambda d: ["--lora-r", "-1"], ["--lora-r must be >= 0"]),
     "eval every negative": (lambda d: ["--eval-every", "-1"], ["--eval-every must be >= 0"]),
+    "adam eps zero": (lambda d: ["--adam-eps", "0"], ["--adam-eps must be > 0", "got 0.0"]),
     "tokenizer dir missing": (lambda d: ["--tokenizer", str(d / "none")], ["--tokenizer", "no such directory"]),
     "chat template for bytes": (lambda d: ["--chat-template", str(d / "good.txt"), "--data", str(d / "good.txt")],
                                 ["--chat-template needs a transformers tokenizer"]),

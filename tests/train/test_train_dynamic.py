@@ -179,6 +179,12 @@ def test_the_options_reach_the_command_line():
 # StepBins.fsdp, or FSDP2 resharding after each forward) fails the run with gloo's timeout and each
 # rank's error in about a minute, not a blocked suite.
 WEIGHT_TOL = 1e-9  # float64: the same sums in another order
+# AdamW's step lr * g / (sqrt(v) + eps) multiplies a gradient's float64 rounding by up to lr / eps, and
+# the next step's gradient carries it on: at the default eps = 1e-8 (x 1e6) the sp4_memory weights came
+# 5.7e-10 apart after one step (at an entry with |g| = 1.2 eps) and 4e-9 after two, on an AMD EPYC, with
+# the step losses 1e-12 apart. eps = 1e-3 bounds the factor by 10 (measured 3.5e-11 after two steps), so
+# the final weights compare the schedules' gradients rather than AdamW's conditioning near g = 0
+FSDP_ADAM_EPS = 1e-3
 FSDP_CASES = {"sp4_accum2": dict(sp=4, micro_batch=8, grad_accum=2), "dp2_sp2": dict(sp=2, dp=2, micro_batch=6),
               "sp4_lora": dict(sp=4, micro_batch=8, grad_accum=2, lora_r=4),  # a frozen base under FSDP2
               # seqpar train's defaults: the memory switches on, in bins below --sp too
@@ -204,7 +210,8 @@ def _final_weights(checkpoint: str, tmp) -> dict:
 def fsdp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dyn_fsdp")
     base = TrainConfig(data=[_jsonl(root / "mixed.jsonl", mid=True)], seq_len=64, steps=2, lr=1e-2, warmup=1, seed=1,
-                       dtype="float64", fsdp="on", eval_rows=6, eval_every=1, progress=False, plot=False, timeout=120.0,
+                       dtype="float64", fsdp="on", adam_eps=FSDP_ADAM_EPS, eval_rows=6, eval_every=1, progress=False,
+                       plot=False, timeout=120.0,
                        **OFF)  # an evaluation between steps: its forwards leave FSDP2's parameters gathered
     out = {}
     for case, kw in [*FSDP_CASES.items(), ("bf16", BF16_CASE)]:

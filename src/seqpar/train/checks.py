@@ -77,6 +77,8 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
         raise ValueError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.grad_clip < 0 or cfg.weight_decay < 0:
         raise ValueError("--grad-clip and --weight-decay must be >= 0")
+    if not cfg.adam_eps > 0:
+        raise ValueError(f"--adam-eps must be > 0, got {cfg.adam_eps}")
     if cfg.timeout is not None and cfg.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {cfg.timeout}")
     if cfg.checkpoint not in CHECKPOINT_MODES:

@@ -107,6 +107,7 @@ class TrainConfig:
     warmup: int = _opt(30, "linear warmup steps, then cosine decay to --min-lr-ratio x lr")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of --lr")
     weight_decay: float = _opt(0.0, "AdamW weight decay")
+    adam_eps: float = _opt(1e-8, "AdamW epsilon (added to the root of the second moment)")
     grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
     micro_batch: int = _opt(1, "rows per rank per forward (one dp rank's rows; its SP ranks share them)")
     grad_accum: int = _opt(1, "micro-batches per optimizer step")

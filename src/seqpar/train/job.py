@@ -39,7 +39,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # may change: the MLP is per token, its tiles change no value -- and by default they follow the shard,
 # so they change with --sp anyway)
 RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packing", "seed", "lr", "warmup",
-               "min_lr_ratio", "weight_decay", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "tokenizer",
+               "min_lr_ratio", "weight_decay", "adam_eps", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "tokenizer",
                "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets", "token_budget",
                "objective", "beta", "dpo_loss")
 

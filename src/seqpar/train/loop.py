@@ -155,7 +155,7 @@ class Trainer:
         self.model = model
         self.objective = ObjectiveStep(self)  # --objective: the loss, its reference and its unit count
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                           betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+                                           betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0
         self.dynamic = dynamic_steps(self)  # --sp-schedule dynamic (None: static)
