@@ -24,7 +24,8 @@ Measured on 2 shared CPU cores, the schedule always 45 rows at sp=1, 2 at sp=2, 
 2026-12-06 (nothing else running) long-tailed 0.758x (0.734-0.787; predicted 0.801x), all-long
 0.996x; beside other jobs 0.732x and 0.721x. 2026-12-06, a later session, three runs: long-tailed
 0.833x, 0.867x, 0.835x (CPU seconds 0.831x, 0.888x, 0.851x); all-long 0.984x, 1.033x, 1.010x (the
-same bins twice: the noise floor); unsharded 0.878x, 0.866x (CPU seconds 0.822x). Four ranks share
+same bins twice: the noise floor); unsharded 0.878x, 0.866x (CPU seconds 0.822x); once more on the
+next main: 0.854x (CPU seconds 0.871x), unsharded CPU seconds 0.830x, all-long 0.986x. Four ranks share
 two cores, so a step's wall time follows the CPU seconds of all ranks together (within ~4%), and no
 schedule spends fewer than ``unsharded`` (no communication at all): in these runs that floor is above
 the 0.75x target, and dynamic is within ~3% of it (the earlier 0.72-0.73x beside other jobs: a
