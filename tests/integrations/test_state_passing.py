@@ -319,7 +319,7 @@ def _strict_rows(rank, world, families, sizes, grid, mode="state"):
         LOSS_TOL,
         ModelCase,
         case_batch,
-        model_floor,
+        grid_floor,
         reference_grads,
         sp_loss_scale,
     )
@@ -333,8 +333,7 @@ def _strict_rows(rank, world, families, sizes, grid, mode="state"):
         vocab = decoder_config(model.config)[0].vocab_size
         with float64_scans(model):
             # every shape of the grid: a float32 step can move the loss under one shape and not another
-            floor = model_floor(model, [case_batch(ModelCase(batch=kind, seq=seq), vocab)
-                                        for kind, seq in dict.fromkeys([("packed", 17), *(g[:2] for g in grid)])])
+            floor = grid_floor(model, vocab, (g[:2] for g in grid))
             refs = {}
             for kind, seq, strategy, layout in grid:
                 batch = case_batch(ModelCase(batch=kind, seq=seq), vocab)

@@ -27,7 +27,7 @@ from seqpar.testing.model_parity import (
     ModelCase,
     case_batch,
     compare_models,
-    model_floor,
+    grid_floor,
     reference_grads,
     run_model_parity,
     sp_loss_scale,
@@ -93,8 +93,7 @@ def _parity(rank, world, families, sizes, grid, mode=HEADS):
         vocab = decoder_config(model.config)[0].vocab_size
         # the model's own float32 sums show when its tokens are regrouped: measured once per model over
         # packed rows and every shape of its grid (a float32 step can move one shape's sums, not another's)
-        floor = model_floor(model, [case_batch(ModelCase(batch=kind, seq=seq), vocab)
-                                    for kind, seq in dict.fromkeys([("packed", 17), *(g[:2] for g in grid)])])
+        floor = grid_floor(model, vocab, (g[:2] for g in grid))
         listed = {x for _, m in token_mixers(model) for x in family_of(m).modes}
         family_mode = mode if mode in listed else None  # LFM2 lists no heads: its own choice (the halo)
         refs = {}

@@ -119,6 +119,12 @@ def model_floor(model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> Floor
     return floor
 
 
+def grid_floor(model: nn.Module, vocab: int, shapes: Iterable[tuple[str, int]]) -> Floor:
+    """:func:`model_floor` over packed 17-token rows and every ``(batch kind, length)`` of a grid."""
+    return model_floor(model, [case_batch(ModelCase(batch=kind, seq=seq), vocab)
+                               for kind, seq in dict.fromkeys([("packed", 17), *shapes])])
+
+
 def _moved(a: Tensor, b: Tensor) -> bool:
     """More than float64 rounding apart (relative to the larger entry)."""
     return float((a - b).abs().max()) > max(FLOAT64_NOISE * float(a.abs().max()), 1e-14)
