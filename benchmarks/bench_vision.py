@@ -56,8 +56,8 @@ def _work(rank: int, world: int, repeats: int) -> dict:
     import seqpar
     from seqpar.batch.local_batch import BATCH_KWARG
     from seqpar.comm.mesh import axis_group
-    from seqpar.integrations.vlm import route_visual
-    from seqpar.integrations.vlm_features import encoder_rows
+    from seqpar.integrations.vlm.encoder import route_visual
+    from seqpar.integrations.vlm.features import encoder_rows
     from seqpar.testing.memory import LiveMemory
 
     torch.set_num_threads(1)

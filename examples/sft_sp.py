@@ -19,7 +19,7 @@ from tiny_data import byte_tokenizer, load_rows
 from trl import SFTConfig, SFTTrainer
 
 from seqpar.integrations.models import build_model
-from seqpar.integrations.trainer import parallelize_trainer
+from seqpar.integrations.trainer.mixin import parallelize_trainer
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from tiny_data import PadCollator, load_rows
 from transformers import Trainer, TrainingArguments
 
 from seqpar.integrations.models import build_model
-from seqpar.integrations.trainer import parallelize_trainer
+from seqpar.integrations.trainer.mixin import parallelize_trainer
 
 
 def main() -> None:

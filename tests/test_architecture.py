@@ -150,8 +150,8 @@ def test_the_analysis_sees_circles_and_private_names():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
     names = {m for m in modules()}
-    assert {"seqpar", "seqpar.integrations.hf", "seqpar.cli.main"} <= names
-    assert "seqpar.integrations.hf_kernel" in import_graph()["seqpar.integrations.hf"]
+    assert {"seqpar", "seqpar.integrations.hf.parallelize", "seqpar.cli.main"} <= names
+    assert "seqpar.integrations.hf.kernel" in import_graph()["seqpar.integrations.hf.parallelize"]
     assert _private("_ATTR") and _private("_num") and not _private("__version__") and not _private("plan")
 
 

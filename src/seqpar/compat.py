@@ -89,7 +89,7 @@ and the earlier releases whose internals the shims still serve (checked with tho
 
 @dataclass(frozen=True)
 class FeatureStatus:
-    """One line of a feature report (:func:`seqpar.integrations.features.feature_report`): whether
+    """One line of a feature report (:func:`seqpar.integrations.hf.features.feature_report`): whether
     ``feature`` (e.g. ``"state passing: Qwen3NextGatedDeltaNet"``) is available with the installed
     versions, and ``detail``: how it is reached, or why it is not and what runs instead."""
 

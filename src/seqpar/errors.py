@@ -34,7 +34,7 @@ class RankFailedBadInput(RankFailed, ValueError):
 class FeatureUnavailable(UserWarning):
     """A seqpar feature is unavailable on the installed versions (an outside internal it reaches
     into moved): the model still runs exactly, in a fallback the message names with its cost. Given
-    once, at ``parallelize``, on rank 0 (:func:`seqpar.integrations.features.feature_report` lists
+    once, at ``parallelize``, on rank 0 (:func:`seqpar.integrations.hf.features.feature_report` lists
     every feature and why)."""
 
 

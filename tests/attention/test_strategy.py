@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed  # every test here starts gloo worker proce
 
 def _worker(rank, world):
     from seqpar.comm.mesh import init_mesh
-    from seqpar.integrations.hf import parallelize
+    from seqpar.integrations.hf.parallelize import parallelize
     from seqpar.integrations.models import build_model
 
     flat, grid = init_mesh(sp=4), init_mesh(sp=4, ulysses=2, ring=2)

@@ -12,7 +12,7 @@ from seqpar.batch.local_batch import BATCH_KWARG
 from seqpar.batch.router_loss import aux_from_sums, product_key_sums, reduce_sums, switch_sums
 from seqpar.batch.sharding import shard_batch
 from seqpar.comm.launch import run_distributed
-from seqpar.integrations.router_losses import _local_keep
+from seqpar.integrations.hf.router_losses import _local_keep
 from seqpar.testing.model_parity import sp_meshes
 from seqpar.testing.router64 import switch_aux
 

@@ -1,4 +1,4 @@
-"""The pieces of the registered attention function (:mod:`seqpar.integrations.hf_attention`), one job
+"""The pieces of the registered attention function (:mod:`seqpar.integrations.hf.attention`), one job
 each, called directly: no processes, no model. The function as a whole runs in test_hf*.py, the zoo
 and test_compile."""
 
@@ -11,7 +11,7 @@ from torch import nn
 from seqpar.attention.shard import SeqShard
 from seqpar.batch.local_batch import BATCH_KWARG, LocalBatch
 from seqpar.errors import Refused
-from seqpar.integrations.hf_attention import (
+from seqpar.integrations.hf.attention import (
     LastBatch,
     batch_of,
     keys_not_sharded,
@@ -19,7 +19,7 @@ from seqpar.integrations.hf_attention import (
     local_kernel,
     refuse_model_mask,
 )
-from seqpar.integrations.hf_kernel import ModelKernel
+from seqpar.integrations.hf.kernel import ModelKernel
 
 
 def _batch(segments: torch.Tensor | None = None) -> LocalBatch:

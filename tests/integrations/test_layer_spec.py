@@ -1,10 +1,10 @@
 """Which window, chunk and sinks a transformers attention layer computes, read from the call, the
-config and the modeling file (seqpar.integrations.layer_spec): the facts transformers puts in its
+config and the modeling file (seqpar.integrations.hf.layer_spec): the facts transformers puts in its
 masks, which seqpar suppresses and must therefore read itself."""
 
 import torch
 
-from seqpar.integrations.layer_spec import builds_sliding_masks, layer_options, layer_type
+from seqpar.integrations.hf.layer_spec import builds_sliding_masks, layer_options, layer_type
 
 
 def _attention(model_type, cls_path, **config):

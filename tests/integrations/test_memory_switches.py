@@ -18,8 +18,8 @@ import seqpar
 from seqpar.batch.tiled_loss import Head, tiled_gather_log_probs
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
+from seqpar.integrations.memory.tiling import _TiledMLP, agreed_tiles
 from seqpar.integrations.state import state_of
-from seqpar.integrations.tiling import _TiledMLP, agreed_tiles
 from seqpar.testing.model_parity import (
     GRAD_TOL,
     LOSS_TOL,
@@ -287,7 +287,7 @@ def _fingerprint(model):
 def _undo_stack(world):
     """The one state record and its undo stack: where seqpar keeps its state, what restore_memory and
     unparallelize pop, a deep copy undone on its own, and a parallelize that fails half-way rolled back."""
-    import seqpar.integrations.hf as hf
+    import seqpar.integrations.hf.parallelize as hf
 
     mesh = seqpar.init_mesh(sp=world, device_type="cpu")
     model = make_model(ModelCase())

@@ -1,4 +1,4 @@
-"""Router losses seqpar cannot make exact are refused, on every rank (seqpar.integrations.router_losses):
+"""Router losses seqpar cannot make exact are refused, on every rank (seqpar.integrations.hf.router_losses):
 a family whose aux loss is not the rule seqpar recomputes (simulated: a rule that reads one expert
 per token where the model's own aux loss counts two) at its first forward,
 a z-loss over the positions at parallelize."""

@@ -12,7 +12,7 @@ import torch
 from seqpar.attention.layout import document_cuts, layout_permutation, layout_seq_lens
 from seqpar.attention.shard import SeqShard
 from seqpar.compat import CHECKED_ON, calls_kernels
-from seqpar.integrations.features import MIXER_MODELING
+from seqpar.integrations.hf.features import MIXER_MODELING
 from seqpar.integrations.mixers import HANDLED_MIXERS, STATE, family_of
 from seqpar.integrations.mixers.pieces import piece_plan
 from seqpar.testing import scans64
@@ -776,7 +776,7 @@ def _parallelize_warnings(rank, world):
 def test_missing_kernel_is_one_warning_on_rank_0(scan_missing):
     import transformers
 
-    from seqpar.integrations.features import feature_report
+    from seqpar.integrations.hf.features import feature_report
 
     said = _parallelize_warnings(0, 2)
     assert len(said) == 1, said
@@ -790,7 +790,7 @@ def test_missing_kernel_is_one_warning_on_rank_0(scan_missing):
 
 
 def test_installed_transformers_gives_no_warning_and_a_full_report():
-    from seqpar.integrations.features import MIXER_MODELING, feature_report
+    from seqpar.integrations.hf.features import MIXER_MODELING, feature_report
 
     assert _parallelize_warnings(0, 2) == []
     rows = {r.feature: r for r in feature_report()}

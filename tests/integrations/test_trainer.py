@@ -1,4 +1,4 @@
-"""seqpar inside transformers' Trainer and TRL's SFTTrainer (``seqpar.integrations.trainer``).
+"""seqpar inside transformers' Trainer and TRL's SFTTrainer (``seqpar.integrations.trainer.mixin``).
 
 Each case trains the same script twice: in this process without seqpar (the reference), and on
 gloo workers with ``parallelize_trainer(trainer, mesh)`` -- sp=2 on 2 processes, dp=2 x sp=2 on 4
@@ -118,7 +118,7 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, resume: str | None = N
     predict), "sft-padded" or "sft-packed" (3 steps). With ``mesh`` it adds the one seqpar line
     (packed rows on ring attention and the doc-zigzag layout); without, one process reads the dp
     ranks' rows as one batch of ``dp`` x MICRO."""
-    from seqpar.integrations.trainer import SeqParTrainerMixin, parallelize_trainer
+    from seqpar.integrations.trainer.mixin import SeqParTrainerMixin, parallelize_trainer
 
     net = _model(_model_kind(kind))
     batch = MICRO if mesh is not None else MICRO * dp
@@ -173,7 +173,7 @@ def _bad(case: str, out: str):
     from transformers import Trainer
 
     import seqpar
-    from seqpar.integrations.trainer import parallelize_trainer
+    from seqpar.integrations.trainer.mixin import parallelize_trainer
 
     class OwnLossTrainer(Trainer):  # a user's trainer with its own loss: seqpar's must not replace it silently
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -299,7 +299,7 @@ def test_refuses_losses_it_would_ignore(option, value):
     """Options whose loss seqpar's compute_loss would not compute are refused, not ignored."""
     from types import SimpleNamespace
 
-    from seqpar.integrations.trainer import check_loss_options
+    from seqpar.integrations.trainer.mixin import check_loss_options
 
     args = SimpleNamespace(label_smoothing_factor=0.0, loss_type="nll")
     check_loss_options(SimpleNamespace(args=args, compute_loss_func=None))  # the defaults pass
@@ -316,8 +316,7 @@ def test_trainers_with_their_own_loss_are_refused_by_name():
     from transformers import Trainer
 
     from seqpar.errors import Refused
-    from seqpar.integrations.trainer import check_own_loss
-    from seqpar.integrations.trl_objectives import TRL_TRAINERS
+    from seqpar.integrations.trainer.mixin import TRL_TRAINERS, check_own_loss
 
     class Mine(trl.SFTTrainer):
         pass
@@ -336,7 +335,7 @@ def test_router_aux_at_dp_above_1_is_refused_for_trl_trainers_other_than_sft():
     dp2 x sp2); another TRL trainer adding one is refused by name until its run is."""
     from types import SimpleNamespace
 
-    from seqpar.integrations.trainer import _router_aux_unverified
+    from seqpar.integrations.trainer.mixin import _router_aux_unverified
 
     def trainer(module: str, name: str, aux: bool):
         cls = type(name, (), {"__module__": module})

@@ -79,7 +79,7 @@ def train(out: str, mesh=None, fsdp: bool = False) -> dict:
     if fsdp:
         _fsdp_as_on_gpus(trainer)
     if mesh is not None:
-        from seqpar.integrations.trainer import parallelize_trainer
+        from seqpar.integrations.trainer.mixin import parallelize_trainer
         from seqpar.planner.bins import DynamicSP
 
         def cost(docs, k):  # a sub-group only for rows that do not fit one rank
@@ -97,7 +97,7 @@ def _bad(mesh, out: str) -> dict:
     from transformers import Trainer
 
     from seqpar.integrations.models import build_model
-    from seqpar.integrations.trainer import parallelize_trainer
+    from seqpar.integrations.trainer.mixin import parallelize_trainer
     from seqpar.planner.bins import DynamicSP
 
     seen = {}

@@ -291,7 +291,7 @@ def test_refuses_trl_options_by_name(option):
     from trl import DPOTrainer
 
     import seqpar
-    from seqpar.integrations.trl_trainers import check_trl_options
+    from seqpar.integrations.trl.mixins import check_trl_options
 
     trainer = object.__new__(DPOTrainer)
     trainer.args = SimpleNamespace(use_liger_kernel=option == "use_liger_kernel")
@@ -306,7 +306,7 @@ def test_refuses_grpo_options_by_name(option, value):
     from types import SimpleNamespace
 
     import seqpar
-    from seqpar.integrations.trl_grpo import check_grpo_options
+    from seqpar.integrations.trl.grpo import check_grpo_options
 
     args = SimpleNamespace(use_vllm=False, beta=0.0, use_liger_kernel=False, eval_strategy="no")
     check_grpo_options(SimpleNamespace(args=args, tools=None, rollout_func=None))  # the defaults pass

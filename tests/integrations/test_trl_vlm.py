@@ -204,7 +204,7 @@ def _trainer(out: str, *, mesh=None, strategy: str = "ulysses", collator=None, o
     collator (the bad-input cases); ``oracle``: the float64 reference (:func:`_oracle_class`)."""
     from trl import SFTConfig, SFTTrainer
 
-    from seqpar.integrations.trainer import parallelize_trainer
+    from seqpar.integrations.trainer.mixin import parallelize_trainer
 
     processor = _processor()
     net = _model(processor.tokenizer)

@@ -1,4 +1,4 @@
-"""The pure parts of images under SP (seqpar.integrations.vision): units of vision work (images, video
+"""The pure parts of images under SP (seqpar.integrations.vlm.routing): units of vision work (images, video
 frames), their balanced contiguous assignment to ranks, and the routing plan -- checked by running
 every rank's plan on the whole batch at once (a simulated exchange) against the model's own rule:
 feature row j of a modality fills the j-th placeholder of the batch, row-major, on the rank whose
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from seqpar.attention.layout import layout_indices
-from seqpar.integrations.vision import MODALITIES, assign, merge_inputs, route_plan, units
+from seqpar.integrations.vlm.routing import MODALITIES, assign, merge_inputs, route_plan, units
 
 
 def _grid_batch():
@@ -138,7 +138,7 @@ def test_units_of_images_batched_per_row_are_the_real_images_row_major():
 
 
 def test_documents_of_packed_rows_leave_padding_out():
-    from seqpar.integrations.vlm_positions import documents
+    from seqpar.integrations.vlm.positions import documents
 
     segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 1, 1, 1]])
     keep = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])

@@ -1,4 +1,4 @@
-"""Vision-language models with images under SP (seqpar.integrations.vlm), on gloo: the loss and every
+"""Vision-language models with images under SP (seqpar.integrations.vlm.encoder), on gloo: the loss and every
 gradient, vision tower included, against the same model unsharded (float64), Ulysses and ring,
 images straddling shard boundaries, a video, a padded row; the vision work divided over the ranks
 (each encodes its share, one all-to-all forward and one backward carry the features); and the
@@ -17,7 +17,7 @@ from seqpar.batch.local_batch import BATCH_KWARG
 from seqpar.comm.counting import count_collectives
 from seqpar.comm.launch import run_distributed
 from seqpar.errors import Refused
-from seqpar.integrations.vlm_families import FAMILIES, SUPPORTED
+from seqpar.integrations.vlm.families import FAMILIES, SUPPORTED
 from seqpar.testing.model_parity import GRAD_TOL, LOSS_TOL, compare_models
 from seqpar.testing.vlm_inputs import packed_batch, vlm_batch
 from seqpar.testing.vlm_parity import vlm_family_parity, vlm_floor

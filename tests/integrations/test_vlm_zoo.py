@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from seqpar.integrations.router_losses import model_setting
-from seqpar.integrations.vlm_families import FAMILIES, SINCE, SUPPORTED, UNVERIFIED, VQ_TOKENS
+from seqpar.integrations.hf.router_losses import model_setting
+from seqpar.integrations.vlm.families import FAMILIES, SINCE, SUPPORTED, UNVERIFIED, VQ_TOKENS
 from seqpar.testing.vlm_inputs import vlm_batch
 from seqpar.testing.vlm_zoo import (
     build_tiny_vlm,
@@ -118,7 +118,7 @@ def test_span_rules_are_the_models_own():
     ``get_block_sequence_ids_for_mask``, PaliGemma's prefix), and the families say which rule."""
     from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
-    from seqpar.integrations.vlm_spans import SPAN_RULES, image_runs, prefix
+    from seqpar.integrations.vlm.spans import SPAN_RULES, image_runs, prefix
 
     g = torch.Generator().manual_seed(0)
     types = (torch.rand(3, 29, generator=g) < 0.5).long()

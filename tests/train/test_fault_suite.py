@@ -308,7 +308,7 @@ def _trainer_case(rank, world, case, out):
 
     import seqpar
     from seqpar.integrations.models import build_model
-    from seqpar.integrations.trainer import parallelize_trainer
+    from seqpar.integrations.trainer.mixin import parallelize_trainer
     from seqpar.testing.fault_inject import run_case
 
     def body(inj):

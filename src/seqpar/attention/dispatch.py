@@ -56,6 +56,10 @@ def _entry(strategy: str) -> Callable[..., Tensor]:
 
 STRATEGIES: dict[str, Callable[..., Tensor]] = {name: _entry(name) for name in AXES}
 
+ONE_AXIS = tuple(name for name, axes in AXES.items() if Axis.SP.value in axes)
+"""The strategies that run on the one ``sp`` axis (not a 2-D ulysses x ring mesh): those a sub-group
+of the SP ranks can run on its own (a dynamic schedule's bins)."""
+
 
 def check_strategy(strategy: str) -> None:
     """Raise ValueError unless ``strategy`` is one of :data:`STRATEGIES` or ``"auto"``."""

@@ -36,7 +36,7 @@ class LocalBatch:
     visual        the whole batch's images / video (:class:`~seqpar.batch.visual.VisualBatch`) or None
     token_types   ``[B, S]`` the whole rows' ``token_type_ids`` (original order) or None: the model's
                   family turns them into the shard's bidirectional span ids before its first layer
-                  (:func:`seqpar.integrations.vlm_spans.with_spans`)
+                  (:func:`seqpar.integrations.vlm.spans.with_spans`)
     positions_given  whether the batch brought its own position_ids (else shard_batch made 0..S-1)
     grad_ranks    the job's rank count W for a dynamic schedule's bin (None otherwise); ``in_bin``
                   then holds: other rows of the step run in other forwards

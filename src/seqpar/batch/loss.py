@@ -18,7 +18,7 @@ so the *average* of the parameter gradients over the dp x sp ranks -- what stock
 over those ranks compute (as torchtitan, Megatron, DeepSpeed and accelerate do), and what
 :func:`sync_gradients` computes without a wrapper -- is exactly the non-parallel model's gradient.
 A wrapper that averages over the dp ranks only would leave the sp ranks' shares uncombined:
-parallelized models refuse it at their first training forward (:mod:`seqpar.integrations.fsdp`).
+parallelized models refuse it at their first training forward (:mod:`seqpar.integrations.distributed.fsdp`).
 
 Rounding: scaling by the number of ranks and averaging cancel to float64 rounding. A model that
 computes in float32 inside (Llama's RMSNorm casts to float32 whatever the model's dtype) rounds

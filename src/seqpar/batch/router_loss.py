@@ -119,7 +119,7 @@ ROUTER_RULES: dict[str, Callable[..., RouterSums]] = {
     "switch": switch_sums,
     "product_key": product_key_sums,
 }
-"""How a family's aux loss reads its router logits (the families: :mod:`seqpar.integrations.router_losses`)."""
+"""How a family's aux loss reads its router logits (the families: :mod:`seqpar.integrations.hf.router_losses`)."""
 
 
 def aux_from_sums(sums: RouterSums) -> Tensor:

@@ -261,7 +261,7 @@ def tiled_gather_log_probs(hidden: Tensor, head: Head, labels: Tensor | dict[str
                            shard: SeqShard | LocalBatch | None = None, tile: int = 1024,
                            ignore_index: int = IGNORE_INDEX) -> Tensor:
     """:func:`seqpar.gather_log_probs` from the final hidden states ``[B, S_local, H]`` and the head
-    (:func:`seqpar.integrations.tiled_head.output_head`) instead of the logits: ``[B, S]`` per-token
+    (:func:`seqpar.integrations.memory.tiled_head.output_head`) instead of the logits: ``[B, S]`` per-token
     log-probabilities on every SP rank, differentiable, with no ``[S_local, V]`` tensor."""
     labels, shard = labels_and_shard(labels, shard)
     group = axis_group(as_mesh(mesh, "tiled_gather_log_probs"), Axis.SP.value)

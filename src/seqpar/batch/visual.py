@@ -2,7 +2,7 @@
 
 :func:`seqpar.shard_batch` shards the text (``input_ids`` with its image / video placeholder
 tokens, labels, masks) and does not cut the visual tensors: they describe whole images, and
-which rank encodes which image is the model's business (:mod:`seqpar.integrations.vlm`). It checks
+which rank encodes which image is the model's business (:mod:`seqpar.integrations.vlm.encoder`). It checks
 them (shapes that hold for every model, the same on every SP rank) and hands them, with the whole
 row's ``input_ids`` and this rank's token indices, to the model in a :class:`VisualBatch`::
 
@@ -36,7 +36,7 @@ SPAN_KEYS = ("token_type_ids",)
 """Token types a model turns into bidirectional spans of its attention mask (Gemma 3: each run of
 image tokens; PaliGemma: the prefix): :func:`seqpar.shard_batch` keeps them whole (the spans are
 the whole row's, so one may straddle shards), and the model's family says how they become span
-ids (:mod:`seqpar.integrations.vlm_spans`)."""
+ids (:mod:`seqpar.integrations.vlm.spans`)."""
 
 REFUSED_KEYS: dict[str, str] = {
     "pixel_mask": "a pixel mask per image (Aria)",

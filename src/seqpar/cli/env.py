@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from seqpar.integrations.features import feature_report
+    from seqpar.integrations.hf.features import feature_report
 
     print(f"seqpar {importlib.metadata.version('seqpar')} ({__file__.rsplit('/cli/', 1)[0]})")
     print(f"python {platform.python_version()} on {platform.platform()}")

@@ -14,7 +14,7 @@ FAILED = ("mismatch", "crashed")
 
 def print_rows(rows: list) -> Counter:
     """The table (one line per family and strategy) and ``{family outcome: families}``."""
-    from seqpar.integrations.vlm_families import FAMILIES
+    from seqpar.integrations.vlm.families import FAMILIES
 
     print(f"{'family':<26} {'strategy':<8} {'outcome':<22} {'loss':>9} {'grads':>9}  mechanisms / detail")
     per_family: Counter = Counter()
@@ -64,7 +64,7 @@ def verify_vlm_model(args: argparse.Namespace) -> int:
     import os
 
     from seqpar.comm.launch import run_distributed
-    from seqpar.integrations.vlm_families import FAMILIES
+    from seqpar.integrations.vlm.families import FAMILIES
     from seqpar.testing.vlm_parity import run_vlm_parity
     from seqpar.testing.vlm_zoo import load_vlm
 

@@ -22,8 +22,10 @@ what it undoes, never a closure (``deepcopy`` shares a closure, which would undo
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +34,27 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.kernels import KernelArg
 from .peft import unwrap_peft
-from .tiling import TileContext
 
 PARTS = ("parallel", "memory")
 _ATTR = "_seqpar"  # the one attribute seqpar sets on a model
+
+
+
+class TileContext:
+    """The longest local shard of the batch running now (None: not sequence-parallel, tile the local
+    length), shared by a model's tiled MLPs; a checkpointed layer restores it for its recompute."""
+
+    def __init__(self) -> None:
+        self.longest: int | None = None
+        self.tiles_run: collections.deque[int] = collections.deque(maxlen=256)  # latest tile counts (for tests)
+
+    @contextlib.contextmanager
+    def using(self, longest: int | None) -> Iterator[None]:
+        saved, self.longest = self.longest, longest
+        try:
+            yield
+        finally:
+            self.longest = saved
 
 
 @dataclass

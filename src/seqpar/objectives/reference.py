@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..integrations.memory.tiled_head import output_head
 from ..integrations.peft import is_peft_model, unwrap_peft
 from ..integrations.state import state_of
-from ..integrations.tiled_head import output_head
 from .tokens import final_hidden, local_targets, token_logps_entropy
 
 ADAPTERS_OFF = "adapters_off"

@@ -33,9 +33,9 @@ from ..batch.targets import IGNORE_INDEX
 from ..batch.tiled_loss import Head, accumulate_product, check_tile, token_tiles
 from ..batch.tiles import DEFAULT_LOSS_TILE
 from ..errors import Refused
+from ..integrations.memory.tiled_head import last_hidden
 from ..integrations.peft import unwrap_peft
 from ..integrations.state import state_of
-from ..integrations.tiled_head import last_hidden
 
 _NOT_MODEL_KEYS = ("labels", "shift_labels")
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..attention.dispatch import STRATEGIES
 from ..attention.hybrid import hybrid_attention, hybrid_groups
 from ..attention.layout import document_cuts, layout_indices
 from ..attention.reference import reference_attention
@@ -220,7 +221,7 @@ def shard_path(strategy: str, layout: str | None = None) -> AttentionPath:
     return path
 
 
-for _name in ("ulysses", "ring", "hybrid"):
+for _name in STRATEGIES:
     register_path(f"{_name}:doc-zigzag")(shard_path(_name, "doc-zigzag"))
 
 

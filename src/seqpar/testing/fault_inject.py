@@ -104,7 +104,7 @@ class Injector:
         import seqpar
         import seqpar.batch.loss as loss_module
         import seqpar.comm.collectives as collectives
-        import seqpar.integrations.tiled_head as tiled_head
+        import seqpar.integrations.memory.tiled_head as tiled_head
         import seqpar.objectives.seam as seam
         from seqpar.attention.dispatch import STRATEGIES
 

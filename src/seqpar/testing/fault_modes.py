@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from .. import compat
+from ..attention import dispatch
 from ..comm import faults
 from .fault_inject import BOUND_S, Case, InjectedFault, Injector, Outcome
 
 PLACES = ("forward", "backward", "after_loss", "no_backward")
 MODES = ("lives", "goes_on", "exits")
-STRATEGIES = ("ulysses", "ring", "hybrid")
+STRATEGIES = tuple(dispatch.STRATEGIES)
 LINGER_S = BOUND_S + 5.0
 """The longest a living failing rank waits for its peers to raise (past the bound: a peer that
 raised within the bound was told while the failing process lived)."""

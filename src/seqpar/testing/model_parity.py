@@ -27,7 +27,7 @@ from ..batch.sharding import shard_batch
 from ..batch.targets import IGNORE_INDEX
 from ..comm.mesh import Axis, axis_group, init_mesh
 from ..errors import Refused
-from ..integrations.hf import parallelize, unparallelize
+from ..integrations.hf.parallelize import parallelize, unparallelize
 from ..integrations.mixers import chosen_modes, set_mixer_mode
 from ..integrations.models import BUILTIN_MODELS, build_model, builtin_config, decoder_config
 from ..planner import hybrid_split

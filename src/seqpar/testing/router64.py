@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import compat
-from ..integrations.router_losses import RULES, model_setting
+from ..integrations.hf.router_losses import RULES, model_setting
 
 
 def switch_aux(gate_logits: Sequence[Tensor], top_k: int, keep: Tensor | None) -> Tensor:

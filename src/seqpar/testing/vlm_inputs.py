@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..batch.targets import IGNORE_INDEX
-from ..integrations.vlm_families import family_of
+from ..integrations.vlm.families import family_of
 
 IMAGE_GRIDS = ((1, 4, 4), (1, 4, 8), (1, 8, 4))
 """Patch grids of the three images (multiples of a spatial merge of 2)."""

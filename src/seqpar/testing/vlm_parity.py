@@ -27,9 +27,9 @@ from ..batch.visual import ROUTED_KEYS
 from ..comm.collectives import split_sizes
 from ..comm.mesh import axis_group, init_mesh
 from ..errors import Refused
-from ..integrations.vision import merge_inputs, units
-from ..integrations.vlm_families import frames_apart, per_row
-from ..integrations.vlm_features import encoder_rows
+from ..integrations.vlm.families import frames_apart, per_row
+from ..integrations.vlm.features import encoder_rows
+from ..integrations.vlm.routing import merge_inputs, units
 from .model_parity import FLOAT64_NOISE, Floor, compare_models, precision_floor
 from .scans64 import float64_scans
 from .vlm_inputs import vlm_batch

@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import compat
 from ..comm.agree import share
 from ..errors import Refused
-from ..integrations.hf import parallelize, unparallelize
+from ..integrations.hf.parallelize import parallelize, unparallelize
 from ..integrations.mixers import STATE, family_of, token_mixers
 from ..integrations.models import decoder_config
 from .eager64 import register_eager_float64

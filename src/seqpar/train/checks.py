@@ -7,7 +7,7 @@ import importlib.util
 import os
 
 from seqpar.attention.dispatch import STRATEGIES
-from seqpar.integrations.memory import CHECKPOINT_MODES
+from seqpar.integrations.memory.switches import CHECKPOINT_MODES
 from seqpar.integrations.models import BUILTIN_MODELS
 
 from .config import (

@@ -18,7 +18,7 @@ import torch
 
 from seqpar.attention.dispatch import STRATEGIES
 from seqpar.batch.tiles import DEFAULT_LOSS_TILE, MAX_MLP_TILE, MIN_TILE
-from seqpar.integrations.memory import CHECKPOINT_MODES
+from seqpar.integrations.memory.switches import CHECKPOINT_MODES
 from seqpar.integrations.models import BUILTIN_MODELS
 from seqpar.objectives import DPO_LOSSES
 from seqpar.planner.bins import SP_SCHEDULES

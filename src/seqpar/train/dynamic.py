@@ -42,9 +42,10 @@ from typing import Any
 from torch import Tensor
 
 import seqpar
+from seqpar.attention.dispatch import ONE_AXIS
 from seqpar.comm import faults
 from seqpar.integrations.models import decoder_config
-from seqpar.integrations.trl_dynamic import BATCH_COUPLED
+from seqpar.integrations.trl.dynamic import BATCH_COUPLED
 from seqpar.planner.batches import BudgetStep, budget_steps
 from seqpar.planner.bins import SP_SCHEDULES, DynamicSP, pack_rows, row_tokens, step_targets
 from seqpar.planner.calibrate import MIN_MEASURED_BUDGET, describe_machine, measure_machine
@@ -73,9 +74,9 @@ def check_schedule(cfg: TrainConfig, sp: int) -> None:
         raise ValueError(f"--cost-model measure times bins of up to 16 documents per rank, which {budget} tokens per "
                          f"rank (--token-budget, or --seq-len / --sp) cannot hold: use --cost-model builtin or a "
                          f"budget of >= {MIN_MEASURED_BUDGET}")
-    if cfg.strategy not in ("ulysses", "ring"):
+    if cfg.strategy not in ONE_AXIS:
         raise ValueError(f"--sp-schedule dynamic runs bins at degrees below --sp on sub-groups of ranks, which "
-                         f"--strategy {cfg.strategy} has none of: use --strategy ulysses or ring")
+                         f"--strategy {cfg.strategy} has none of: use --strategy {' or '.join(ONE_AXIS)}")
     if cfg.token_budget is not None:
         if cfg.token_budget < 1:
             raise ValueError(f"--token-budget must be >= 1, got {cfg.token_budget}")

@@ -4,7 +4,7 @@ A checkpoint (``<save-dir>/checkpoints/step_N``) holds the weights (torch.distri
 sharded or not), the model's ``config.json``, the run's tokenizer and options. Export rebuilds the
 model from that config on the meta device (LoRA: with the run's adapters), reads the weights into
 it without a process group, and writes ``save_pretrained`` output through
-:func:`seqpar.integrations.export.write_pretrained` -- the same writer as ``seqpar train
+:func:`seqpar.integrations.hf.export.write_pretrained` -- the same writer as ``seqpar train
 --export-hf`` and ``seqpar.save_pretrained``.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from seqpar.integrations.export import LORA_EXPORTS, write_pretrained
+from seqpar.integrations.hf.export import LORA_EXPORTS, write_pretrained
 
 from . import checkpoint as ckpt
 from .config import FIELDS, TrainConfig

@@ -30,7 +30,7 @@ import seqpar
 from seqpar.batch.loss import token_losses
 from seqpar.comm import collectives, faults
 from seqpar.comm.mesh import axis_group, default_device_type
-from seqpar.integrations.materialize import load_full_state_dict, materialize
+from seqpar.integrations.distributed.materialize import load_full_state_dict, materialize
 from seqpar.integrations.models import BUILTIN_MODELS
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
@@ -100,7 +100,7 @@ class Trainer:
     """Model, data, optimizer and mesh of one rank. Needs an initialized process group.
 
     The model is built on the meta device, parallelized, sharded (FSDP2) and only then given its
-    weights (:mod:`seqpar.integrations.materialize`): a built-in's initialisation is drawn module by
+    weights (:mod:`seqpar.integrations.distributed.materialize`): a built-in's initialisation is drawn module by
     module, this rank keeping its shard -- the same bits as the unsharded model's for the seed, on
     any number of ranks; a checkpoint (``--model PATH``) is read by rank 0 alone and broadcast tensor
     by tensor. So no rank > 0 ever holds the whole model. Without FSDP every rank keeps a full

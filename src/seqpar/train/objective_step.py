@@ -29,7 +29,7 @@ from torch import Tensor, nn
 import seqpar
 from seqpar.comm import collectives, faults
 from seqpar.comm.mesh import axis_group
-from seqpar.integrations.materialize import meta_model
+from seqpar.integrations.distributed.materialize import meta_model
 from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_config
 from seqpar.objectives import ADAPTERS_OFF, DPO, ORPO, BradleyTerry, CausalLM, Objective, SimPO
 

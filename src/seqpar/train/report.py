@@ -9,7 +9,7 @@
                     (WANDB_API_KEY or ``wandb login``) or WANDB_MODE says otherwise
     summary.json    the run's summary (:class:`seqpar.train.training_run.RunSummary`)
     loss.png        the train loss per step and the eval loss at each evaluation (--plot)
-    hf/             --export-hf: the model as save_pretrained output (seqpar.integrations.export)
+    hf/             --export-hf: the model as save_pretrained output (seqpar.integrations.hf.export)
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             log.close()
     export = None
     if cfg.export_hf and trainer.step >= cfg.steps:
-        from seqpar.integrations.export import save_pretrained
+        from seqpar.integrations.hf.export import save_pretrained
 
         export = os.path.abspath(os.path.join(cfg.save_dir, HF_DIR))
         save_pretrained(trainer.peft or trainer.model, export, trainer.mesh, tokenizer=trainer.tokenizer,

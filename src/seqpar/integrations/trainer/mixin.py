@@ -14,7 +14,7 @@ Both parallelize ``trainer.model`` over a ``dp x sp`` mesh; :func:`parallelize_t
 trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public Trainer methods only
 (``get_*_dataloader``, ``get_batch_samples``, ``training_step``, ``compute_loss``, ``prediction_step``,
 ``evaluation_loop``) and changes what a step does, nothing else (its loaders and batch checks:
-:mod:`seqpar.integrations.trainer_data`)::
+:mod:`seqpar.integrations.trainer.data`)::
 
     data        train loader split over dp only (accelerate's batch sampler: num_processes = dp,
                 through seqpar.compat), so the sp ranks of a dp group get the same batch; eval /
@@ -30,7 +30,7 @@ trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public 
                 accuracy it logs from it are not run)
     images      a VLM collator's (TRL's DataCollatorForVisionLanguageModeling: pixel_values,
                 image_grid_thw, mm_token_type_ids) go to shard_batch whole with the text; the model
-                divides them over the SP ranks (seqpar.integrations.vlm); the SP-group check
+                divides them over the SP ranks (seqpar.integrations.vlm.encoder); the SP-group check
                 compares them too, and a key of a mechanism seqpar does not run is a Refused there
     gradients   the Trainer's own DDP over all dp x sp ranks averages, i.e. divides by dp * sp:
                 exactly the gradient of the global token mean (:mod:`seqpar.batch.loss`).
@@ -55,23 +55,23 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..attention.layout import inverse_permutation
-from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.sharding import count_target_tokens, shard_batch
-from ..comm import faults
-from ..comm.gather import gather_seq
-from ..comm.mesh import Axis, as_mesh, axis_group, dp_size, init_mesh
-from ..errors import Refused
-from .hf import parallelize
-from .router_losses import model_setting
-from .trainer_data import check_sp_groups, drop_remainder, model_batch, split_loader
-from .trl_objectives import trl_kind
+from ...attention.layout import inverse_permutation
+from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...batch.sharding import count_target_tokens, shard_batch
+from ...comm import faults
+from ...comm.gather import gather_seq
+from ...comm.mesh import Axis, as_mesh, axis_group, dp_size, init_mesh
+from ...errors import Refused
+from ..hf.parallelize import parallelize
+from ..hf.router_losses import model_setting
+from .data import check_sp_groups, drop_remainder, model_batch, split_loader
 
 
 class _State:
@@ -209,20 +209,44 @@ def _trl_aux_term(trainer: Any, model: nn.Module, outputs: Any, num_items_in_bat
 
 _classes: dict[tuple[type, tuple[type, ...]], type] = {}
 
-TRL_MIXINS: dict[str, tuple[type[SeqParTrainerMixin], Callable[[Any, _State], None]]] = {}
-"""TRL's objective trainers (by class name: "DPOTrainer"...): their mixin and setup, registered by
-:mod:`.trl_trainers` (which ``import seqpar`` imports; it subclasses the mixin above, so this module
-cannot import it)."""
+TRL_TRAINERS = ("DPOTrainer", "RewardTrainer", "GRPOTrainer")
+"""TRL's objective trainers seqpar runs with TRL's own loss (:mod:`seqpar.integrations.trl`)."""
 
 
-def trl_entry(cls: type) -> tuple[type[SeqParTrainerMixin], Callable[[Any, _State], None]] | None:
-    """``(mixin, setup)`` for a TRL objective trainer class, None for other trainers."""
+def trl_kind(cls: type) -> str | None:
+    """"DPOTrainer", "RewardTrainer" or "GRPOTrainer" when ``cls`` is (a subclass of) that TRL trainer,
+    else None. By name along the MRO, so that TRL is never imported for nothing."""
+    for klass in cls.__mro__:
+        if klass.__name__ in TRL_TRAINERS and klass.__module__.startswith("trl."):
+            return klass.__name__
+    return None
+
+
+@dataclass(frozen=True)
+class TrlEntry:
+    """How :func:`parallelize_trainer` runs one TRL objective trainer: its ``mixin`` and ``setup``, and
+    under a dynamic schedule the ``dynamic`` methods class with the ``check`` that refuses what it
+    cannot make exact (None: no dynamic schedule for it)."""
+
+    mixin: type[SeqParTrainerMixin]
+    setup: Callable[[Any, _State], None]
+    dynamic: type | None = None
+    check_dynamic: Callable[[Any], None] | None = None
+
+
+TRL_MIXINS: dict[str, TrlEntry] = {}
+"""TRL's objective trainers by class name ("DPOTrainer"...), registered by :mod:`seqpar.integrations.trl`
+(which ``import seqpar`` imports; it subclasses the mixin above, so this module cannot import it)."""
+
+
+def trl_entry(cls: type) -> TrlEntry | None:
+    """The :class:`TrlEntry` of a TRL objective trainer class, None for other trainers."""
     kind = trl_kind(cls)
     if kind is None:
         return None
     if kind not in TRL_MIXINS:
         raise Refused(f"seqpar's {kind} integration is not loaded: import seqpar (or "
-                      "seqpar.integrations.trl_trainers) before parallelize_trainer")
+                      "seqpar.integrations.trl.mixins) before parallelize_trainer")
     return TRL_MIXINS[kind]
 
 
@@ -257,7 +281,7 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     """
     dynamic: tuple[type, ...] = ()
     if schedule is not None:  # the dynamic schedule (issue 37): its methods live in their own module
-        from .trainer_dynamic import DynamicTrainerMethods, check_dynamic
+        from .dynamic import DynamicTrainerMethods, check_dynamic
 
         layout, dynamic = check_dynamic(trainer, mesh, schedule, sp=sp, layout=layout), (DynamicTrainerMethods,)
     if isinstance(trainer, SeqParTrainerMixin):
@@ -265,11 +289,13 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
                          "seqpar.SeqParTrainerMixin)")
     entry = trl_entry(type(trainer))
     if entry is not None and schedule is not None:  # TRL's DPO / Reward: whole pairs per bin, TRL's loss
-        from .trl_dynamic import DynamicPairMethods, check_pair_dynamic
-
-        check_pair_dynamic(trainer)
-        dynamic = (DynamicPairMethods,)
-    mixin = entry[0] if entry else SeqParTrainerMixin  # TRL's DPO / Reward / GRPO trainers: their own
+        if entry.check_dynamic is not None:
+            entry.check_dynamic(trainer)  # refuses what it cannot make exact, by name
+        if entry.dynamic is None:
+            raise Refused(f"a dynamic SP schedule (schedule=) with TRL's {trl_kind(type(trainer))} is not supported: "
+                          "leave schedule=None (the static schedule)")
+        dynamic = (entry.dynamic,)
+    mixin = entry.mixin if entry else SeqParTrainerMixin  # TRL's DPO / Reward / GRPO trainers: their own
     state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
     base = type(trainer)
     cls = _classes.get((base, dynamic))
@@ -303,7 +329,7 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                          "when seqpar runs the sequence parallelism")
     entry = trl_entry(type(trainer))
     if entry is not None:  # TRL's DPO / Reward / GRPO trainers: TRL's own loss, sharded
-        mixin, setup_trl = entry
+        mixin, setup_trl = entry.mixin, entry.setup
         if who != "parallelize_trainer" and not isinstance(trainer, mixin):
             raise ValueError(f"{who} is over TRL's {mixin.__name__.removeprefix('SeqPar').removesuffix('Mixin')}"
                              f"Trainer, whose loss SeqParTrainerMixin does not compute: build it plainly and call "

@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import compat
-from ..batch.loss import ScaleGrad, sync_gradients
-from ..comm import faults
-from ..errors import Refused
-from .trainer_dynamic import DynamicTrainerMethods
-from .trl_objectives import swapped, trl_kind
+from ... import compat
+from ...batch.loss import ScaleGrad, sync_gradients
+from ...comm import faults
+from ...errors import Refused
+from ..trainer.dynamic import DynamicTrainerMethods
+from ..trainer.mixin import trl_kind
+from .objectives import swapped
 
 BATCH_COUPLED = {"aot": "sorts the log-ratios over the micro-batch", "aot_unpaired": "sorts the log-ratios over the "
                  "micro-batch", "sft": "is the token mean of the micro-batch's chosen completions"}

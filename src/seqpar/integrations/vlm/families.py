@@ -60,7 +60,7 @@ class Family:
     video frame only (``get_vision_cu_seqlens``' default), so a video may be encoded frame by frame;
     ``video_token``: which placeholder a video's features fill (GLM-4V: the image token);
     ``per_row``: its pixels come per row (``[B, images, C, H, W]``, Idefics); ``spans``: how its
-    ``token_type_ids`` become bidirectional span ids (:data:`seqpar.integrations.vlm_spans.SPAN_RULES`:
+    ``token_type_ids`` become bidirectional span ids (:data:`seqpar.integrations.vlm.spans.SPAN_RULES`:
     ``"images"``, ``"prefix"``) or None (it has no such mask); ``one_based``: it adds 1 to the
     positions it computes itself; ``causal_mask``: its text layers say ``is_causal=False`` but the
     model always builds them a causal mask (PaliGemma sets ``use_bidirectional_attention`` so

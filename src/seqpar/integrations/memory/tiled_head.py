@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.loss import bin_group, sharded_loss_inputs, sp_token_mean
-from ..batch.targets import IGNORE_INDEX
-from ..batch.tiled_loss import Head, tiled_loss_sum
-from ..comm import faults
-from ..comm.agree import check, share
-from ..comm.mesh import Axis, axis_group
-from ..errors import Refused
-from .state import MemoryState
+from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...batch.loss import bin_group, sharded_loss_inputs, sp_token_mean
+from ...batch.targets import IGNORE_INDEX
+from ...batch.tiled_loss import Head, tiled_loss_sum
+from ...comm import faults
+from ...comm.agree import check, share
+from ...comm.mesh import Axis, axis_group
+from ...errors import Refused
+from ..state import MemoryState
 
 _HEAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 """How far the model's own logits may be from the tiled head's (relative to the largest logit):

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attention.kernels import KERNELS, attend, lse_kernel_for
-from ..attention.layout import inverse_permutation
-from ..attention.spec import AttnSpec, LocalKernel, MaskInfo, dense_mask
-from ..attention.varlen import mask_flag, per_batch, plan_mask
+from ...attention.kernels import KERNELS, attend, lse_kernel_for
+from ...attention.layout import inverse_permutation
+from ...attention.spec import AttnSpec, LocalKernel, MaskInfo, dense_mask
+from ...attention.varlen import mask_flag, per_batch, plan_mask
 
 
 class _LocalHeads:

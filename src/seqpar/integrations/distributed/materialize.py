@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .. import compat
-from ..errors import Refused
+from ... import compat
+from ...errors import Refused
 
 
 def _local_part(full: Tensor, like: Tensor) -> Tensor:

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attention.shard import SeqShard
-from ..batch.local_batch import LocalBatch
-from ..errors import Refused
-from .vlm_families import FAMILIES, family_of, family_problem
+from ...attention.shard import SeqShard
+from ...batch.local_batch import LocalBatch
+from ...errors import Refused
+from .families import FAMILIES, family_of, family_problem
 
 
 def image_runs(token_types: Tensor) -> Tensor:
@@ -38,7 +38,7 @@ def prefix(token_types: Tensor) -> Tensor:
 
 
 SPAN_RULES: dict[str, Callable[[Tensor], Tensor]] = {"images": image_runs, "prefix": prefix}
-"""How a family's token types become span ids (:attr:`~seqpar.integrations.vlm_families.Family.spans`)."""
+"""How a family's token types become span ids (:attr:`~seqpar.integrations.vlm.families.Family.spans`)."""
 
 
 def with_spans(batch: LocalBatch, span_ids: Tensor, device: torch.device) -> None:

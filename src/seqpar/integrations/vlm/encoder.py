@@ -36,17 +36,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.visual import REFUSED_KEYS, ROUTED_KEYS, SPAN_KEYS, VisualBatch
-from ..comm.agree import MISSING, share
-from ..comm.mesh import Axis, axis_group
-from ..comm.route import route_rows
-from ..errors import Refused
-from .vision import MODALITIES, PIXELS, RoutePlan, assign, merge_inputs, route_plan, units
-from .vlm_families import family_problem, frames_apart, per_row, placeholder_token
-from .vlm_features import FeatureLayout, encoder_output, encoder_rows
-from .vlm_positions import mrope_positions
-from .vlm_spans import apply_spans
+from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...batch.visual import REFUSED_KEYS, ROUTED_KEYS, SPAN_KEYS, VisualBatch
+from ...comm.agree import MISSING, share
+from ...comm.mesh import Axis, axis_group
+from ...comm.route import route_rows
+from ...errors import Refused
+from .families import family_problem, frames_apart, per_row, placeholder_token
+from .features import FeatureLayout, encoder_output, encoder_rows
+from .positions import mrope_positions
+from .routing import MODALITIES, PIXELS, RoutePlan, assign, merge_inputs, route_plan, units
+from .spans import apply_spans
 
 
 def is_vision_language(model: nn.Module) -> bool:

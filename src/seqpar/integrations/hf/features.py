@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 from importlib import metadata
 
-from ..compat import CHECKED_ON, FeatureStatus, kernel_route
-from .mixers import HANDLED_MIXERS, STATE
+from ...compat import CHECKED_ON, FeatureStatus, kernel_route
+from ..mixers import HANDLED_MIXERS, STATE
 
 MIXER_MODELING = {"Qwen3NextGatedDeltaNet": "qwen3_next", "Qwen3_5GatedDeltaNet": "qwen3_5",
                   "Qwen3_5MoeGatedDeltaNet": "qwen3_5_moe", "OlmoHybridGatedDeltaNet": "olmo_hybrid",

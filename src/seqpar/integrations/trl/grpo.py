@@ -11,7 +11,7 @@ are one "process" of the script without seqpar, so while a step runs GRPO sees a
                               of each SP group), advantages sliced by the dp rank
     training forward          the model parallelized from compute_loss to the end of the step's backward
                               (activation checkpointing recomputes under it): TRL's loss on the
-                              whole-batch log-probs of :class:`~seqpar.integrations.trl_objectives.ShardedModel`
+                              whole-batch log-probs of :class:`~seqpar.integrations.trl.objectives.ShardedModel`
     logged loss               TRL's float32 loss averaged over the SP copies exactly (compat.float64_loss_log)
 
 Anything GRPO does that is not listed here and reads the process count stays TRL's: it is Refused by
@@ -28,16 +28,16 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from .. import compat
-from ..comm import faults
-from ..comm.agree import Table, check, share
-from ..errors import Refused
-from .hf import parallelize, unparallelize
-from .peft import unwrap_peft
-from .state import state_of
-from .trainer import SeqParTrainerMixin
-from .trainer_data import sp_groups
-from .trl_objectives import DPGather, ShardedModel, swapped
+from ... import compat
+from ...comm import faults
+from ...comm.agree import Table, check, share
+from ...errors import Refused
+from ..hf.parallelize import parallelize, unparallelize
+from ..peft import unwrap_peft
+from ..state import state_of
+from ..trainer.data import sp_groups
+from ..trainer.mixin import SeqParTrainerMixin
+from .objectives import DPGather, ShardedModel, swapped
 
 
 class DPWorld(DPGather):

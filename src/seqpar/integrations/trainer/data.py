@@ -8,7 +8,7 @@
     batches     the keys shard_batch reads (the padding-free collators' derived ones dropped); one
                 all-gather over all ranks checks that every SP group holds the same micro-batches
 
-:mod:`seqpar.integrations.trainer` (the mixin) calls these from the Trainer's public hooks.
+:mod:`seqpar.integrations.trainer.mixin` (the mixin) calls these from the Trainer's public hooks.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import compat
-from ..batch.local_batch import BATCH_KWARG
-from ..batch.targets import CU_SEQLENS_KEYS
-from ..batch.validate import BATCH_KEYS, checksum
-from ..batch.visual import ROUTED_KEYS, fingerprint, refused_key_problem
-from ..comm.agree import Table, check, share
-from ..errors import Refused
+from ... import compat
+from ...batch.local_batch import BATCH_KWARG
+from ...batch.targets import CU_SEQLENS_KEYS
+from ...batch.validate import BATCH_KEYS, checksum
+from ...batch.visual import ROUTED_KEYS, fingerprint, refused_key_problem
+from ...comm.agree import Table, check, share
+from ...errors import Refused
 
 DERIVED_KEYS = ("max_length_q", "max_length_k", "seq_idx")
 """Keys of TRL's / transformers' padding-free collators that follow from ``cu_seq_lens_*`` (which

@@ -45,25 +45,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import compat
-from ..attention.dispatch import STRATEGIES, check_strategy, resolve_strategy
-from ..attention.kernels import KernelArg
-from ..batch.local_batch import BATCH_KWARG
-from ..batch.loss import make_loss_function
-from ..comm.agree import check, share
-from ..comm.mesh import Axis, as_mesh, axis_group
-from ..errors import Refused
-from .fsdp import check_gradient_reduction
-from .hf_attention import AttentionBinding, LastBatch, make_attention
-from .hf_kernel import original_function
-from .mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
-from .models import decoder_config
-from .peft import unwrap_peft
+from ... import compat
+from ...attention.dispatch import STRATEGIES, check_strategy, resolve_strategy
+from ...attention.kernels import KernelArg
+from ...batch.local_batch import BATCH_KWARG
+from ...batch.loss import make_loss_function
+from ...comm.agree import check, share
+from ...comm.mesh import Axis, as_mesh, axis_group
+from ...errors import Refused
+from ..distributed.fsdp import check_gradient_reduction
+from ..mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
+from ..models import decoder_config
+from ..peft import unwrap_peft
+from ..state import ParallelState, ensure_state, set_loss_function, state_of, undo
+from ..vlm.encoder import install_vision
+from ..vlm.families import family_of
+from .attention import AttentionBinding, LastBatch, make_attention
+from .kernel import original_function
 from .published import publish_forward_errors
 from .router_losses import check_router_losses, install_router_losses
-from .state import ParallelState, ensure_state, set_loss_function, state_of, undo
-from .vlm import install_vision
-from .vlm_families import family_of
 
 _names = itertools.count()
 
@@ -186,8 +186,8 @@ def _set_attention(model: nn.Module, implementation: str | None, sub_config: str
 def attention_kernel(model: nn.Module) -> str:
     """Which local attention kernel a parallelized model runs, in words, for its device and dtype
     (``seqpar train`` prints it): the choice of ``kernel="auto"`` made visible."""
-    from ..attention.kernels import cuda_candidates, lse_kernel_for
-    from ..attention.spec import AttnSpec
+    from ...attention.kernels import cuda_candidates, lse_kernel_for
+    from ...attention.spec import AttnSpec
 
     record = state_of(model)
     state = record.parallel if record is not None else None

@@ -24,41 +24,22 @@ shard, so again the same on every rank): ``[B, tile, I]`` stays within the shard
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..batch.tiles import mlp_tile_for
-from ..errors import Refused
+from ...batch.tiles import mlp_tile_for
+from ...errors import Refused
+from ..state import TileContext
 
 PER_TOKEN_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
                             "CohereMLP", "GraniteMLP", "Olmo2MLP", "Phi3MLP"})
 """MLP classes accepted for tiling: gated MLPs of linear layers and an activation, token by token
 (their forward is ``down(act(gate(x)) * up(x))`` or the fused gate_up form). MoE blocks are not
 accepted: their routers feed load-balancing statistics over the whole sequence."""
-
-class TileContext:
-    """The longest local shard of the batch running now (None: not sequence-parallel, tile the local
-    length), shared by a model's tiled MLPs; a checkpointed layer restores it for its recompute."""
-
-    def __init__(self) -> None:
-        self.longest: int | None = None
-        self.tiles_run: collections.deque[int] = collections.deque(maxlen=256)  # latest tile counts (for tests)
-
-    @contextlib.contextmanager
-    def using(self, longest: int | None) -> Iterator[None]:
-        saved, self.longest = self.longest, longest
-        try:
-            yield
-        finally:
-            self.longest = saved
-
 
 def is_per_token_mlp(mlp: nn.Module) -> bool:
     """True for an accepted MLP class (:data:`PER_TOKEN_MLPS`) made of linear layers and a

@@ -24,7 +24,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from ..batch.visual import VisualBatch
+from ...batch.visual import VisualBatch
 
 ROPE_KEYS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 """The visual keys a model's get_rope_index may read (beside input_ids and attention_mask)."""

@@ -41,28 +41,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..attention.layout import inverse_permutation
-from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.loss import ScaleGrad
-from ..batch.sharding import shard_batch
-from ..comm.gather import gather_seq
-from ..comm.mesh import Axis, axis_group
-from ..errors import Refused
+from ...attention.layout import inverse_permutation
+from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...batch.loss import ScaleGrad
+from ...batch.sharding import shard_batch
+from ...comm.gather import gather_seq
+from ...comm.mesh import Axis, axis_group
+from ...errors import Refused
 
 FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 """The per-token fields of TRL's fused LM head output (``FusedCausalLMOutput``)."""
-
-TRL_TRAINERS = ("DPOTrainer", "RewardTrainer", "GRPOTrainer")
-
-
-def trl_kind(cls: type) -> str | None:
-    """"DPOTrainer", "RewardTrainer" or "GRPOTrainer" when ``cls`` is (a subclass of) that TRL trainer,
-    else None. By name along the MRO, so that TRL is never imported for nothing."""
-    for klass in cls.__mro__:
-        if klass.__name__ in TRL_TRAINERS and klass.__module__.startswith("trl."):
-            return klass.__name__
-    return None
-
 
 class ShardedModel:
     """Stands in for the model while TRL's ``compute_loss`` runs: called with TRL's whole batch, it

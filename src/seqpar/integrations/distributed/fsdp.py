@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import compat
-from ..comm.mesh import as_mesh
-from ..errors import Refused
+from ... import compat
+from ...comm.mesh import as_mesh
+from ...errors import Refused
 
 
 def mesh_ranks(mesh: DeviceMesh) -> list[int]:

@@ -28,11 +28,11 @@ from typing import Any
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.router_loss import ROUTER_RULES, aux_from_sums, close, reduce_sums
-from ..comm.mesh import Axis, axis_group
-from ..errors import Refused
-from .models import decoder_config
+from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...batch.router_loss import ROUTER_RULES, aux_from_sums, close, reduce_sums
+from ...comm.mesh import Axis, axis_group
+from ...errors import Refused
+from ..models import decoder_config
 
 RULES: dict[str, str] = {"doge": "product_key"}
 """model_type -> rule of :data:`seqpar.batch.router_loss.ROUTER_RULES` where it is not ``"switch"``

@@ -26,14 +26,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..attention.dispatch import STRATEGIES, mesh_groups
-from ..attention.kernels import KernelArg
-from ..attention.shard import SeqShard, chunked_documents
-from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..comm.degrees import degree_meshes_of
-from ..comm.mesh import Axis, axis_group
-from ..errors import Refused
-from .hf_kernel import ModelKernel, eager_function, original_function
+from ...attention.dispatch import STRATEGIES, mesh_groups
+from ...attention.kernels import KernelArg
+from ...attention.shard import SeqShard, chunked_documents
+from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...comm.degrees import degree_meshes_of
+from ...comm.mesh import Axis, axis_group
+from ...errors import Refused
+from .kernel import ModelKernel, eager_function, original_function
 from .layer_spec import layer_options
 
 
@@ -50,7 +50,7 @@ class AttentionBinding:
     """What the registered function is bound to, fixed at ``parallelize``: the job's mesh and
     strategy, the kernel asked for, the model's original implementation and decoder config, the
     pre-hook's :class:`LastBatch`, and ``causal_mask`` (the model's own mask is causal whatever its
-    layers' ``is_causal`` says: :attr:`~seqpar.integrations.vlm_families.Family.causal_mask`)."""
+    layers' ``is_causal`` says: :attr:`~seqpar.integrations.vlm.families.Family.causal_mask`)."""
 
     mesh: DeviceMesh
     strategy: str

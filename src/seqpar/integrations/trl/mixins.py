@@ -1,9 +1,9 @@
 """The mixins :func:`seqpar.parallelize_trainer` puts over TRL's ``DPOTrainer`` and ``RewardTrainer``
-(how they are exact: :mod:`seqpar.integrations.trl_objectives`), and the TRL options they refuse;
-``GRPOTrainer``'s lives in :mod:`seqpar.integrations.trl_grpo`.
+(how they are exact: :mod:`seqpar.integrations.trl.objectives`), and the TRL options they refuse;
+``GRPOTrainer``'s lives in :mod:`seqpar.integrations.trl.grpo`.
 
 Each mixin overrides ``compute_loss`` only to hand TRL's own ``compute_loss`` a
-:class:`~seqpar.integrations.trl_objectives.ShardedModel` in place of the model (and of DPO's
+:class:`~seqpar.integrations.trl.objectives.ShardedModel` in place of the model (and of DPO's
 reference model): TRL's loss, its loss types and its metrics run unchanged on whole-batch tensors.
 """
 
@@ -14,13 +14,14 @@ from typing import Any
 
 from torch import nn
 
-from .. import compat
-from ..errors import Refused
-from .hf import parallelize
-from .peft import is_peft_model, unwrap_peft
-from .trainer import TRL_MIXINS, SeqParTrainerMixin, trl_entry
-from .trl_grpo import SeqParGRPOMixin, setup_grpo
-from .trl_objectives import DPGather, ShardedModel, swapped, trl_kind
+from ... import compat
+from ...errors import Refused
+from ..hf.parallelize import parallelize
+from ..peft import is_peft_model, unwrap_peft
+from ..trainer.mixin import TRL_MIXINS, SeqParTrainerMixin, TrlEntry, trl_entry, trl_kind
+from .dynamic import DynamicPairMethods, check_pair_dynamic
+from .grpo import SeqParGRPOMixin, setup_grpo
+from .objectives import DPGather, ShardedModel, swapped
 
 DPO_BATCH_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 REWARD_BATCH_KEYS = ("margin",)
@@ -100,7 +101,7 @@ def dp_metrics(trainer: Any) -> contextlib.AbstractContextManager[None]:
 def mixin_for(cls: type) -> type[SeqParTrainerMixin] | None:
     """The mixin for a TRL objective trainer class (None for other trainers)."""
     entry = trl_entry(cls)
-    return entry[0] if entry else None
+    return entry.mixin if entry else None
 
 
 def setup_trl(trainer: Any, state: Any) -> None:
@@ -112,8 +113,10 @@ def setup_trl(trainer: Any, state: Any) -> None:
     parallelize(unwrap_peft(trainer.model), state.mesh, strategy=state.strategy)
 
 
-TRL_MIXINS.update({"DPOTrainer": (SeqParDPOMixin, setup_trl), "RewardTrainer": (SeqParRewardMixin, setup_trl),
-                   "GRPOTrainer": (SeqParGRPOMixin, setup_grpo)})  # GRPO's model: parallelized per step
+TRL_MIXINS.update({  # whole pairs per bin under a dynamic schedule; GRPO's model: parallelized per step
+    "DPOTrainer": TrlEntry(SeqParDPOMixin, setup_trl, DynamicPairMethods, check_pair_dynamic),
+    "RewardTrainer": TrlEntry(SeqParRewardMixin, setup_trl, DynamicPairMethods, check_pair_dynamic),
+    "GRPOTrainer": TrlEntry(SeqParGRPOMixin, setup_grpo, None, check_pair_dynamic)})  # refuses it by name
 
 
 def check_trl_options(trainer: Any) -> None:

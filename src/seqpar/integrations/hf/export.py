@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .peft import is_peft_model, unwrap_peft
+from ..peft import is_peft_model, unwrap_peft
 
 LORA_EXPORTS = ("merged", "adapter")
 BASE_DIR = "base"  # lora="adapter" for a base model that has no directory of its own
@@ -113,7 +113,7 @@ def save_pretrained(model: nn.Module, save_directory: str, mesh: DeviceMesh | No
     if distributed:
         group = None
         if mesh is not None:
-            from .fsdp import dp_sp_group
+            from ..distributed.fsdp import dp_sp_group
 
             group = dp_sp_group(mesh)
         dist.barrier(group=group)  # every rank returns once the files are there

@@ -44,9 +44,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..batch.loss import sync_gradients
-from ..comm import faults
-from .trainer_data import model_batch, split_loader
+from ...batch.loss import sync_gradients
+from ...comm import faults
+from .data import model_batch, split_loader
 
 
 class StepSchedule(Protocol):

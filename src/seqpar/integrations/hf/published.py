@@ -20,8 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from ..comm import faults
-from .state import ModelState
+from ...comm import faults
+from ..state import ModelState
 
 
 def _publish_failure(_module: nn.Module, _args: Any, output: Any) -> None:

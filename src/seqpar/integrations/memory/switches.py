@@ -38,16 +38,16 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import compat
-from ..batch.local_batch import BATCH_KWARG, LocalBatch
-from ..batch.loss import bin_group
-from ..batch.targets import IGNORE_INDEX
-from ..batch.tiled_loss import check_tile, tiled_token_stats
-from ..batch.tiles import DEFAULT_LOSS_TILE
-from ..comm.guard import check_failures
-from ..comm.mesh import Axis, axis_group
-from ..errors import Refused
-from .state import MemoryState, ensure_state, set_loss_function, state_of, undo
+from ... import compat
+from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...batch.loss import bin_group
+from ...batch.targets import IGNORE_INDEX
+from ...batch.tiled_loss import check_tile, tiled_token_stats
+from ...batch.tiles import DEFAULT_LOSS_TILE
+from ...comm.guard import check_failures
+from ...comm.mesh import Axis, axis_group
+from ...errors import Refused
+from ..state import MemoryState, ensure_state, set_loss_function, state_of, undo
 from .tiled_head import TiledLossFunction, decoder_of, last_hidden, output_head, shifted_targets
 from .tiling import TileContext, checkpoint_layer, is_per_token_mlp, tile_mlp, untile
 
