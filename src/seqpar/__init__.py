@@ -3,9 +3,11 @@
 The package is layered, lowest first (a module imports only its own layer or below; ``lint-imports``
 checks it): ``comm`` (mesh, collectives, cross-rank agreement, local process launch), ``attention``
 (spec and kernels, the float64 reference, layouts, Ulysses, ring, hybrid, dispatch), ``batch``
-(shard_batch, targets, the exact loss), ``integrations`` (transformers, FSDP2/DDP, models) beside
-``planner``, ``testing`` (parity engines), ``train``, ``bench``, and ``cli`` on top; below them all
-``errors`` and ``compat`` (every private torch / transformers / accelerate name seqpar touches).
+(shard_batch, targets, the exact loss), ``integrations`` (subpackages by what they integrate:
+transformers models, VLMs, token mixers, the memory switches, FSDP2 / DDP, the Trainer, TRL) beside
+``planner``, ``objectives`` (the training objectives and their seam), ``testing`` (parity engines),
+``train``, ``bench``, and ``cli`` on top; below them all ``errors`` and ``compat`` (every private
+torch / transformers / accelerate name seqpar touches).
 
 What a user calls is listed in ``__all__``; everything else stays importable from its module.
 """
@@ -22,12 +24,12 @@ from .comm.collectives import all_to_all
 from .comm.gather import gather_seq, split_seq
 from .comm.mesh import init_mesh
 from .errors import Refused
-from .integrations import trl_trainers as _trl_trainers  # noqa: F401  registers TRL's DPO / Reward / GRPO mixins
-from .integrations.export import save_pretrained
-from .integrations.fsdp import apply_ddp, apply_fsdp
-from .integrations.hf import attention_kernel, parallelize, parallelized, unparallelize
-from .integrations.memory import memory_switches, reduce_memory, restore_memory, token_stats
-from .integrations.trainer import SeqParTrainerMixin, parallelize_trainer
+from .integrations.distributed.fsdp import apply_ddp, apply_fsdp
+from .integrations.hf.export import save_pretrained
+from .integrations.hf.parallelize import attention_kernel, parallelize, parallelized, unparallelize
+from .integrations.memory.switches import memory_switches, reduce_memory, restore_memory, token_stats
+from .integrations.trainer.mixin import SeqParTrainerMixin, parallelize_trainer
+from .integrations.trl import mixins as _trl_trainers  # noqa: F401  registers TRL's DPO / Reward / GRPO mixins
 from .planner import Plan, plan
 
 __version__ = "0.1.0"

@@ -2,8 +2,10 @@
 
 One small definition per objective (:class:`~seqpar.objectives.seam.Objective`: the rows it needs,
 what it takes from the model per token or per sequence, what its loss is a mean over) and one driver,
-:func:`compute` (``objective(model, local, mesh, ...)``), used the same way by a user's loop, the
-Trainer integration and ``seqpar train``::
+:func:`compute` (``objective(model, local, mesh, ...)``), used the same way by a user's loop and by
+``seqpar train`` (every objective, static and dynamic, training and evaluation). The Trainer / TRL
+integration does not use it: TRL's trainers keep their own losses, run on a sharded stand-in model
+(:mod:`seqpar.integrations.trl`); the formulas here are TRL's and tested equal to them::
 
     local = seqpar.shard_batch(batch, mesh)                   # chosen rows, then rejected rows
     out = DPO(beta=0.1)(model, local, mesh, reference=ref)    # the same loss on every SP rank

@@ -1,6 +1,6 @@
 """The objective seam: one small definition per training objective, one driver that runs any of them
-exactly under sequence parallelism -- in a user's loop, and (on top of it) in the Trainer / TRL
-integration and ``seqpar train``.
+exactly under sequence parallelism -- in a user's loop and in ``seqpar train``. (The Trainer / TRL
+integration keeps TRL's own losses over a sharded stand-in model: :mod:`seqpar.integrations.trl`.)
 
 An objective says three things (class attributes) and one formula (:meth:`Objective.terms`):
 
@@ -49,8 +49,8 @@ from ..batch.tiles import vocab_tile
 from ..comm import faults
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size
+from ..integrations.memory.tiled_head import check_head, output_head
 from ..integrations.peft import unwrap_peft
-from ..integrations.tiled_head import check_head, output_head
 from .checks import agree, route
 from .reference import Reference, reference_token_logps
 from .rows import Sequences, local_tokens, row_sums, sequences
