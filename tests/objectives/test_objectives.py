@@ -240,3 +240,33 @@ def test_every_objective_gives_a_padding_position_no_target_at_every_p():
 @pytest.mark.heavy
 def test_objectives_equal_their_oracle_whole_grid():
     _check(run_distributed(_worker, WORLD, REST, timeout=1800), REST)
+
+
+def _router_logits_worker(rank, world):
+    import transformers
+
+    import seqpar
+    from seqpar.errors import Refused
+    from seqpar.objectives import CausalLM
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=2,
+                                        num_experts_per_tok=1, output_router_logits=True)
+    model = transformers.MixtralForCausalLM(config)
+    mesh = seqpar.init_mesh(sp=world)
+    seqpar.parallelize(model, mesh)
+    ids = torch.arange(12)[None] % 64
+    local = seqpar.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    try:
+        CausalLM()(model, local, mesh)
+    except Refused as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.distributed
+def test_a_model_with_router_logits_is_refused_not_run_without_its_aux_loss():
+    """A MoE model that outputs router logits adds an aux loss to its own loss, which the objectives
+    do not: refused by name on every rank (before any collective) instead of silently left out."""
+    for message in run_distributed(_router_logits_worker, 2, timeout=300):
+        assert message is not None and "output_router_logits" in message, message

@@ -14,6 +14,8 @@ from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.loss import bin_group
 from ..comm.agree import check, share
 from ..comm.mesh import Axis, axis_group
+from ..errors import Refused
+from ..integrations.peft import unwrap_peft
 from .reference import Reference, check_reference
 from .rows import batch_sequences
 from .tokens import local_targets
@@ -80,6 +82,18 @@ def validate(objective: Objective, model: nn.Module, local: dict[str, Any], inpu
             per = "pair" if kind == "pair" else "sequence: a row, or a packed document"
             raise ValueError(f"{objective.name}: input {name!r} has shape {list(value.shape)}, but the batch needs {n} "
                              f"values (one per {per})")
+
+
+def refuse_router_aux(objective: Objective, model: nn.Module) -> None:
+    """Refused for a MoE model that outputs router logits (``output_router_logits``): its forward
+    computes a load-balancing aux loss the model's own loss adds, which an objective's loss does not
+    (yet) -- so it would be silently left out. The same on every rank (the model's config)."""
+    config = getattr(unwrap_peft(model), "config", None)
+    configs = [config, getattr(config, "text_config", None)]
+    if any(getattr(c, "output_router_logits", False) for c in configs if c is not None):
+        raise Refused(f"{objective.name}: the model outputs MoE router logits (output_router_logits=True), whose aux "
+                      "loss seqpar's objectives do not add yet: set output_router_logits=False in its config (no aux "
+                      "loss), or train it through the model's own loss (seqpar.parallelize + model(**local).loss)")
 
 
 def agree(objective: Objective, model: nn.Module, local: dict[str, Any], mesh: DeviceMesh,

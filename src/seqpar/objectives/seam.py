@@ -44,20 +44,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..batch.local_batch import BATCH_KWARG, LocalBatch
 from ..batch.loss import ScaleGrad, bin_group
 from ..batch.targets import IGNORE_INDEX
-from ..batch.tiled_loss import check_tile
-from ..batch.tiles import vocab_tile
+from ..batch.tiled_loss import check_tile, tiled_token_stats
+from ..batch.tiles import DEFAULT_LOSS_TILE, vocab_tile
 from ..comm import faults
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, as_mesh, axis_group, dp_size
 from ..integrations.memory.tiled_head import check_head, output_head
 from ..integrations.peft import unwrap_peft
-from .checks import agree, route
+from .checks import agree, refuse_router_aux, route
 from .reference import Reference, reference_token_logps
 from .rows import Sequences, local_tokens, row_sums, sequences
 from .tokens import final_hidden, local_targets, model_tile, score_head, token_logps_entropy
 
 UNITS = ("pair", "sequence", "token")
-TOKEN_QUANTITIES = ("logps", "entropy", "values")
+TOKEN_QUANTITIES = ("logps", "entropy", "values", "correct")
+"""Per-token quantities an objective can take: ``correct`` (the target is the argmax of the logits) has
+no gradient; an evaluation reads it."""
 
 
 @dataclass(frozen=True)
@@ -114,10 +116,13 @@ class Terms:
 @dataclass
 class ObjectiveOutput:
     """``loss`` (back-propagate it, then average the gradients over dp x sp: DDP, FSDP2 or
-    :func:`seqpar.sync_gradients`), ``metrics`` (detached, the same on every SP rank)."""
+    :func:`seqpar.sync_gradients`), ``metrics`` (detached, the same on every SP rank), ``units`` (the
+    batch's own units: targets, sequences or pairs, over its whole sequences; the same on every SP
+    rank)."""
 
     loss: Tensor
     metrics: dict[str, Tensor]
+    units: float = 0.0
 
 
 class Objective:
@@ -162,6 +167,7 @@ def compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh:
     mesh = as_mesh(mesh, objective.name)
     if tile is not None:
         check_tile(tile, "tile")
+    refuse_router_aux(objective, model)
     agree(objective, model, local, mesh, inputs, reference, num_units)  # the same ValueError on every rank
     with faults.publishing(f"the {objective.name} objective"):
         return _compute(objective, model, local, mesh, reference, num_units, temperature, tile, inputs)
@@ -177,7 +183,7 @@ def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh
     hidden, out = final_hidden(model, local)  # [B, S_local, H]
     check_failures(group)  # nothing from a failed forward
     dev = hidden.device
-    if tile is None and (reference is not None or {"logps", "entropy"} & set(objective.takes.per_token)):
+    if tile is None and (reference is not None or {"logps", "entropy", "correct"} & set(objective.takes.per_token)):
         # the same tile for the policy and the reference (of the same vocabulary)
         vocab = output_head(unwrap_peft(model)).weight.shape[0]
         tile = vocab_tile(hidden.shape[0] * hidden.shape[1], hidden.shape[-1], vocab, cap=model_tile(model))
@@ -202,7 +208,7 @@ def _compute(objective: Objective, model: nn.Module, local: dict[str, Any], mesh
     scale = _grad_ranks(batch, mesh) / _size(group)
     if scale != 1 and (num_units is not None or terms.global_count):  # the average over every rank of their
         loss = ScaleGrad.apply(loss, scale)                              # shares of a global mean
-    return ObjectiveOutput(loss, {k: v.detach() for k, v in terms.metrics.items()})
+    return ObjectiveOutput(loss, {k: v.detach() for k, v in terms.metrics.items()}, float(terms.count))
 
 
 def _grad_ranks(batch: LocalBatch, mesh: DeviceMesh) -> float:
@@ -231,6 +237,9 @@ def _from_model(objective: Objective, model: nn.Module, hidden: Tensor, out: Any
         token["logps"], token["entropy"] = token_logps_entropy(hidden, head, targets.to(hidden.device),
                                                                temperature=temperature,
                                                                tile=tile)
+    if "correct" in takes.per_token:  # evaluation: no gradient, one more pass of the head over the tiles
+        head = output_head(unwrap_peft(model))
+        token["correct"] = tiled_token_stats(hidden, head, targets.to(hidden.device), tile=tile or DEFAULT_LOSS_TILE)[1]
     if "values" in takes.per_token or "score" in takes.per_row:
         scores = score_head(model)(hidden)  # [B, S_local, K]
         if "values" in takes.per_token:
