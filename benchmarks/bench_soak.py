@@ -3,7 +3,7 @@
     python benchmarks/bench_soak.py                      # 2,000 steps, 4 gloo ranks (sp=2 x dp=2), tiny-llama
     python benchmarks/bench_soak.py --steps 60 --warmup 20 --every 5     # a smoke run
 
-Every rank runs ``seqpar train``'s own step (:class:`seqpar.train.loop.Trainer`: count_target_tokens,
+Every rank runs ``seqpar train``'s own step (:func:`seqpar.train.loop.start_run`: count_target_tokens,
 shard_batch, forward, backward, sync_gradients, the global norm, AdamW) on packed rows of a generated
 text file, and samples at every ``--every``-th step, after a ``gc.collect()`` (:mod:`seqpar.bench.probes`):
 its resident memory (VmRSS) and the anonymous part of it (the process's own pages, not the shared
@@ -89,10 +89,10 @@ def _soak(rank: int, world: int, cfg_kw: dict, steps: int, every: int) -> dict:
     from seqpar.bench.probes import anonymous_rss_mib, heap_in_use_mib, live_tensors, rss_mib
     from seqpar.train.config import TrainConfig
     from seqpar.train.job import prepare_job
-    from seqpar.train.loop import Trainer
+    from seqpar.train.loop import start_run
 
     torch.set_num_threads(1)
-    trainer = Trainer(prepare_job(TrainConfig(**cfg_kw), world))
+    trainer = start_run(prepare_job(TrainConfig(**cfg_kw), world))
     control = _plain_control(trainer.model.config, cfg_kw["seq_len"])
     times: list[float] = []
     cpu: list[float] = []
@@ -100,8 +100,8 @@ def _soak(rank: int, world: int, cfg_kw: dict, steps: int, every: int) -> dict:
     samples: list[tuple] = []  # (step, RSS, anonymous RSS, C heap in use (MiB), live tensors, their MiB, blocks)
     for step in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
-        trainer.forward_backward(trainer.step)
-        trainer.optimizer_step()
+        trainer.steps.forward_backward(trainer.optimization.step)
+        trainer.optimization.apply()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         if (step + 1) % every == 0:

@@ -221,19 +221,19 @@ def _train_case(rank, world, case, cfg):
     steps --on-nonfinite skip dropped."""
     from seqpar.testing.fault_inject import run_case
     from seqpar.train import checkpoint as ckpt
-    from seqpar.train import loop
     from seqpar.train.job import prepare_job
-    from seqpar.train.training_run import run_training
+    from seqpar.train.loop import run_training
+    from seqpar.train.step import Optimization, StaticSteps
 
     def body(inj):
-        fb, step, save = loop.Trainer.forward_backward, loop.Trainer.optimizer_step, ckpt._save
+        fb, step, save = StaticSteps.forward_backward, Optimization.apply, ckpt._save
 
-        def forward_backward(self, *args, **kwargs):
-            inj.install(self.model)
-            inj.step = self.step
-            return fb(self, *args, **kwargs)
+        def forward_backward(self, step_done, *args, **kwargs):
+            inj.install(self.ctx.model)
+            inj.step = step_done
+            return fb(self, step_done, *args, **kwargs)
 
-        def optimizer_step(self, *args, **kwargs):
+        def apply(self, *args, **kwargs):
             inj.boom("optimizer")
             return step(self, *args, **kwargs)
 
@@ -241,12 +241,11 @@ def _train_case(rank, world, case, cfg):
             inj.boom("save")
             return save(*args, **kwargs)
 
-        loop.Trainer.forward_backward, loop.Trainer.optimizer_step, ckpt._save = forward_backward, optimizer_step, \
-            save_inside
+        StaticSteps.forward_backward, Optimization.apply, ckpt._save = forward_backward, apply, save_inside
         try:
-            return run_training(prepare_job(cfg, world, read_data=False)).skipped
+            return run_training(prepare_job(cfg, world)).skipped
         finally:
-            loop.Trainer.forward_backward, loop.Trainer.optimizer_step, ckpt._save = fb, step, save
+            StaticSteps.forward_backward, Optimization.apply, ckpt._save = fb, step, save
 
     return run_case(case, body)
 

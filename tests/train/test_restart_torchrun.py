@@ -5,7 +5,7 @@ last complete checkpoint, continues from it and ends where an uninterrupted run 
 loss, gradient norm and learning rate at every step and the same final weights, bit for bit.
 
 The kill comes from a small launcher script (written to the test's directory) that patches
-``Trainer.forward_backward`` on rank 1 of restart 0 (``TORCHELASTIC_RESTART_COUNT``), then runs the
+``StaticSteps.forward_backward`` on rank 1 of restart 0 (``TORCHELASTIC_RESTART_COUNT``), then runs the
 real ``seqpar train`` command line.
 
 Before seqpar gave each attempt a prefix of its own in the agent's store
@@ -28,19 +28,19 @@ STEPS, SAVE_EVERY, KILL_AT = 7, 3, 5  # killed in step 5: the last complete chec
 
 LAUNCHER = '''
 import os, signal, sys
-from seqpar.train.loop import Trainer
+from seqpar.train.step import StaticSteps
 from seqpar.cli.main import main
 
 kill_at = int(os.environ.get("SEQPAR_TEST_KILL_AT", "0"))
 if kill_at and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
-    real = Trainer.forward_backward
+    real = StaticSteps.forward_backward
 
     def forward_backward(self, step):
         if step + 1 == kill_at:  # step is the number of steps done: this is step kill_at
             os.kill(os.getpid(), signal.SIGKILL)
         return real(self, step)
 
-    Trainer.forward_backward = forward_backward
+    StaticSteps.forward_backward = forward_backward
 sys.exit(main(sys.argv[1:]))
 '''
 

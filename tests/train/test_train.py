@@ -18,8 +18,7 @@ from seqpar.train.config import builtin_fields
 from seqpar.train.demo_data import CopyTask
 from seqpar.train.job import prepare_job
 from seqpar.train.launcher import run_local
-from seqpar.train.loop import Trainer
-from seqpar.train.training_run import _gather_stats
+from seqpar.train.loop import _gather_stats, start_run
 
 pytestmark = pytest.mark.distributed  # every test here starts gloo worker processes
 
@@ -170,7 +169,7 @@ def _sharded_setup(cfg, world):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
     before = _vm_hwm_mib()
-    trainer = Trainer(job)
+    trainer = start_run(job)
     grown = _vm_hwm_mib() - before
     if cfg.model == "small-llama3":
         with torch.device("meta"):
@@ -188,7 +187,7 @@ def _sharded_setup(cfg, world):
     got = {n.replace("_fsdp_wrapped_module.", ""): p.full_tensor() for n, p in trainer.model.named_parameters()}
     same = set(got) == set(expected) and all(torch.equal(got[n], expected[n]) for n in got)
     full_mib = sum(t.numel() * 4 for t in got.values()) / 2**20
-    return {"grown": grown, "full": full_mib, "same": same, "fsdp": trainer.use_fsdp}
+    return {"grown": grown, "full": full_mib, "same": same, "fsdp": trainer.ctx.use_fsdp}
 
 
 def _sharded_setups(rank, world, cfgs):
@@ -198,9 +197,9 @@ def _sharded_setups(rank, world, cfgs):
 def _first_step(rank, world, cfgs):
     out = []
     for cfg in cfgs:
-        trainer = Trainer(prepare_job(cfg, world))
-        share, n = trainer.forward_backward(0)
-        loss, _, _ = _gather_stats(trainer, share)
+        trainer = start_run(prepare_job(cfg, world))
+        share, n = trainer.steps.forward_backward(0)
+        loss, _, _ = _gather_stats(trainer.ctx, share)
         grads = {}
         for name, p in trainer.model.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

@@ -6,10 +6,12 @@ import json
 import pytest
 import torch
 
+from seqpar.batch.targets import IGNORE_INDEX as IGNORE
 from seqpar.train import TrainConfig
-from seqpar.train.data import TextData, make_rows, read_documents, row_index
-from seqpar.train.demo_data import BOS, EVAL, IGNORE, SEP, CopyTask, answer_accuracy
-from seqpar.train.loop import lr_lambda
+from seqpar.train.data import TextData, make_rows, read_documents
+from seqpar.train.demo_data import BOS, SEP, CopyTask
+from seqpar.train.sources import EVAL, row_index
+from seqpar.train.step import lr_lambda
 from seqpar.train.tokenizer import ByteTokenizer
 
 
@@ -29,9 +31,15 @@ def test_copy_rows_copy_and_answers_sit_span_plus_one_back():
 
 
 def test_answer_accuracy_counts_only_targets():
-    logits = torch.zeros(1, 4, 5)
-    logits[0, torch.arange(4), torch.tensor([1, 2, 3, 4])] = 1.0
-    assert answer_accuracy(logits, torch.tensor([[1, IGNORE, 0, 4]])) == (2, 3)
+    """The held-out accuracy's hits (the evaluation's CausalLM(accuracy=True) takes them from
+    tiled_token_stats): the argmax is the target, counted where there is a target only."""
+    from seqpar.batch.tiled_loss import Head, tiled_token_stats
+
+    hidden = torch.eye(4, dtype=torch.float64)[None]  # [1, 4, 4]: token i's logits are row i of the weight
+    weight = torch.zeros(5, 4, dtype=torch.float64)
+    weight[torch.tensor([1, 2, 3, 4]), torch.arange(4)] = 1.0  # argmax of token i: i + 1
+    _, correct = tiled_token_stats(hidden, Head(weight), torch.tensor([[1, IGNORE, 0, 4]]), tile=2)
+    assert correct.tolist() == [[True, False, False, True]]
 
 
 def test_rows_one_document_each_padded():
@@ -157,7 +165,7 @@ def test_summary_reports_cuda_allocated_and_reserved():
     import dataclasses
 
     from seqpar.cli.train import format_summary
-    from seqpar.train.training_run import RunSummary
+    from seqpar.train.loop import RunSummary
 
     base = {f.name: None for f in dataclasses.fields(RunSummary)}
     base.update(steps=2, losses=[(1, 2.0), (2, 1.5)], train_time_s=1.0, data="d", metrics="m", world=2, sp=2, dp=1,
@@ -200,8 +208,8 @@ def test_summary_and_banner_say_what_the_run_continued_replaced_trained_and_wrot
 
     from seqpar.cli.train import describe_start, format_summary
     from seqpar.train.job import prepare_job
-    from seqpar.train.loop import EvalResult
-    from seqpar.train.training_run import RunSummary
+    from seqpar.train.loop import RunSummary
+    from seqpar.train.report import EvalResult
 
     base = {f.name: None for f in dataclasses.fields(RunSummary)}
     ev = [(4, EvalResult(2.5, 0.1, 9)), (8, EvalResult(2.0, 0.2, 9))]

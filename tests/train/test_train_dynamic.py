@@ -20,7 +20,7 @@ from seqpar.train import TrainConfig
 from seqpar.train.checks import check_config
 from seqpar.train.job import prepare_job
 from seqpar.train.launcher import run_local
-from seqpar.train.loop import fsdp_options
+from seqpar.train.model_setup import fsdp_options
 
 OFF = dict(tiled_loss=False, tiled_mlp=False, checkpoint="none")
 LOSS_TOL = 1e-9  # float64: the schedules agree far below float32 rounding

@@ -13,14 +13,13 @@ import pytest
 import torch
 from chat_fixtures import chat_checkpoint, chats, write_jsonl
 
+from seqpar.batch.targets import IGNORE_INDEX as IGNORE
 from seqpar.comm.launch import run_distributed
 from seqpar.train import TrainConfig
-from seqpar.train.data import IGNORE
 from seqpar.train.job import make_data, prepare_job
-from seqpar.train.loop import Trainer
+from seqpar.train.loop import _gather_stats, run_training, start_run
 from seqpar.train.report import read_metrics
 from seqpar.train.tokenizer import HFTokenizer, encode_records, load_hf_tokenizer
-from seqpar.train.training_run import _gather_stats, run_training
 
 pytestmark = pytest.mark.distributed
 
@@ -36,10 +35,10 @@ def _first_step(cfg, world):
     the full state dict (the unsharded reference is built from it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    trainer = Trainer(prepare_job(cfg, world))
-    batch = trainer.micro_batches(0)[0]  # dp = 1: every rank reads the whole batch
-    share, _ = trainer.forward_backward(0)
-    loss, _, _ = _gather_stats(trainer, share)
+    trainer = start_run(prepare_job(cfg, world))
+    batch = trainer.steps.micro_batches(0)[0]  # dp = 1: every rank reads the whole batch
+    share, _ = trainer.steps.forward_backward(0)
+    loss, _, _ = _gather_stats(trainer.ctx, share)
     grads = {n: _full(p.grad).detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     return {"loss": loss, "batch": batch, "grads": grads, "state": {k: v.clone() for k, v in state.items()},

@@ -9,7 +9,8 @@ import os
 import pytest
 from chat_fixtures import PLAIN_TEMPLATE, chat_tokenizer, chats, write_jsonl
 
-from seqpar.train.data import IGNORE, build_rows, describe_rows, load_text_data, resolve_overflow
+from seqpar.batch.targets import IGNORE_INDEX as IGNORE
+from seqpar.train.data import build_rows, describe_rows, load_text_data, resolve_overflow
 from seqpar.train.formats import CHAT, PROMPT_COMPLETION, TEXT, count_kinds, read_file, read_records
 from seqpar.train.tokenizer import ByteTokenizer, Document, HFTokenizer, encode_records
 
@@ -157,7 +158,7 @@ def test_chat_needs_a_template_with_generation_markers(tok, tmp_path):
     recs = read_records([path])
     with pytest.raises(ValueError, match="has no chat template.*--chat-template"):
         encode_records(recs, HFTokenizer(chat_tokenizer(template=None)), "responses")
-    with pytest.raises(ValueError, match="byte tokenizer of a built-in model has no chat template"):
+    with pytest.raises(ValueError, match="needs a transformers tokenizer .* give --tokenizer DIR"):
         encode_records(recs, ByteTokenizer(), "responses")
     with pytest.raises(ValueError, match=r"\{% generation %\}.*--train-on all"):
         encode_records(recs, HFTokenizer(chat_tokenizer(template=PLAIN_TEMPLATE)), "responses")

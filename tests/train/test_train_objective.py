@@ -13,10 +13,10 @@ from seqpar.comm.launch import run_distributed
 from seqpar.train import TrainConfig
 from seqpar.train.checks import check_config
 from seqpar.train.job import prepare_job
-from seqpar.train.loop import Trainer
-from seqpar.train.preference_data import encode_pair, pair_units, pairs_in
+from seqpar.train.loop import _gather_stats, run_training, start_run
+from seqpar.train.objectives import units_in
+from seqpar.train.preference_data import encode_pair, pair_units
 from seqpar.train.tokenizer import HFTokenizer, load_hf_tokenizer
-from seqpar.train.training_run import _gather_stats, run_training
 
 pytestmark = pytest.mark.distributed
 
@@ -42,10 +42,10 @@ def _chat_pairs():
 
 
 def _first_step(cfg, world):
-    trainer = Trainer(prepare_job(cfg, world))
-    batch = trainer.micro_batches(0)[0]  # dp = 1: every rank reads the whole step
-    share, units = trainer.forward_backward(0)
-    loss, _, _ = _gather_stats(trainer, share)
+    trainer = start_run(prepare_job(cfg, world))
+    batch = trainer.steps.micro_batches(0)[0]  # dp = 1: every rank reads the whole step
+    share, units = trainer.steps.forward_backward(0)
+    loss, _, _ = _gather_stats(trainer.ctx, share)
     trained = sorted(n for n, p in trainer.model.named_parameters() if p.grad is not None)
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return {"loss": loss, "units": units, "batch": batch, "eval": trainer.evaluate(), "trained": trained,
@@ -201,7 +201,7 @@ def test_packed_pairs_hold_whole_pairs_and_give_the_same_loss(env):
     and the same step-1 loss within 1e-6 (each document attends to itself only)."""
     got = env["dpo_packed"]
     batch = got["batch"]
-    assert batch["input_ids"].shape[0] == 1 and pairs_in(batch) == got["units"] == N
+    assert batch["input_ids"].shape[0] == 1 and units_in(batch, "pair") == got["units"] == N
     assert _sequences(batch) == _sequences(env["dpo"]["batch"])
     assert abs(got["loss"] - env["dpo"]["loss"]) <= 1e-6, (got["loss"], env["dpo"]["loss"])
 
@@ -298,8 +298,8 @@ def test_preference_demo_pairs():
     """The demo's pairs: a pure function of (seed, split, index); chosen counts up from the prompt's
     last symbol, rejected differs at every position; held-out pairs are another draw; a unit is two
     padded rows whose targets are the answers."""
-    from seqpar.train.demo_data import EVAL, SPECIALS, CountingPreference
-    from seqpar.train.preference_data import preference_demo
+    from seqpar.train.demo_data import SPECIALS, CountingPreference, preference_demo
+    from seqpar.train.sources import EVAL
 
     task = CountingPreference(64, seed=3)
     p, c, r = task.pair(5)

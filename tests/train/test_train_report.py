@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from seqpar.train.loop import EvalResult
-from seqpar.train.report import MetricsLog, plot_losses, read_metrics
+from seqpar.train.report import EvalResult, MetricsLog, plot_losses, read_metrics
 
 
 def _log_run(save_dir, report_to, steps=(1, 2, 3), resumed_step=None):

@@ -24,7 +24,6 @@ from typing import Any
 from seqpar.train.config import (
     FIELDS,
     OPTIONAL_KINDS,
-    PAIRED,
     RESUME_AUTO,
     TrainConfig,
     describe_memory,
@@ -32,7 +31,7 @@ from seqpar.train.config import (
 )
 from seqpar.train.dynamic import describe_degrees
 from seqpar.train.job import Job
-from seqpar.train.training_run import RunSummary
+from seqpar.train.loop import RunSummary
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -98,12 +97,12 @@ def format_summary(s: RunSummary) -> str:
     ev, first = s.final_eval, s.first_eval
     if ev:
         acc = f"{100 * ev.accuracy:.1f}%"
-        paired = s.objective in PAIRED  # the preference accuracy: the chosen one won
+        answers = s.accuracy_of == "answers"  # the task's answers, else the preference accuracy: the chosen won
         if s.chance:
-            acc += f" vs chance {100 * s.chance:.1f}%" + ("" if paired else f" ({ev.accuracy / s.chance:.0f}x)")
+            acc += f" vs chance {100 * s.chance:.1f}%" + (f" ({ev.accuracy / s.chance:.0f}x)" if answers else "")
         if first:
             acc += f"; before training {100 * first.accuracy:.1f}%"
-        what = "pairs (the chosen one preferred)" if paired else "answers"
+        what = s.accuracy_of
         lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} {what}; loss {ev.loss:.4f}")
     if s.evals and len(s.evals) > 1:
         losses = ", ".join(f"step {step}: {e.loss:.4f}" for step, e in s.evals)

@@ -4,6 +4,7 @@
     summary = train(TrainConfig(seq_len=4096, sp=2, steps=300))   # local gloo workers
 
 Inside your own process group (torchrun), ``run_training(prepare_job(cfg, world))`` on every rank.
+What ``--objective`` can train is one registry, :data:`seqpar.train.objectives.OBJECTIVES`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 from .config import TrainConfig
 from .demo_data import CopyTask
 from .job import Job, prepare_job
-from .loop import Trainer
-from .training_run import RunSummary, run_training
+from .loop import Run, RunSummary, run_training, start_run
+from .objectives import OBJECTIVES
 
 
 def train(cfg: TrainConfig | None = None, **options: Any) -> RunSummary:
@@ -28,4 +29,5 @@ def train(cfg: TrainConfig | None = None, **options: Any) -> RunSummary:
     return run_local(prepare_job(cfg))
 
 
-__all__ = ["CopyTask", "Job", "RunSummary", "TrainConfig", "Trainer", "prepare_job", "run_training", "train"]
+__all__ = ["OBJECTIVES", "CopyTask", "Job", "Run", "RunSummary", "TrainConfig", "prepare_job", "run_training",
+           "start_run", "train"]

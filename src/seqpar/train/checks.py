@@ -1,30 +1,30 @@
 """Checks of ``seqpar train``'s options that need no model and no data: pure, run by the parent (or
-every torchrun rank) before any process group exists, so a bad option is one clear error."""
+every torchrun rank) before any process group exists, so a bad option is one clear error. Those of
+the dynamic schedule (--sp-schedule, --token-budget, --cost-model) too."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 
-from seqpar.attention.dispatch import STRATEGIES
+from seqpar.attention.dispatch import ONE_AXIS, STRATEGIES
 from seqpar.integrations.memory.switches import CHECKPOINT_MODES
 from seqpar.integrations.models import BUILTIN_MODELS
+from seqpar.planner.bins import SP_SCHEDULES
+from seqpar.planner.calibrate import MIN_MEASURED_BUDGET
 
 from .config import (
     DTYPES,
     FIELDS,
     LORA_EXPORTS,
     NONFINITE,
-    OBJECTIVES,
-    PAIRED,
     REPORT_TO,
     RESUME_AUTO,
     TrainConfig,
-    dpo_losses,
     model_overrides,
 )
 from .data import OVERFLOW
-from .dynamic import check_schedule
+from .objectives import DATA_KINDS, OBJECTIVES, dpo_losses, objective_of
 from .tokenizer import TRAIN_ON
 
 EXTRAS = {"peft": "lora", "tensorboard": "logging", "wandb": "logging"}
@@ -91,37 +91,41 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
         raise ValueError(f"--strategy hybrid needs --sp >= 4 (ring x ulysses, each >= 2), got --sp {sp}: "
                          "use ulysses or ring")
     _check_fine_tuning(cfg)
-    check_schedule(cfg, sp)
     check_objective(cfg)
+    check_schedule(cfg, sp)
     model_overrides(cfg)
     return world, sp, dp
 
 
 def check_objective(cfg: TrainConfig) -> None:
-    """--objective and its options (see :mod:`seqpar.train.objective_step`)."""
-    if cfg.objective not in OBJECTIVES:
-        raise ValueError(f"unknown --objective {cfg.objective!r}: choose one of {list(OBJECTIVES)}")
-    given = [n for n, v, d in (("--beta", cfg.beta, 0.1), ("--dpo-loss", cfg.dpo_loss, "sigmoid")) if v != d]
-    takes = {"dpo": ("--beta", "--dpo-loss"), "simpo": ("--beta",), "orpo": ("--beta",)}.get(cfg.objective, ())
-    extra = [n for n in given if n not in takes]
+    """--objective and its options (the registry, :mod:`seqpar.train.objectives`)."""
+    spec = objective_of(cfg.objective)
+    given = [n for n in ("beta", "dpo_loss") if getattr(cfg, n) != FIELDS[n].default]
+    extra = [n for n in given if n not in spec.options]
     if extra:
-        raise ValueError(f"{', '.join(extra)} does nothing for --objective {cfg.objective}: leave it out, or use "
-                         "--objective dpo" + (" / simpo / orpo" if extra == ["--beta"] else ""))
-    if cfg.objective in PAIRED:  # pairs: completions only, each sequence cut to --seq-len keeping its start
-        moot = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in ("train_on", "overflow", "text_field")
-                if getattr(cfg, n) != FIELDS[n].default]
-        if moot:
-            raise ValueError(f"{', '.join(moot)} does nothing for --objective {cfg.objective}: pairs train on their "
-                             "completions, each sequence cut to --seq-len keeping its start (as TRL): leave it out")
+        takers = [o.name for o in OBJECTIVES.values() if set(extra) <= set(o.options)]
+        flags = ", ".join(f"--{n.replace('_', '-')}" for n in extra)
+        raise ValueError(f"{flags} does nothing for --objective {cfg.objective}: leave it out, or use --objective "
+                         + " / ".join(takers))
+    # an option the data kind's reader does not read (pairs: completions only, each sequence cut to
+    # --seq-len keeping its start, as TRL)
+    read = {n for kind in DATA_KINDS.values() for n in kind.options}
+    moot = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in sorted(read - set(DATA_KINDS[spec.data].options))
+            if getattr(cfg, n) != FIELDS[n].default]
+    if moot:
+        raise ValueError(f"{', '.join(moot)} does nothing for --objective {cfg.objective}, which trains on "
+                         f"{spec.data} (pairs train on their completions, each sequence cut to --seq-len keeping its "
+                         "start, as TRL): leave it out")
     if not cfg.beta > 0:
         raise ValueError(f"--beta must be > 0, got {cfg.beta}")
     dpo_losses(cfg)
-    if cfg.objective == "reward" and cfg.lora_r:
-        raise ValueError("--objective reward trains a new score head, which --lora-r would leave frozen (LoRA adapts "
-                         "the linear layers of the body): leave out --lora-r")
-    if cfg.objective == "reward" and cfg.fsdp == "on" and cfg.model not in BUILTIN_MODELS:
-        raise ValueError("--objective reward from a checkpoint builds the reward model from its weights on every "
-                         "rank, which FSDP2's sharded loading does not do yet: use --fsdp off or a built-in --model")
+    if spec.scores and cfg.lora_r:
+        raise ValueError(f"--objective {cfg.objective} trains a new score head, which --lora-r would leave frozen "
+                         "(LoRA adapts the linear layers of the body): leave out --lora-r")
+    if spec.scores and cfg.fsdp == "on" and cfg.model not in BUILTIN_MODELS:
+        raise ValueError(f"--objective {cfg.objective} from a checkpoint builds the model's new score head on "
+                         "every rank, which FSDP2's sharded loading does not do yet: use --fsdp off or a built-in "
+                         "--model")
 
 
 def _check_fine_tuning(cfg: TrainConfig) -> None:
@@ -160,3 +164,52 @@ def _check_fine_tuning(cfg: TrainConfig) -> None:
             raise ValueError("--lora-targets needs at least one module name (or leave it out: all-linear)")
     if cfg.report_to != "none":
         require(cfg.report_to, f"--report-to {cfg.report_to}")
+
+
+def check_schedule(cfg: TrainConfig, sp: int) -> None:
+    """--sp-schedule and --token-budget against the other options (pure). Raises ValueError naming
+    the option to change."""
+    if cfg.sp_schedule not in SP_SCHEDULES:
+        raise ValueError(f"unknown --sp-schedule {cfg.sp_schedule!r}: choose one of {list(SP_SCHEDULES)}")
+    if cfg.sp_schedule == "static":
+        if cfg.token_budget is not None:
+            raise ValueError("--token-budget forms the steps of a dynamic schedule: give --sp-schedule dynamic too")
+        if cfg.cost_model != "measure":
+            raise ValueError("--cost-model chooses a dynamic schedule's cost model: give --sp-schedule dynamic too")
+        return
+    check_dynamic_objective(cfg)
+    budget = cfg.token_budget if cfg.token_budget is not None else -(-unit_tokens(cfg) // sp)
+    if cfg.cost_model == "measure" and budget < MIN_MEASURED_BUDGET:
+        raise ValueError(f"--cost-model measure times bins of up to 16 documents per rank, which {budget} tokens per "
+                         f"rank (--token-budget, or --seq-len / --sp) cannot hold: use --cost-model builtin or a "
+                         f"budget of >= {MIN_MEASURED_BUDGET}")
+    if cfg.strategy not in ONE_AXIS:
+        raise ValueError(f"--sp-schedule dynamic runs bins at degrees below --sp on sub-groups of ranks, which "
+                         f"--strategy {cfg.strategy} has none of: use --strategy {' or '.join(ONE_AXIS)}")
+    if cfg.token_budget is not None:
+        if cfg.token_budget < 1:
+            raise ValueError(f"--token-budget must be >= 1, got {cfg.token_budget}")
+        if cfg.micro_batch != 1:
+            raise ValueError("--token-budget sets how many rows a step holds, in place of --micro-batch: leave "
+                             "--micro-batch at 1")
+        need = -(-unit_tokens(cfg) // sp)
+        if cfg.token_budget < need:
+            what = f"a row of --seq-len {cfg.seq_len}" if unit_tokens(cfg) == cfg.seq_len else \
+                f"a pair of two rows of --seq-len {cfg.seq_len}"
+            raise ValueError(f"--token-budget {cfg.token_budget} cannot hold {what} on --sp {sp} ranks: use "
+                             f"--token-budget >= {need}")
+
+
+def check_dynamic_objective(cfg: TrainConfig) -> None:
+    """--objective under --sp-schedule dynamic (pure): a bin holds whole pairs, and the loss is a sum
+    of per-unit terms over the step's units, so it is exact when each unit's term depends on that unit
+    alone. Raises ValueError naming the option for an objective whose loss couples a batch's units."""
+    problem = objective_of(cfg.objective).dynamic_problem(cfg)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def unit_tokens(cfg: TrainConfig) -> int:
+    """The most real tokens of one unit of the data order: a row of --seq-len, or a pair of two such
+    rows (preference data without --packing: chosen and rejected, one bin holds both)."""
+    return 2 * cfg.seq_len if objective_of(cfg.objective).data == "pairs" and not cfg.packing else cfg.seq_len

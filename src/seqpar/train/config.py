@@ -25,12 +25,10 @@ from seqpar.planner.bins import SP_SCHEDULES
 
 from .data import OVERFLOW
 from .formats import FORMATS_HELP
+from .objectives import OBJECTIVES
 from .tokenizer import TRAIN_ON
 
 REPORT_TO = ("none", "tensorboard", "wandb")
-OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "reward")
-PAIRED = ("dpo", "simpo", "orpo", "reward")
-"""--objective names; the ones trained on preference pairs."""
 NONFINITE = ("stop", "skip")
 RESUME_AUTO = "auto"
 LORA_EXPORTS = ("merged", "adapter")
@@ -167,11 +165,10 @@ class TrainConfig:
                                  "for another -- rank 0 reading a checkpoint, a checkpoint save, the first step",
                                  shown=f"{CPU_TIMEOUT:.0f} on the CPU, {CUDA_TIMEOUT:.0f} with CUDA")
     progress: bool = _opt(True, "progress bar on rank 0 (--no-progress to turn it off)")
-    # --- the objective (seqpar.train.objective_step) ---
-    objective: str = _opt("sft", "what the run trains: sft (the causal-LM token mean: pre-training and SFT), dpo, "
-                          "simpo, orpo (preference pairs: --data with prompt / chosen / rejected) or reward (a reward "
-                          "model: Bradley-Terry on chosen / rejected, a sequence-classification head); without --data "
-                          "a paired objective learns the embedded preference demo", choices=OBJECTIVES)
+    # --- the objective (seqpar.train.objectives) ---
+    objective: str = _opt("sft", "what the run trains: " + "; ".join(f"{o.name} ({o.summary})" for o in
+                          OBJECTIVES.values()) + "; the preference objectives train on --data with prompt / chosen / "
+                          "rejected, and without --data learn the embedded preference demo", choices=tuple(OBJECTIVES))
     beta: float = _opt(0.1, "--objective dpo / simpo / orpo: the beta of the loss (TRL's)", shown="0.1 (TRL's DPO)")
     dpo_loss: str = _opt("sigmoid", f"--objective dpo: the loss type, TRL's ({', '.join(DPO_LOSSES)}); several joined "
                          "by commas add up")
@@ -286,24 +283,14 @@ def builtin_fields(cfg: TrainConfig, data_vocab: int) -> dict[str, Any]:
     return {"vocab_size": max(own, data_vocab), "max_position_embeddings": cfg.seq_len, **model_overrides(cfg)}
 
 
-def dpo_losses(cfg: TrainConfig) -> list[str]:
-    """--dpo-loss as a list of TRL loss types (ValueError for an unknown one)."""
-    types = [t.strip() for t in cfg.dpo_loss.split(",") if t.strip()]
-    unknown = [t for t in types if t not in DPO_LOSSES]
-    if unknown or not types:
-        raise ValueError(f"--dpo-loss {cfg.dpo_loss!r}: choose from {', '.join(DPO_LOSSES)} (several: joined by "
-                         "commas)")
-    return types
-
-
 def memory_options(cfg: TrainConfig, device_type: str) -> dict[str, Any] | None:
     """Keywords of :func:`seqpar.reduce_memory` for the run, or None with every switch off. On the
     CPU "offload" is plain layer checkpoints (the saved inputs live in host memory already)."""
     if not (cfg.tiled_loss or cfg.tiled_mlp or cfg.checkpoint != "none"):
         return None
     checkpoint = "layers" if cfg.checkpoint == "offload" and device_type == "cpu" else cfg.checkpoint
-    # a reward model has no vocabulary head to tile (its score head is [hidden, 1])
-    return dict(tiled_loss=cfg.tiled_loss and cfg.objective != "reward",
+    # a score model (reward) has no vocabulary head to tile (its score head is [hidden, 1])
+    return dict(tiled_loss=cfg.tiled_loss and not OBJECTIVES[cfg.objective].scores,
                 tiled_mlp=cfg.tiled_mlp, checkpoint=checkpoint, loss_tile=cfg.loss_tile,
                 mlp_tile=cfg.mlp_tile)
 

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .demo_data import EVAL, IGNORE, TRAIN, CopyTask
+from seqpar.batch.targets import IGNORE_INDEX
+
 from .formats import PREFERENCE, TEXT, count_kinds, read_records
+from .sources import EVAL, TRAIN, rows_in
 from .tokenizer import ByteTokenizer, Document, HFTokenizer, encode_records
 
 OVERFLOW = ("auto", "split", "truncate")
@@ -81,7 +83,7 @@ def row_tensors(ids: list[int], targets: list[bool], positions: list[int], seq_l
     pos[:n] = torch.tensor(positions, dtype=torch.long)
     keep = torch.zeros(seq_len, dtype=torch.bool)
     keep[:n] = torch.tensor(targets, dtype=torch.bool)
-    labels = input_ids.masked_fill(~keep, IGNORE)
+    labels = input_ids.masked_fill(~keep, IGNORE_INDEX)
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "position_ids": pos}
 
 
@@ -144,7 +146,7 @@ def build_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packin
 
 def _row_targets(row: dict[str, Tensor]) -> int:
     """Targets of a row that count: not padding, not the first token of a document."""
-    return int(((row["labels"] != IGNORE) & (row["position_ids"] > 0) & (row["attention_mask"] > 0)).sum())
+    return int(((row["labels"] != IGNORE_INDEX) & (row["position_ids"] > 0) & (row["attention_mask"] > 0)).sum())
 
 
 def make_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packing: bool, pad_id: int,
@@ -154,7 +156,7 @@ def make_rows(docs: Sequence[Document | Sequence[int]], seq_len: int, *, packing
 
 
 class TextData:
-    """Rows from files, split into training rows and held-out rows (seeded)."""
+    """Units from files, split into training and held-out units (seeded): a :class:`~.sources.DataSource`."""
 
     def __init__(self, rows: list[dict[str, Tensor]], *, seed: int, eval_rows: int, vocab_size: int,
                  describe: str) -> None:
@@ -174,6 +176,7 @@ class TextData:
             self._describe += (f"; {n_eval} held-out row{'s' if n_eval != 1 else ''} (--eval-rows {eval_rows} is "
                                f"capped at a tenth of the {len(rows)} rows)")
         self.chance: float | None = None
+        self.rows_per_unit = rows_in(rows[0])
 
     def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
         if split == EVAL:
@@ -191,36 +194,6 @@ class TextData:
 
     def describe(self) -> str:
         return self._describe
-
-
-@dataclass
-class TaskData:
-    """The embedded copy task as a data source."""
-
-    task: CopyTask
-    eval_rows: int
-
-    @property
-    def vocab_size(self) -> int:
-        return self.task.vocab_size
-
-    @property
-    def max_token_id(self) -> int:
-        return self.task.vocab_size - 1
-
-    @property
-    def chance(self) -> float:
-        return self.task.chance
-
-    @property
-    def n_eval(self) -> int:
-        return self.eval_rows
-
-    def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
-        return self.task.row(index, split)
-
-    def describe(self) -> str:
-        return self.task.describe()
 
 
 def describe_rows(kinds: dict[str, int], stats: RowStats, *, tokenizer: str, seq_len: int, packing: bool,
@@ -247,17 +220,6 @@ def describe_rows(kinds: dict[str, int], stats: RowStats, *, tokenizer: str, seq
     if stats.no_target:
         out += f"; {stats.no_target} without a target left out"
     return out
-
-
-def stack(rows: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Rows of ``[S]`` tensors (or units of ``[k, S]``: a preference pair's two rows) -> a batch of
-    ``[B, S]`` tensors, in order."""
-    return {k: torch.cat([r[k].reshape(-1, r[k].shape[-1]) for r in rows]) for k in rows[0]}
-
-
-def row_index(step: int, micro: int, dp_rank: int, b: int, *, grad_accum: int, dp: int, micro_batch: int) -> int:
-    """Which row of the run (counted from 0) rank ``dp_rank`` reads at ``(step, micro, b)``."""
-    return ((step * grad_accum + micro) * dp + dp_rank) * micro_batch + b
 
 
 def load_text_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer, *, text_field: str, train_on: str,

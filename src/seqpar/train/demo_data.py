@@ -1,4 +1,8 @@
-"""The embedded long-range task ``seqpar train`` learns when given no data: copy across the sequence.
+"""The embedded tasks ``seqpar train`` learns when given no data, and their sources
+(:class:`~seqpar.train.sources.DataSource`): the long-range copy task (``--objective sft``) and the
+counting preference demo (the preference objectives).
+
+The copy task copies across the sequence.
 
 Each row is a random string followed by its copy::
 
@@ -24,10 +28,12 @@ from torch import Tensor
 
 from seqpar.batch.targets import IGNORE_INDEX
 
+from .preference_data import pair_units
+from .sources import TRAIN, TaskSource
+from .tokenizer import Document
+
 PAD, BOS, SEP = 0, 1, 2
 SPECIALS = 3
-IGNORE = IGNORE_INDEX  # labels without a target
-TRAIN, EVAL = 0, 1
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class CopyTask:
 
     def __post_init__(self) -> None:
         if self.seq_len < self.min_seq_len:
-            raise ValueError(f"--seq-len {self.seq_len} is too short for the copy task: use at least "
+            raise ValueError(f"--seq-len {self.seq_len} is too short for the copy task: use --seq-len >= "
                              f"{self.min_seq_len} (thousands show what sequence parallelism is for)")
 
     @property
@@ -71,23 +77,13 @@ class CopyTask:
         ids[0] = BOS
         ids[1:n + 1] = x
         ids[n + 2:2 * n + 2] = x
-        labels = torch.full_like(ids, IGNORE)
+        labels = torch.full_like(ids, IGNORE_INDEX)
         labels[n + 2:2 * n + 2] = x  # unshifted: shard_batch makes labels[i + 1] the target of position i
         return {"input_ids": ids, "labels": labels}
 
     def describe(self) -> str:
         return (f"copy task: {self.span} random symbols (of {self.symbols}) then their copy; every answer sits "
                 f"{self.span + 1} tokens back")
-
-
-def answer_accuracy(logits: Tensor, targets: Tensor) -> tuple[int, int]:
-    """``(correct, total)`` greedy predictions over the positions that have a target.
-
-    ``logits [B, S, V]`` and ``targets [B, S]`` are position-aligned (shifted targets, as
-    :func:`seqpar.shard_batch` returns them), so this works on one SP rank's shard as is."""
-    mask = targets != IGNORE
-    correct = (logits.argmax(dim=-1) == targets) & mask
-    return int(correct.sum()), int(mask.sum())
 
 
 @dataclass(frozen=True)
@@ -124,3 +120,53 @@ class CountingPreference:
     def describe(self) -> str:
         return (f"preference demo: a prompt of {self.span} random symbols (of {self.symbols}); chosen: {self.span} "
                 f"symbols counting up from its last one; rejected: {self.span} other symbols")
+
+
+@dataclass
+class CopyTaskSource(TaskSource):
+    """The copy task as a data source: row ``index`` of a split, drawn when read."""
+
+    task: CopyTask
+    rows_per_unit = 1
+
+    @property
+    def chance(self) -> float:
+        return self.task.chance
+
+    def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
+        return self.task.row(index, split)
+
+
+@dataclass
+class PreferenceDemo(TaskSource):
+    """The preference demo (:class:`CountingPreference`) as a data source: pair ``index`` of a split is
+    one unit of two padded rows (chosen, rejected), drawn when read (like the copy task's rows)."""
+
+    task: CountingPreference
+    chance = 0.5
+    rows_per_unit = 2
+
+    def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
+        p, c, r = self.task.pair(index, split)
+        docs = [Document(p + x, [False] * len(p) + [True] * len(x)) for x in (c, r)]
+        return pair_units([(docs[0], docs[1])], self.task.seq_len, packing=False, pad_id=PAD)[0][0]
+
+
+def copy_task_source(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -> CopyTaskSource:
+    """The copy task's data; ValueError for options it cannot take (a row too short for the task)."""
+    if packing:
+        raise ValueError("the copy task fills each row with one sequence, so --packing has nothing to pack: leave "
+                         "it out, or give --data")
+    return CopyTaskSource(CopyTask(seq_len, seed), eval_rows)
+
+
+def preference_demo(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -> PreferenceDemo:
+    """The preference demo's data; ValueError for options it cannot take."""
+    if packing:
+        raise ValueError("the preference demo fills each row with one sequence, so --packing has nothing to pack: "
+                         "leave it out, or give --data")
+    task = CountingPreference(seq_len, seed)
+    if task.span < 2:  # span = (seq_len - 2) // 2: two symbols per answer need 6 tokens
+        least = 2 * 2 + 2
+        raise ValueError(f"--seq-len {seq_len} is too short for the preference demo: use --seq-len >= {least}")
+    return PreferenceDemo(task, eval_rows)

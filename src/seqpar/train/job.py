@@ -6,6 +6,8 @@ from), the tokenizer, the data (read and tokenized: its token ids against the mo
 size), the save dir (an earlier run's checkpoints are not silently deleted) and the sequence
 length against the SP split, and resolves the strategy into mesh sizes and a layout -- all
 without a process group, so a bad option is one clear error instead of a traceback from every rank.
+The job is prepared once -- by the parent of local workers, or by each torchrun rank -- and handed to
+the run whole: its data already read and tokenized, its tokenizer loaded.
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_conf
 from seqpar.planner import hybrid_split, plan
 
 from .checks import check_config
-from .config import FIELDS, PAIRED, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
-from .data import TaskData, TextData, load_text_data
-from .demo_data import CopyTask
-from .preference_data import load_preference_data, preference_demo
+from .config import FIELDS, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
+from .objectives import DATA_KINDS, objective_of
 from .report import HF_DIR
 from .safe_load import check_plain
-from .tokenizer import load_hf_tokenizer, make_tokenizer
+from .sources import DataSource
+from .tokenizer import load_hf_tokenizer
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -60,22 +61,15 @@ class Job:
     resume_step: int = 0  # its step
     resume_notes: tuple[str, ...] = ()  # what the resume changed or skipped, in words (printed at the start)
     replaces: tuple[int, ...] = ()  # --overwrite: the steps of the earlier run's checkpoints it deletes
-    data: TaskData | TextData | None = field(default=None, compare=False, repr=False)  # read by the parent
+    data: DataSource | None = field(default=None, compare=False, repr=False)  # read and tokenized, once
+    tokenizer: Any = field(default=None, compare=False, repr=False)  # the run's transformers tokenizer (None: bytes)
 
 
-def make_data(cfg: TrainConfig, hf_tokenizer: Any | None) -> TaskData | TextData:
-    """The run's data: the copy task, or ``--data`` read, tokenized and cut into rows."""
-    paired = cfg.objective in PAIRED
-    if not cfg.data and paired:
-        return preference_demo(cfg.seq_len, cfg.seed, cfg.eval_rows, packing=cfg.packing)
-    if not cfg.data:
-        return TaskData(CopyTask(cfg.seq_len, cfg.seed), cfg.eval_rows)
-    if paired:
-        return load_preference_data(cfg.data, make_tokenizer(hf_tokenizer), seq_len=cfg.seq_len, packing=cfg.packing,
-                                    seed=cfg.seed, eval_rows=cfg.eval_rows)
-    return load_text_data(cfg.data, make_tokenizer(hf_tokenizer), text_field=cfg.text_field, train_on=cfg.train_on,
-                          seq_len=cfg.seq_len, packing=cfg.packing, overflow=cfg.overflow, seed=cfg.seed,
-                          eval_rows=cfg.eval_rows)
+def make_data(cfg: TrainConfig, hf_tokenizer: Any | None) -> DataSource:
+    """The run's data: its objective's kind of data (:data:`seqpar.train.objectives.DATA_KINDS`), the
+    embedded demo without --data, else --data read, tokenized and cut into units."""
+    kind = DATA_KINDS[objective_of(cfg.objective).data]
+    return kind.load(cfg, hf_tokenizer) if cfg.data else kind.demo(cfg)
 
 
 def _model_config(cfg: TrainConfig) -> Any:
@@ -114,7 +108,7 @@ def _check_checkpoint(cfg: TrainConfig, config: Any) -> Any:
     return model
 
 
-def _check_vocab(cfg: TrainConfig, data: TaskData | TextData, embeddings: int) -> None:
+def _check_vocab(cfg: TrainConfig, data: DataSource, embeddings: int) -> None:
     """The token ids the data uses (padding included) must all have an embedding: compared with the
     ids used, not with the tokenizer's length (which counts added tokens the data may never use)."""
     need = data.max_token_id + 1
@@ -124,11 +118,11 @@ def _check_vocab(cfg: TrainConfig, data: TaskData | TextData, embeddings: int) -
                          "DIR with its vocabulary), or use a built-in model")
 
 
-def _check_builtin_fields(cfg: TrainConfig, data: TaskData | TextData | None) -> None:
+def _check_builtin_fields(cfg: TrainConfig, data: DataSource) -> None:
     """``--model-config`` may set any field of a built-in; the two the data and the length need
     must still fit them (the defaults are the data's vocabulary and ``--seq-len``)."""
     fields = model_overrides(cfg)
-    need = data.max_token_id + 1 if data is not None else 0
+    need = data.max_token_id + 1
     if "vocab_size" in fields and int(fields["vocab_size"]) < need:
         raise ValueError(f"--model-config vocab_size {fields['vocab_size']} is smaller than the {need} token ids the "
                          f"data uses: use vocab_size >= {need} or leave it out")
@@ -138,9 +132,9 @@ def _check_builtin_fields(cfg: TrainConfig, data: TaskData | TextData | None) ->
                          "leave it out")
 
 
-def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool = True) -> Job:
-    """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --dp) and
-    resolve the strategy. Raises ValueError with the option to change."""
+def prepare_job(cfg: TrainConfig, world: int | None = None) -> Job:
+    """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --dp), resolve the
+    strategy, read the data and load the tokenizer. Raises ValueError with the option to change."""
     world, sp, dp = check_config(cfg, world)
     config_full = _model_config(cfg)
     config = decoder_config(config_full)[0]
@@ -180,24 +174,22 @@ def prepare_job(cfg: TrainConfig, world: int | None = None, *, read_data: bool =
     if cfg.seq_len < shortest:
         raise ValueError(f"--seq-len {cfg.seq_len} is too short for --sp {sp} with {strategy} ({layout} layout): "
                          f"use --seq-len >= {shortest} or a smaller --sp")
-    if not cfg.data:
-        CopyTask(cfg.seq_len, cfg.seed)  # raises for a row too short for the task
-    data = None
-    if read_data:  # the parent (a worker repeats none of it)
-        meta = _check_checkpoint(cfg, config_full) if cfg.model not in BUILTIN_MODELS else None
-        data = make_data(cfg, load_hf_tokenizer(cfg.model, cfg.tokenizer, cfg.chat_template))
-        if meta is not None:
-            _check_vocab(cfg, data, int(meta.get_input_embeddings().num_embeddings))
-        if cfg.lora_r:  # --lora-targets must name modules of the model (peft says which it did not find)
-            from .lora import add_lora
+    meta = _check_checkpoint(cfg, config_full) if cfg.model not in BUILTIN_MODELS else None
+    tokenizer = load_hf_tokenizer(cfg.model, cfg.tokenizer, cfg.chat_template)
+    data = make_data(cfg, tokenizer)
+    if meta is not None:
+        _check_vocab(cfg, data, int(meta.get_input_embeddings().num_embeddings))
+    if cfg.lora_r:  # --lora-targets must name modules of the model (peft says which it did not find)
+        from .lora import add_lora
 
-            if meta is None:
-                with torch.device("meta"):
-                    meta, _ = build_model(cfg.model, **builtin_fields(cfg, data.vocab_size))
-            add_lora(meta, cfg)
+        if meta is None:
+            with torch.device("meta"):
+                meta, _ = build_model(cfg.model, **builtin_fields(cfg, data.vocab_size))
+        add_lora(meta, cfg)
     if cfg.model in BUILTIN_MODELS:
         _check_builtin_fields(cfg, data)
-    job = Job(cfg, world, sp, dp, strategy, mesh_kwargs, layout, heads, kv_heads, reason, data=data)
+    job = Job(cfg, world, sp, dp, strategy, mesh_kwargs, layout, heads, kv_heads, reason, data=data,
+              tokenizer=tokenizer)
     return _check_save_dir(job)
 
 
@@ -258,7 +250,7 @@ def check_resumable(job: Job, state: dict[str, Any], path: str) -> list[str]:
     or by options that read the same rows per step (see below); returns what changed, in words.
 
     The rows of step s are rows ``[s * G, (s + 1) * G)`` of the run, G = dp x grad_accum x micro_batch
-    (:func:`seqpar.train.data.row_index`), and its loss is the token mean over all of them: so dp,
+    (:func:`seqpar.train.sources.row_index`), and its loss is the token mean over all of them: so dp,
     --grad-accum and --micro-batch may change together as long as G stays (the same rows, the same
     mean, summed in another order: equal to rounding), and sp and the strategy may change freely
     (DCP reshards the model and the optimizer state)."""

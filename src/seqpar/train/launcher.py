@@ -9,6 +9,7 @@ worker as which rank and why, with the last complete checkpoint named.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 from datetime import timedelta
 
@@ -16,7 +17,7 @@ from seqpar.comm.launch import Failure, WorkerError, run_distributed
 
 from .config import TrainConfig, collective_timeout
 from .job import Job, prepare_job
-from .training_run import RunSummary, local_worker, run_training
+from .loop import RunSummary, local_worker, run_training
 
 _SIGNALS = {-s.value: s.name for s in signal.Signals}
 
@@ -48,7 +49,7 @@ def run_local(job: Job, *, stop_after: int | None = None) -> RunSummary:
     worker dies, hangs or crashes -- after every worker has been stopped.
     """
     try:
-        results = run_distributed(local_worker, job.world, job.cfg, stop_after, timeout=10.0**7,
+        results = run_distributed(local_worker, job.world, pickle.dumps(job), stop_after, timeout=10.0**7,
                                   pg_timeout=collective_timeout(job.cfg, "cpu"), env={"OMP_NUM_THREADS": "1"})
     except WorkerError as e:
         for rank in sorted(e.errors):

@@ -1,47 +1,105 @@
-"""The training step of ``seqpar train``: model, data, optimizer and mesh of one rank.
-
-Per optimizer step, on every rank::
-
-    rows      this dp rank's micro-batches (rows k = f(seed, step, micro, dp rank): resumable)
-    N         the step's units, all dp ranks: targets (sft) or pairs (dpo, reward, ...; .objective_step)
-    for each micro-batch:
-      local = seqpar.shard_batch(batch, mesh)               this SP rank's slice
-      objective(model, local, mesh, ...).loss.backward()    exact share of the global mean over N
-    seqpar.sync_gradients (or FSDP2's reduce-scatter): the dp x sp average, every grad now exact
-    the global gradient norm (and the step's loss): NaN / Inf stops or skips the step (--on-nonfinite)
-    clip to the global norm, AdamW, warmup + cosine
-
-so the loss and gradients are those of one big batch on one device, whatever dp, sp, grad_accum.
-"""
+"""The loop of ``seqpar train``, on every rank: the run started (:func:`start_run`: the mesh, the model,
+the objective, the schedule of steps, the optimizer), then save dir, resume, the steps with their
+progress bar and metrics (:mod:`.report`), checkpoints, evaluations, the summary and the transformers
+export. What a step does is :mod:`.step` (static) and :mod:`.dynamic`."""
 
 from __future__ import annotations
 
 import math
 import os
+import pickle
 import resource
+import shutil
 import sys
-from typing import Any
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import nn
 
 import seqpar
-from seqpar.batch.loss import token_losses
 from seqpar.comm import collectives, faults
-from seqpar.comm.mesh import axis_group, default_device_type
-from seqpar.integrations.distributed.materialize import load_full_state_dict, materialize
-from seqpar.integrations.models import BUILTIN_MODELS
+from seqpar.comm.mesh import axis_group
 
-from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
-from .data import row_index, stack
-from .demo_data import EVAL, IGNORE, answer_accuracy
-from .dynamic import dynamic_steps
-from .job import Job, make_data
-from .lora import add_lora, count_params, init_lora, with_lora_names
-from .objective_step import ObjectiveStep, objective_meta_model, objective_model
-from .report import EvalResult
-from .tokenizer import load_hf_tokenizer
+from . import checkpoint as ckpt
+from .config import describe_memory
+from .context import RunContext, rank_device
+from .dynamic import DynamicSteps
+from .job import Job
+from .lora import describe_lora
+from .model_setup import RankModel, build_rank_model, make_reference
+from .objective_step import ObjectiveStep
+from .report import (
+    HF_DIR,
+    METRICS_FILE,
+    OUTPUTS,
+    PLOT_FILE,
+    SUMMARY_FILE,
+    EvalResult,
+    MetricsLog,
+    plot_losses,
+    write_summary,
+)
+from .sources import DataSource
+from .step import Optimization, StaticSteps
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run did (the same on every rank); ``seqpar train`` prints it."""
+
+    steps: int  # optimizer steps done in total (resumed ones included)
+    losses: list[tuple[int, float]]  # (step, global loss) of the steps run now
+    peak_mem_mib: list[float]  # per rank, at the last step: CUDA peak allocated since setup, or peak RSS
+    peak_reserved_mib: list[float]  # per rank: CUDA peak reserved since setup (= peak_mem_mib on the CPU)
+    train_time_s: float
+    first_eval: EvalResult | None  # before training (from the checkpoint when resumed)
+    final_eval: EvalResult | None  # after the last step (None if stopped early)
+    chance: float | None  # accuracy of guessing (the copy task), None for text data
+    data: str  # what the data is, in words
+    metrics: str  # path of metrics.jsonl
+    checkpoint: str | None  # path of the last complete checkpoint
+    skipped: list[int]  # --on-nonfinite skip: the steps whose update was dropped (NaN / Inf)
+    evals: list[tuple[int, EvalResult]]  # (step, result) of the evaluations of this run (--eval-every, final)
+    world: int
+    sp: int
+    dp: int
+    strategy: str
+    layout: str
+    params: int
+    fsdp: bool
+    device: str
+    tokens_per_step: int
+    resumed_from: str | None
+    resumed_step: int  # the step resumed from (0 for a fresh run)
+    replaced_previous: bool  # a fresh run cleared an earlier run's save dir
+    replaced_steps: list[int]  # --overwrite: the steps of the earlier run's checkpoints it deleted
+    trainable: int  # parameters the optimizer trains (all of them, or LoRA's adapters)
+    lora: str  # the LoRA adapters, in words ("" without)
+    summary_file: str | None  # summary.json (rank 0 writes it after the summary is built)
+    plot: str | None  # loss.png
+    export: str | None  # --export-hf: the save_pretrained directory
+    export_lora: str  # what it holds of a LoRA run: "merged" or "adapter" ("" without LoRA)
+    reason: str  # why --strategy auto chose what it chose
+    attention: str  # the local attention kernel, in words (seqpar.attention_kernel)
+    dtype: str  # the compute dtype (--dtype auto resolved)
+    memory: str  # the memory switches, in words
+    setup_s: float
+    eval_s: float
+    sp_degrees: dict[int, int] = field(default_factory=dict)  # --sp-schedule dynamic: units run at each degree
+    sp_unit: str = "rows"  # what sp_degrees counts: rows, or documents (--packing: packed rows binned apart)
+    sp_cost: str = ""  # --sp-schedule dynamic: the cost model it balanced with (measured: its constants, the seconds)
+    objective: str = "sft"  # --objective
+    accuracy_of: str = "answers"  # what the held-out accuracy counts, in words (the objective's)
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.losses[0][1] if self.losses else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1][1] if self.losses else None
 
 
 def peak_memory_mib(device: torch.device) -> tuple[float, float]:
@@ -62,227 +120,278 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def use_fsdp(cfg: TrainConfig, device_type: str, dtype: str) -> bool:
-    """FSDP2 when asked, and by default with CUDA or bfloat16 (``dtype``: the resolved --dtype; its
-    mixed precision keeps fp32 master weights; autocast would hand attention q/k in fp32 and v in
-    bf16)."""
-    return cfg.fsdp == "on" or (cfg.fsdp == "auto" and (device_type == "cuda" or dtype == "bfloat16"))
+@dataclass
+class Run:
+    """One rank's run, started: its context (mesh, model, reference), the model as built, the
+    objective in the step, the schedule of steps (static or dynamic: ``forward_backward(step)``) and
+    the optimization."""
 
+    ctx: RunContext
+    built: RankModel
+    objective: ObjectiveStep
+    steps: StaticSteps | DynamicSteps
+    optimization: Optimization
 
-def fsdp_options(cfg: TrainConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """``fully_shard``'s keywords for the run. bfloat16: bf16 compute, fp32 master weights and
-    gradient reduction (the same policy for either --sp-schedule). A dynamic schedule keeps each
-    block's parameters gathered from its first forward of a micro-step to the flush pass
-    (``reshard_after_forward=False``): ranks run different numbers of bins, so an all-gather per
-    bin's backward, over every rank, would wait on ranks that have no such bin (a hang); the price
-    is the whole model's parameters held per rank during the step, as without FSDP."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    @property
+    def model(self) -> nn.Module:
+        return self.ctx.model
 
-    kw: dict[str, Any] = {}
-    if dtype == torch.bfloat16:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if cfg.sp_schedule == "dynamic":
-        kw["reshard_after_forward"] = False
-    return kw
+    @property
+    def data(self) -> DataSource:
+        assert self.ctx.job.data is not None  # prepare_job read it
+        return self.ctx.job.data
 
+    @property
+    def dynamic(self) -> DynamicSteps | None:
+        return self.steps if isinstance(self.steps, DynamicSteps) else None
 
-def lr_lambda(cfg: TrainConfig):
-    """Linear warmup to 1 over ``warmup`` steps, then cosine down to ``min_lr_ratio``."""
-    def f(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-    return f
-
-
-class Trainer:
-    """Model, data, optimizer and mesh of one rank. Needs an initialized process group.
-
-    The model is built on the meta device, parallelized, sharded (FSDP2) and only then given its
-    weights (:mod:`seqpar.integrations.distributed.materialize`): a built-in's initialisation is drawn module by
-    module, this rank keeping its shard -- the same bits as the unsharded model's for the seed, on
-    any number of ranks; a checkpoint (``--model PATH``) is read by rank 0 alone and broadcast tensor
-    by tensor. So no rank > 0 ever holds the whole model. Without FSDP every rank keeps a full
-    replica (plain gradient sync needs one): the built-in is initialized the same way, in place on
-    the device; a checkpoint is read by every rank. With ``--lora-r`` peft's adapters go into the
-    model before it is parallelized and sharded, the base frozen; their initial values are drawn
-    the same on every rank (:mod:`.lora`), and only they are given to the optimizer.
-    """
-
-    def __init__(self, job: Job) -> None:
-        cfg = self.cfg = job.cfg
-        self.job = job
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if self.world != job.world:
-            raise ValueError(f"the job was prepared for {job.world} ranks but runs on {self.world}")
-        self.device = torch.device("cpu")
-        if torch.cuda.is_available() and default_device_type() == "cuda":  # NCCL among the group's backends
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(self.device)
-        self.mesh = seqpar.init_mesh(**job.mesh_kwargs, device_type=self.device.type)
-        self.dp_rank = dist.get_rank(axis_group(self.mesh, "dp"))
-        self.sp_rank = dist.get_rank(axis_group(self.mesh, "sp"))  # hybrid: the flattened ring x ulysses axis
-
-        self.dtype = resolve_dtype(cfg, self.device.type)
-        dtype = DTYPES[self.dtype]
-        param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self.use_fsdp = use_fsdp(cfg, self.device.type, self.dtype)
-        model, full_state = self._build_model(param_dtype)  # on the meta device (a replica: already loaded)
-        self.peft = None  # --lora-r: the PeftModel around `model` (its adapters are inside `model`)
-        if cfg.lora_r:
-            self.peft = add_lora(model, cfg)
-            if full_state is not None:  # rank 0's checkpoint, under the adapted layers' names
-                full_state = with_lora_names(model, full_state, cfg.seed)
-        self.n_params, self.n_trainable = count_params(model)
-        seqpar.parallelize(self.peft or model, self.mesh, strategy=job.strategy)
-        memory = memory_options(cfg, self.device.type)
-        if memory is not None:  # a ValueError here (a head or MLP it cannot tile) is the same on every rank
-            seqpar.reduce_memory(model, self.mesh, **memory)
-        self.tiled_loss = cfg.tiled_loss
-        if self.use_fsdp:
-            seqpar.apply_fsdp(model, self.mesh, **fsdp_options(cfg, dtype))  # over every dp x sp rank, averaging
-        if cfg.model in BUILTIN_MODELS:
-            torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the sharding
-            materialize(model, self.device)
-        elif self.use_fsdp:
-            materialize(model, self.device, params=False)  # buffers (RoPE); the weights come from rank 0
-            load_full_state_dict(model, full_state)  # with the adapters' initial values (LoRA)
-        if self.peft is not None and not (self.use_fsdp and cfg.model not in BUILTIN_MODELS):
-            init_lora(model, cfg.seed)  # the same adapters on every rank, whatever the sharding
-        full_state = None
-        self.attention = seqpar.attention_kernel(model)  # the kernel "auto" chose, in words
-        self.model = model
-        self.objective = ObjectiveStep(self)  # --objective: the loss, its reference and its unit count
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                           betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.step = 0
-        self.dynamic = dynamic_steps(self)  # --sp-schedule dynamic (None: static)
-
-    def _build_model(self, param_dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Tensor] | None]:
-        """``(model, full state dict or None)``; sets ``self.data``. A built-in, and a checkpoint
-        under FSDP, come on the meta device (rank 0 also returns the checkpoint's weights, on the
-        CPU); a checkpoint without FSDP is loaded whole on this rank's device."""
-        cfg = self.cfg
-        # the run's tokenizer (None: bytes, or the copy task), kept for the export
-        self.tokenizer = load_hf_tokenizer(cfg.model, cfg.tokenizer, cfg.chat_template)
-        self.data = self.job.data if self.job.data is not None else make_data(cfg, self.tokenizer)
-        if cfg.model in BUILTIN_MODELS:
-            with torch.device("meta"):
-                model = objective_model(cfg, self.tokenizer, dtype=param_dtype,
-                                        **builtin_fields(cfg, self.data.vocab_size))
-            return model, None
-        state = None
-        if not self.use_fsdp:
-            model = objective_model(cfg, self.tokenizer, dtype=param_dtype)
-            model.to(self.device)
-        else:
-            model = objective_meta_model(cfg, dtype=param_dtype)  # first: a refusal comes before any loading
-            if self.rank == 0:  # the only rank that reads the weights
-                full = objective_model(cfg, self.tokenizer, dtype=param_dtype)
-                state = full.state_dict()
-                del full
-        vocab = int(model.get_input_embeddings().num_embeddings)
-        if self.data.max_token_id >= vocab:  # prepare_job checked it; a job prepared elsewhere may not have
-            raise ValueError(f"the data uses token ids up to {self.data.max_token_id} but --model {cfg.model!r} "
-                             f"embeds {vocab}: give the checkpoint its tokenizer or use a built-in model")
-        return model, state
-
-    # ----------------------------------------------------------------------------------------
-    # one step
-    # ----------------------------------------------------------------------------------------
-
-    def micro_batches(self, step: int) -> list[dict[str, Tensor]]:
-        cfg = self.cfg
-        out = []
-        for m in range(cfg.grad_accum):
-            rows = [self.data.row(row_index(step, m, self.dp_rank, b, grad_accum=cfg.grad_accum, dp=self.job.dp,
-                                            micro_batch=cfg.micro_batch)) for b in range(cfg.micro_batch)]
-            out.append({k: v.to(self.device) for k, v in stack(rows).items()})
-        return out
-
-    def forward_backward(self, step: int) -> tuple[float, int]:
-        """Gradients of the global mean loss of ``step`` (over its targets, or its pairs) on every rank
-        (complete and exact after this: averaged over dp x sp). Returns ``(this dp rank's share of the
-        loss, units)``."""
-        if self.dynamic is not None:
-            return self.dynamic.forward_backward(step)
-        batches = self.micro_batches(step)
-        n_items = self.objective.count(batches)
-        share = 0.0
-        for i, b in enumerate(batches):
-            if self.use_fsdp:  # reduce-scatter once per step, after the last micro-batch, not after each
-                self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            loss, _ = self.objective.loss(b, n_items)
-            with faults.publishing("the backward"):  # an exception here is told to every rank
-                loss.backward()
-            share += float(loss.detach())
-        if not self.use_fsdp:
-            seqpar.sync_gradients(self.model, self.mesh)
-        self.objective.finish_step()  # its metrics over every pair of the step (every dp rank's)
-        return share, int(n_items)
-
-    def grad_norm(self) -> tuple[Tensor, float]:
-        """The global gradient norm (the same on every rank), as a tensor and a number: after
-        sync_gradients every rank holds the complete gradients, so the local norm is the global one;
-        under FSDP the norm of the sharded (DTensor) gradients is reduced by torch (a DTensor then,
-        which :meth:`optimizer_step` clips with)."""
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        return norm, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-    def optimizer_step(self, norm: tuple[Tensor, float] | None = None) -> float:
-        """Clip to the global gradient norm (``norm``: :meth:`grad_norm`'s, computed if not given),
-        step AdamW and the schedule; returns the norm."""
-        tensor, value = self.grad_norm() if norm is None else norm
-        if self.cfg.grad_clip > 0:  # what clip_grad_norm_ does, with the norm already in hand
-            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
-                                                 self.cfg.grad_clip, tensor)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return value
-
-    def skip_step(self) -> None:
-        """--on-nonfinite skip: drop the step's gradients without an update; the schedule moves on."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.step += 1
-
-    # ----------------------------------------------------------------------------------------
-    # evaluation
-    # ----------------------------------------------------------------------------------------
-
-    @torch.no_grad()
     def evaluate(self) -> EvalResult | None:
-        """Held-out loss and greedy accuracy over the targets of the held-out rows (all ranks)."""
-        if self.objective.paired:  # held-out pairs: loss and preference accuracy
-            return self.objective.evaluate()
-        n = self.data.n_eval
-        if n == 0:
-            return None
-        self.model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, targets
-        mine = list(range(self.dp_rank, n, self.job.dp))
-        rounds = -(-n // self.job.dp)  # every dp rank runs the same number of forwards
-        for i in range(rounds):
-            idx = mine[i] if i < len(mine) else mine[0] if mine else 0
-            batch = {k: v[None].to(self.device) for k, v in self.data.row(idx, EVAL).items()}
-            local = seqpar.shard_batch(batch, self.mesh, layout=self.job.layout)
-            if self.tiled_loss:  # the same tiles as training: no [S_local, V] logits
-                stats = seqpar.token_stats(self.model, local)
-                row = torch.stack([t.sum().double() for t in (stats.losses, stats.correct & stats.valid, stats.valid)])
-            else:
-                targets = local.pop("labels")
-                local.pop("shift_labels", None)
-                logits = self.model(**local).logits
-                correct, count = answer_accuracy(logits, targets)
-                row = torch.tensor([float(token_losses(logits, targets, IGNORE).sum()), correct, count],
-                                   dtype=torch.float64)
-            if i < len(mine):  # else a padding round of a dp rank with fewer rows
-                totals += row.to(totals)
-        self.model.train()
-        collectives.all_reduce(totals)  # fault-aware: a peer failing in its evaluation ends this wait
-        loss_sum, correct, count = totals.tolist()
-        return EvalResult(loss=loss_sum / max(count, 1), accuracy=correct / max(count, 1), targets=int(count))
+        """The held-out evaluation (every rank)."""
+        return self.objective.evaluate(self.data)
+
+
+def start_run(job: Job) -> Run:
+    """Start ``job`` on this rank (inside the process group): the mesh, the model with its weights
+    (:mod:`.model_setup`), the reference, the objective, the schedule of steps and the optimizer."""
+    world = dist.get_world_size()
+    if world != job.world:
+        raise ValueError(f"the job was prepared for {job.world} ranks but runs on {world}")
+    if job.data is None:
+        raise ValueError("the job holds no data: prepare it with seqpar.train.prepare_job")
+    device = rank_device()
+    mesh = seqpar.init_mesh(**job.mesh_kwargs, device_type=device.type)
+    built = build_rank_model(job, mesh, device, dist.get_rank())
+    ctx = RunContext(job=job, mesh=mesh, device=device, rank=dist.get_rank(),
+                     dp_rank=dist.get_rank(axis_group(mesh, "dp")),
+                     sp_rank=dist.get_rank(axis_group(mesh, "sp")),  # hybrid: the flattened ring x ulysses axis
+                     model=built.model, policy=built.policy, reference=make_reference(job.cfg, built),
+                     use_fsdp=built.use_fsdp)
+    objective = ObjectiveStep(ctx)
+    optimization = Optimization(job.cfg, built.model)
+    steps = (DynamicSteps(ctx, objective, job.data) if job.cfg.sp_schedule == "dynamic"  # collective: block groups
+             else StaticSteps(ctx, objective, job.data))
+    return Run(ctx, built, objective, steps, optimization)
+
+
+def _gather_stats(ctx: RunContext, loss_share: float) -> tuple[float, list[float], list[float]]:
+    """One all-gather: the step's global loss (sum of the dp ranks' shares) and every rank's peak
+    memory, allocated and reserved (:func:`peak_memory_mib`)."""
+    world = ctx.job.world
+    row = torch.tensor([loss_share if ctx.sp_rank == 0 else 0.0, *peak_memory_mib(ctx.device)],
+                       dtype=torch.float64, device=ctx.device)
+    table = torch.empty(world * 3, dtype=torch.float64, device=ctx.device)
+    collectives.all_gather_flat(table, row)
+    table = table.view(world, 3).tolist()  # the step's one host read of its statistics
+    return sum(r[0] for r in table), [r[1] for r in table], [r[2] for r in table]
+
+
+def _prepare_save_dir(ctx: RunContext) -> bool:
+    """Rank 0, for a fresh run (``--resume auto`` without a checkpoint too): clear an earlier run's
+    outputs (prepare_job refused to delete checkpoints without --overwrite). Returns whether there
+    was an earlier run."""
+    cfg = ctx.job.cfg
+    replaced = False
+    if ctx.rank == 0:
+        os.makedirs(cfg.save_dir, exist_ok=True)
+        if ctx.job.resume_from is None:
+            gone = [ckpt.checkpoint_root(cfg.save_dir), os.path.join(cfg.save_dir, HF_DIR),
+                    *(os.path.join(cfg.save_dir, f) for f in OUTPUTS)]
+            replaced = any(os.path.exists(p) for p in gone)
+            for path in gone:
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif os.path.exists(path):
+                    os.remove(path)
+    dist.barrier()
+    return replaced
+
+
+def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
+    """Train as configured (every rank calls this inside the process group); returns a summary
+    (the same on every rank). ``stop_after``: leave after that many steps in total (as if
+    interrupted right after the checkpoint of that step), for tests of --resume."""
+    cfg = job.cfg
+    t_setup = time.perf_counter()
+    # Subnormal floats (below 1.2e-38 in float32) cost the CPU ~100x per operation: once attention
+    # sharpens on the copy task, its softmax and their gradients fill with them and a step took 3.5x
+    # the CPU time (0.28 -> 1.0 s at step 100, measured). Flushed to zero they add nothing a float32 loss
+    # can show. This thread only (the steps and evaluations run on it); no effect on CUDA kernels.
+    torch.set_flush_denormal(True)
+    run = start_run(job)
+    ctx, opt = run.ctx, run.optimization
+    replaced = _prepare_save_dir(ctx)
+    resume_from = job.resume_from  # found and checked by prepare_job
+    first_eval = None
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from, ctx.model, opt.optimizer, opt.scheduler)
+        opt.step = int(state["step"])
+        first_eval = state.get("first_eval")
+    log = None
+    if ctx.rank == 0:
+        log = MetricsLog(cfg.save_dir, cfg.report_to, resumed_step=opt.step if resume_from else None,
+                         config=cfg.to_dict())
+    setup_s = time.perf_counter() - t_setup
+    reset_peak_memory(ctx.device)  # the steps' peaks, not the loading's
+    t_eval = time.perf_counter()
+    if resume_from is None:
+        first_eval = run.evaluate()
+        if log is not None:
+            log.eval(0, first_eval)
+    eval_s = time.perf_counter() - t_eval
+
+    trainer_state = {"config": cfg.to_dict(), "dp": job.dp, "sp": job.sp, "world": job.world,
+                     "strategy": job.strategy, "first_eval": first_eval}
+    last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    bar = None
+    if ctx.rank == 0 and cfg.progress:
+        print(f"seqpar train: attention {run.built.attention} ({job.layout} layout); {run.built.dtype}; memory: "
+              f"{describe_memory(cfg)}", file=sys.stderr, flush=True)
+        import threading
+
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: os._exit would leak it
+        bar = tqdm(total=cfg.steps, initial=opt.step, desc="seqpar train", unit="step", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=0.5)
+    tokens_per_step = job.dp * cfg.micro_batch * cfg.grad_accum * cfg.seq_len * run.data.rows_per_unit
+    losses: list[tuple[int, float]] = []
+    evals: list[tuple[int, EvalResult]] = []
+    mem: list[float] = []
+    reserved: list[float] = []
+    saved = None
+    skipped: list[int] = []
+    dyn = run.dynamic  # --sp-schedule dynamic: the step's real tokens and degree histogram
+    t_start = time.perf_counter()
+    try:
+        while opt.step < last:
+            t0 = time.perf_counter()
+            with faults.publishing("seqpar train's step"):  # what the places inside did not publish
+                share, n_units = run.steps.forward_backward(opt.step)
+                lr = opt.lr
+                norm = opt.grad_norm()
+                # the step's loss before its update: a NaN / Inf is seen at the step it appears
+                loss, mem, reserved = _gather_stats(ctx, share)
+            finite = math.isfinite(loss) and math.isfinite(norm[1])  # the same on every rank
+            if not finite and cfg.on_nonfinite == "stop":
+                raise ValueError(nonfinite_message(opt.step + 1, loss, norm[1], saved or job.resume_from))
+            with faults.publishing("the optimizer step"):
+                if finite:
+                    grad_norm = opt.apply(norm)  # opt.step: steps done, so this is step 1, 2, ...
+                else:
+                    opt.skip()
+                    grad_norm = norm[1]
+                    skipped.append(opt.step)
+            dt = time.perf_counter() - t0
+            tokens_per_step = dyn.last_tokens if dyn is not None else tokens_per_step
+            losses.append((opt.step, loss))
+            if log is not None:
+                log.train({"step": opt.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_units,
+                           "tokens": tokens_per_step, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                           "peak_mem_mib": [round(m, 1) for m in mem],
+                           "peak_reserved_mib": [round(m, 1) for m in reserved],
+                           **({f"{dyn.unit}_at_degree": dyn.last} if dyn is not None else {}),
+                           **run.objective.metrics,  # rewards/..., logps/...: over every unit of the step
+                           **({"skipped": "non-finite loss or gradient norm"} if not finite else {})})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"loss {loss:.4f} | {tokens_per_step / dt:,.0f} tok/s | peak mem/rank "
+                                    f"{'/'.join(f'{m:.0f}' for m in mem)} MiB"
+                                    f"{' | ' + dyn.describe_last() if dyn is not None else ''}", refresh=False)
+            if cfg.eval_every and opt.step % cfg.eval_every == 0 and opt.step < cfg.steps:
+                t_eval = time.perf_counter()
+                with faults.publishing("the evaluation"):
+                    result = run.evaluate()  # before the checkpoint: a resumed run keeps this line
+                eval_s += time.perf_counter() - t_eval
+                if result is not None:
+                    evals.append((opt.step, result))
+                if log is not None:
+                    log.eval(opt.step, result)
+            due = cfg.save_every and opt.step % cfg.save_every == 0
+            if due or opt.step == last:
+                saved = ckpt.save_checkpoint(cfg.save_dir, opt.step, ctx.model, opt.optimizer, opt.scheduler,
+                                             trainer_state, keep=cfg.keep_checkpoints,
+                                             model_config=ctx.model.config, tokenizer=job.tokenizer)
+        train_time = time.perf_counter() - t_start
+        t_eval = time.perf_counter()
+        with faults.publishing("the evaluation"):
+            final_eval = run.evaluate() if opt.step >= cfg.steps else None
+        eval_s += time.perf_counter() - t_eval
+        if final_eval is not None:
+            evals.append((opt.step, final_eval))
+            if log is not None:
+                log.eval(opt.step, final_eval)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+    export = None
+    if cfg.export_hf and opt.step >= cfg.steps:
+        from seqpar.integrations.hf.export import save_pretrained
+
+        export = os.path.abspath(os.path.join(cfg.save_dir, HF_DIR))
+        save_pretrained(ctx.policy, export, ctx.mesh, tokenizer=job.tokenizer, lora=cfg.lora_export)
+    if saved is None:
+        saved = ckpt.latest_checkpoint(cfg.save_dir)
+    plot = os.path.abspath(os.path.join(cfg.save_dir, PLOT_FILE)) if cfg.plot else None
+    spec = run.objective.spec
+    summary = RunSummary(
+        steps=opt.step, losses=losses, peak_mem_mib=mem, peak_reserved_mib=reserved, train_time_s=train_time,
+        first_eval=first_eval, final_eval=final_eval, evals=evals, chance=run.data.chance,
+        data=run.data.describe(), metrics=os.path.abspath(os.path.join(cfg.save_dir, METRICS_FILE)),
+        checkpoint=os.path.abspath(saved) if saved else None, skipped=skipped, world=job.world, sp=job.sp, dp=job.dp,
+        strategy=job.strategy, layout=job.layout, params=run.built.params, trainable=run.built.trainable,
+        lora=describe_lora(cfg), fsdp=ctx.use_fsdp, device=str(ctx.device), tokens_per_step=tokens_per_step,
+        resumed_from=os.path.abspath(resume_from) if resume_from else None, resumed_step=job.resume_step,
+        replaced_previous=replaced, replaced_steps=list(job.replaces), reason=job.reason,
+        attention=run.built.attention, dtype=run.built.dtype, memory=describe_memory(cfg), setup_s=setup_s,
+        eval_s=eval_s, summary_file=os.path.abspath(os.path.join(cfg.save_dir, SUMMARY_FILE)), plot=plot,
+        export=export, export_lora=cfg.lora_export if cfg.lora_r and export else "", objective=cfg.objective,
+        accuracy_of=spec.accuracy_of,
+        sp_degrees=dict(dyn.rows_at_degree) if dyn is not None else {},
+        sp_unit=dyn.unit if dyn is not None else "rows",
+        sp_cost=dyn.describe_cost() if dyn is not None else "")
+    if ctx.rank == 0:
+        if plot is not None:
+            plot_losses(cfg.save_dir)
+        write_summary(cfg.save_dir, summary)
+    dist.barrier()  # every rank returns once the files are there
+    return summary
+
+
+def nonfinite_message(step: int, loss: float, norm: float, last_good: str | None) -> str:
+    """What every rank raises when step ``step``'s loss or gradient norm is NaN / Inf (--on-nonfinite stop)."""
+    where = f"the last good checkpoint is {os.path.abspath(last_good)}" if last_good else "no checkpoint was saved yet"
+    return (f"the loss became {loss} at step {step} (gradient norm {norm}), so every rank stopped before its update; "
+            f"{where}. Lower --lr or use --dtype float32, or --on-nonfinite skip to drop such steps' updates")
+
+
+def local_worker(rank: int, world: int, job: bytes, stop_after: int | None = None) -> RunSummary:
+    """Entry point of a local (gloo) worker started by :func:`seqpar.comm.launch.run_distributed`:
+    ``job`` is the parent's prepared :class:`~.job.Job`, pickled (its data too: read once). A
+    ValueError propagates: the launcher turns it into one message."""
+    _die_with_parent()
+    import threading
+
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank is noise
+    # any tqdm a library makes here (peft's merge, even disabled) would create tqdm's default
+    # multiprocessing lock, which the worker's os._exit leaks: a thread lock instead
+    tqdm.set_lock(threading.RLock())
+    return run_training(pickle.loads(job), stop_after=stop_after)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent (the forkserver) goes away, so a killed launcher never
+    leaves workers behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass

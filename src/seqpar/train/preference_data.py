@@ -11,7 +11,7 @@ Tokens and masks (TRL's ``DPOTrainer._prepare_dataset`` and ``DataCollatorForPre
     targets (completion_mask) = the tokens after the first n; a pair whose prompt alone fills
     --seq-len is left out (nothing to learn, as TRL drops it)
 
-Units (one entry of the data order, :func:`seqpar.train.data.row_index`)::
+Units (one entry of the data order, :func:`seqpar.train.sources.row_index`)::
 
     one pair per unit (default)   [2, S]: the chosen row, then the rejected row, each padded
     --packing                     [1, S]: whole pairs, chosen then rejected, one after the other; a
@@ -24,13 +24,13 @@ pairing, whatever the packing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from seqpar.batch.targets import IGNORE_INDEX
+
 from .data import TextData, row_tensors
-from .demo_data import IGNORE, PAD, TRAIN, CountingPreference
 from .formats import PREFERENCE, Record, read_records
 from .tokenizer import ByteTokenizer, Document, HFTokenizer, check_chat_support, common_prefix
 
@@ -97,12 +97,6 @@ def pair_units(pairs: Sequence[Pair], seq_len: int, *, packing: bool, pad_id: in
     return units, kept, cut
 
 
-def pairs_in(batch: dict[str, Tensor]) -> int:
-    """Preference pairs in a batch of units: half its sequences (each starts at position 0)."""
-    starts = (batch["position_ids"] == 0) & (batch["attention_mask"] > 0)  # [B, S]
-    return int(starts.sum()) // 2
-
-
 def load_preference_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer, *, seq_len: int, packing: bool,
                          seed: int, eval_rows: int) -> TextData:
     """Read and tokenize preference records into units, split into training and held-out units.
@@ -116,7 +110,7 @@ def load_preference_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer,
     pairs = [encode_pair(r, tok) for r in records]
     units, kept, cut = pair_units(pairs, seq_len, packing=packing, pad_id=tok.pad_id)
     kind = "chat" if not isinstance(records[0].prompt, str) else "text"
-    targets = sum(int((u["labels"] != IGNORE).sum()) for u in units)
+    targets = sum(int((u["labels"] != IGNORE_INDEX).sum()) for u in units)
     what = (f"{len(records)} preference pairs ({kind}, {getattr(tok, 'name', 'tokenizer')}) in {len(units)} "
             f"{'packed rows' if packing else 'pairs of rows'}, loss on the completions ({targets} targets)")
     if cut:
@@ -126,45 +120,3 @@ def load_preference_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer,
     data = TextData(units, seed=seed, eval_rows=eval_rows, vocab_size=tok.vocab_size, describe=what)
     data.chance = 0.5
     return data
-
-
-@dataclass
-class PreferenceDemo:
-    """The embedded preference demo (:class:`~seqpar.train.demo_data.CountingPreference`) as a data
-    source: pair ``index`` of a split is one unit, drawn when read (like the copy task's rows)."""
-
-    task: CountingPreference
-    eval_rows: int
-    chance = 0.5
-
-    @property
-    def vocab_size(self) -> int:
-        return self.task.vocab_size
-
-    @property
-    def max_token_id(self) -> int:
-        return self.task.vocab_size - 1
-
-    @property
-    def n_eval(self) -> int:
-        return self.eval_rows
-
-    def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
-        p, c, r = self.task.pair(index, split)
-        docs = [Document(p + x, [False] * len(p) + [True] * len(x)) for x in (c, r)]
-        return pair_units([(docs[0], docs[1])], self.task.seq_len, packing=False, pad_id=PAD)[0][0]
-
-    def describe(self) -> str:
-        return self.task.describe()
-
-
-def preference_demo(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -> PreferenceDemo:
-    """The preference demo's data; ValueError for options it cannot take."""
-    if packing:
-        raise ValueError("the preference demo fills each row with one sequence, so --packing has nothing to pack: "
-                         "leave it out, or give --data")
-    task = CountingPreference(seq_len, seed)
-    if task.span < 2:
-        least = seq_len - task.span + 2
-        raise ValueError(f"--seq-len {seq_len} is too short for the preference demo: use at least {least}")
-    return PreferenceDemo(task, eval_rows)

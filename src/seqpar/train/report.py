@@ -7,7 +7,7 @@
                     train/tokens_per_s, eval/loss, eval/accuracy
     wandb/          the same through wandb (--report-to wandb): offline unless wandb is logged in
                     (WANDB_API_KEY or ``wandb login``) or WANDB_MODE says otherwise
-    summary.json    the run's summary (:class:`seqpar.train.training_run.RunSummary`)
+    summary.json    the run's summary (:class:`seqpar.train.loop.RunSummary`)
     loss.png        the train loss per step and the eval loss at each evaluation (--plot)
     hf/             --export-hf: the model as save_pretrained output (seqpar.integrations.hf.export)
 """

@@ -1,0 +1,168 @@
+"""What ``seqpar train --objective NAME`` can train: one :class:`TrainObjective` per name, in one
+registry (:data:`OBJECTIVES`), and the kinds of data they train on (:data:`DATA_KINDS`).
+
+An entry says what the CLI and the job need to know, derived where the seam already says it::
+
+    make        the seam objective (:mod:`seqpar.objectives`) for the run's options
+    data        the kind of data its units are: "sequences" (documents, chats, prompt / completion:
+                one row per unit) or "pairs" (prompt / chosen / rejected: two rows per unit, or a
+                packed row of whole pairs)
+    accuracy    which of its metrics is the held-out accuracy ("the chosen one won", or the greedy
+                accuracy over the targets for sft)
+    options     the --options only it reads (--beta, --dpo-loss); given to another objective, they
+                are refused by name
+    the model   a causal LM, or a sequence-classification model with one output where the objective
+                takes a per-sequence score (``takes.per_row``)
+    units       what its loss is a mean over (``Objective.unit``): targets, sequences or pairs
+
+    sft      CausalLM: the token mean over the step's targets
+    dpo      DPO (--dpo-loss, --beta) against a reference: a frozen copy of the initial model, or the
+             model with its LoRA adapters off (--lora-r)
+    simpo    SimPO (--beta), reference-free
+    orpo     ORPO (--beta), reference-free
+    reward   Bradley-Terry on chosen / rejected scores of a sequence-classification head (num_labels=1)
+
+Pairs come as :mod:`.preference_data` units: sequences c0 r0 c1 r1 ..., the "interleaved" pairing.
+A new objective is one entry here (and its data kind, if new).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from seqpar.batch.sharding import count_target_tokens
+from seqpar.integrations.trl.dynamic import BATCH_COUPLED
+from seqpar.objectives import DPO, DPO_LOSSES, ORPO, BradleyTerry, CausalLM, Objective, SimPO
+
+from .data import load_text_data
+from .demo_data import copy_task_source, preference_demo
+from .preference_data import load_preference_data
+from .sources import DataSource
+from .tokenizer import make_tokenizer
+
+Options = Any
+"""A :class:`seqpar.train.config.TrainConfig` (not imported: the config takes its choices from here)."""
+
+
+@dataclass(frozen=True)
+class DataKind:
+    """What one kind of data is read with: ``demo`` (the embedded task, no --data), ``load`` (--data
+    files, with the run's tokenizer) and the --options only its reader reads."""
+
+    name: str
+    demo: Callable[[Options], DataSource]
+    load: Callable[[Options, Any], DataSource]
+    options: tuple[str, ...] = ()
+
+
+def _text(cfg: Options, hf_tokenizer: Any) -> DataSource:
+    return load_text_data(cfg.data, make_tokenizer(hf_tokenizer), text_field=cfg.text_field, train_on=cfg.train_on,
+                          seq_len=cfg.seq_len, packing=cfg.packing, overflow=cfg.overflow, seed=cfg.seed,
+                          eval_rows=cfg.eval_rows)
+
+
+def _pairs(cfg: Options, hf_tokenizer: Any) -> DataSource:
+    return load_preference_data(cfg.data, make_tokenizer(hf_tokenizer), seq_len=cfg.seq_len, packing=cfg.packing,
+                                seed=cfg.seed, eval_rows=cfg.eval_rows)
+
+
+DATA_KINDS: dict[str, DataKind] = {
+    "sequences": DataKind("sequences", lambda c: copy_task_source(c.seq_len, c.seed, c.eval_rows, packing=c.packing),
+                          _text, options=("text_field", "train_on", "overflow")),
+    "pairs": DataKind("pairs", lambda c: preference_demo(c.seq_len, c.seed, c.eval_rows, packing=c.packing), _pairs),
+}
+
+
+def dpo_losses(cfg: Options) -> list[str]:
+    """--dpo-loss as a list of TRL loss types (ValueError for an unknown one)."""
+    types = [t.strip() for t in cfg.dpo_loss.split(",") if t.strip()]
+    unknown = [t for t in types if t not in DPO_LOSSES]
+    if unknown or not types:
+        raise ValueError(f"--dpo-loss {cfg.dpo_loss!r}: choose from {', '.join(DPO_LOSSES)} (several: joined by "
+                         "commas)")
+    return types
+
+
+@dataclass(frozen=True)
+class TrainObjective:
+    """One ``--objective`` (see the module doc). ``dynamic_problem``: why a dynamic SP schedule cannot
+    run it exactly with these options (None: it can)."""
+
+    name: str
+    summary: str
+    cls: type[Objective]
+    make: Callable[[Options], Objective]
+    data: str
+    accuracy: str
+    accuracy_of: str  # what the held-out accuracy counts, in words
+    options: tuple[str, ...] = ()
+    evaluation: Callable[[Options], Objective] | None = None  # default: make
+    dynamic_problem: Callable[[Options], str | None] = field(default=lambda cfg: None)
+
+    @property
+    def scores(self) -> bool:
+        """Whether its model is a sequence-classification model (a score head, one output)."""
+        return "score" in self.cls.takes.per_row
+
+    def evaluator(self, cfg: Options) -> Objective:
+        """The objective a held-out evaluation runs: it reports the :attr:`accuracy` metric."""
+        return (self.evaluation or self.make)(cfg)
+
+
+def _dpo_dynamic(cfg: Options) -> str | None:
+    coupled = [t for t in dpo_losses(cfg) if t in BATCH_COUPLED]
+    if not coupled:
+        return None
+    return (f"--dpo-loss {coupled[0]} {BATCH_COUPLED[coupled[0]]}, which a dynamic schedule's bins (other pairs than "
+            f"the micro-batch's) would change: use --sp-schedule static or another --dpo-loss (not "
+            f"{', '.join(BATCH_COUPLED)})")
+
+
+OBJECTIVES: dict[str, TrainObjective] = {o.name: o for o in (
+    TrainObjective("sft", "the causal-LM token mean: pre-training and SFT", CausalLM, lambda c: CausalLM(),
+                   data="sequences", accuracy="accuracy", accuracy_of="answers",
+                   evaluation=lambda c: CausalLM(accuracy=True)),
+    TrainObjective("dpo", "DPO against a reference (the initial model, or the model with its LoRA adapters off)",
+                   DPO, lambda c: DPO(beta=c.beta, loss_type=dpo_losses(c), pairing="interleaved"),
+                   data="pairs", accuracy="rewards/accuracies", accuracy_of="pairs (the chosen one preferred)",
+                   options=("beta", "dpo_loss"), dynamic_problem=_dpo_dynamic),
+    TrainObjective("simpo", "SimPO, reference-free", SimPO, lambda c: SimPO(beta=c.beta, pairing="interleaved"),
+                   data="pairs", accuracy="rewards/accuracies", accuracy_of="pairs (the chosen one preferred)",
+                   options=("beta",)),
+    TrainObjective("orpo", "ORPO, reference-free", ORPO, lambda c: ORPO(beta=c.beta, pairing="interleaved"),
+                   data="pairs", accuracy="rewards/accuracies", accuracy_of="pairs (the chosen one preferred)",
+                   options=("beta",),
+                   dynamic_problem=lambda c: "--objective orpo's NLL term is a token mean over a micro-batch's "
+                   "chosen completions, which a dynamic schedule's bins (other pairs than the micro-batch's) would "
+                   "change: use --sp-schedule static (dpo, simpo and reward run under dynamic)"),
+    TrainObjective("reward", "a reward model: Bradley-Terry on chosen / rejected, a sequence-classification head",
+                   BradleyTerry, lambda c: BradleyTerry(pairing="interleaved"), data="pairs", accuracy="accuracy",
+                   accuracy_of="pairs (the chosen one preferred)"),
+)}
+
+
+def objective_of(name: str) -> TrainObjective:
+    """The registry's entry for ``--objective name``; ValueError naming the choices."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown --objective {name!r}: choose one of {list(OBJECTIVES)}")
+    return OBJECTIVES[name]
+
+
+def units_in(batch: Mapping[str, Tensor], unit: str) -> float:
+    """The units of ``unit`` ("token", "sequence", "pair") in a whole batch (not sharded): its targets
+    (as :func:`seqpar.shard_batch` counts them), its sequences (each starts at position 0), or half
+    of them."""
+    batch = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}  # a unit of [S] or [k, S]: [B, S]
+    if unit == "token":
+        return float(count_target_tokens(batch))
+    pos, mask = batch.get("position_ids"), batch.get("attention_mask")
+    if pos is None:  # one sequence per row
+        sequences = float(batch["input_ids"].shape[0])
+    else:
+        starts = (pos == 0) if mask is None else (pos == 0) & (mask > 0)  # [B, S]
+        sequences = float(starts.sum())
+    return sequences / 2 if unit == "pair" else sequences
