@@ -120,7 +120,7 @@ CASES = {
     "chat row with an unknown role": (lambda d: ["--data", str(d / "role.jsonl")],
                                       ["role.jsonl:1", "messages[1]", "'bot'", "rename it"]),
     "chat data for a built-in's bytes": (lambda d: ["--data", str(d / "chat.jsonl")],
-                                         ["chat.jsonl:1", "no chat template", "--tokenizer"]),
+                                         ["chat.jsonl:1", "needs a transformers tokenizer", "--tokenizer DIR"]),
     "chat data, template-less tokenizer": (lambda d: ["--model", str(d / "ckpt_tok"), "--data", str(d / "chat.jsonl"),
                                                       "--seq-len", "32"], ["TokenizersBackend", "no chat template",
                                                                            "--chat-template"]),

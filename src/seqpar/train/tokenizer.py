@@ -118,12 +118,13 @@ def check_chat_support(records: Sequence[Record], tok: ByteTokenizer | HFTokeniz
     if not needs:
         return
     template = tok.chat_template
+    if isinstance(tok, ByteTokenizer):  # --chat-template needs a tokenizer to apply it: that comes first
+        raise ValueError(f"{needs[0].where} is chat data, which needs a transformers tokenizer with a chat template "
+                         "(a built-in model reads bytes): give --tokenizer DIR (add --chat-template FILE if it has no "
+                         "template), or --model CHECKPOINT with its tokenizer")
     if template is None:
-        which = ("the byte tokenizer of a built-in model" if isinstance(tok, ByteTokenizer)
-                 else f"the tokenizer ({tok.name})")
-        raise ValueError(f"{needs[0].where} is chat data, but {which} has no chat template: give --chat-template FILE "
-                         "(a Jinja template), or a tokenizer that has one (--tokenizer DIR, or --model CHECKPOINT "
-                         "with its tokenizer)")
+        raise ValueError(f"{needs[0].where} is chat data, but the tokenizer ({tok.name}) has no chat template: give "
+                         "--chat-template FILE (a Jinja template), or a tokenizer that has one (--tokenizer DIR)")
     if train_on == "responses" and any(r.kind == CHAT for r in needs) and not _GENERATION.search(template):
         raise ValueError("--train-on responses needs the assistant tokens, which transformers finds through the "
                          "chat template's {% generation %} ... {% endgeneration %} markers, and this template has "
