@@ -12,7 +12,9 @@ exactly the non-parallel model's gradient. Any stock wrapper over those ranks wo
 :func:`apply_fsdp` and :func:`apply_ddp` are shorthands for the first two with ``mesh``'s ranks.
 A wrapper that reduces over only part of the ranks (FSDP over the dp axis alone, DDP over the dp
 group) would leave the sp ranks' shares uncombined: :func:`check_gradient_reduction` refuses it at
-the model's first training forward, on every rank, before any gradient exists.
+the model's first training forward, on every rank, before any gradient exists -- and so it refuses
+either wrapper around a model whose experts are sharded by expert parallelism (their shards average
+over other ranks: :func:`seqpar.sync_gradients` does that).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ... import compat
+from ...batch import grad_groups
 from ...comm.mesh import as_mesh
 from ...errors import Refused
 
@@ -92,6 +95,13 @@ def gradient_reduction_problem(model: nn.Module, mesh: DeviceMesh) -> str | None
         if isinstance(module, FSDPModule):
             reducers += [(f"FSDP2 (fully_shard) on {type(module).__name__}", mesh_ranks(m))
                          for m in compat.fsdp_meshes(module)]
+    sharded = grad_groups.sharded_params(model)
+    if reducers and sharded:
+        return (f"{reducers[0][0]} averages every parameter it holds over one group of ranks, but {sharded[0].what} "
+                "are sharded over expert-parallel ranks (each rank holds different experts): their gradients must "
+                "be averaged over the ranks that hold the same experts only, which these wrappers do not do here "
+                "-- use no wrapper and seqpar.sync_gradients(model, mesh), which averages each parameter over the "
+                "ranks that hold it")
     for what, got in reducers:
         if got != want:
             return (f"{what} averages the gradients over ranks {got}, but this model is sequence-parallel over "

@@ -1,0 +1,251 @@
+"""Expert parallelism with sequence parallelism against the unsharded model: the parity engine.
+
+Every rank builds the same tiny float64 MoE model (:func:`seqpar.testing.zoo.build_tiny`, eager
+experts) and one batch per dp rank (different batches: an owner mixes the tokens of several dp
+batches). Three runs of each case::
+
+    reference   the unmodified model on each dp batch, whole (model_parity's oracle, router aux loss
+                in float64): loss of this rank's batch, gradients averaged over the dp batches
+    sp          parallelize(mesh) + shard_batch + sync_gradients: the same code without EP
+    ep          parallelize(mesh, ep=group) + shard_batch + sync_gradients
+
+The ep run is compared with both, every parameter: a replicated one whole, an expert shard with
+the rows ``[start, start + n)`` of the other run's stacked tensor; then ``unparallelize`` gathers the
+experts back and the whole tensors (values and gradients) are compared too. Against the sp run the
+tolerances are the strict ones always (the same code, the same tokens per rank: only the experts'
+grouping differs); against the reference they are model_parity's, relative to float32 precision
+where the model is float32-exact only by its own code (:func:`seqpar.testing.model_parity.model_floor`).
+The dense layers' token counts are recorded on the way: attention and dense MLPs must see this
+rank's shard only (they keep SP with EP on).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..batch.loss import sync_gradients
+from ..batch.sharding import shard_batch
+from ..comm.mesh import init_mesh
+from ..integrations.hf.parallelize import parallelize, unparallelize
+from ..integrations.models import decoder_config
+from ..integrations.moe.expert_parallel import expert_parallel_modules
+from ..integrations.moe.families import experts_of
+from ..integrations.moe.plan import expert_range
+from .model_parity import F32_RTOL, GRAD_TOL, LOSS_TOL, Floor, ModelCase, case_batch, model_floor, reference_grads
+from .zoo import build_tiny, tiny_config
+
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {"deepseek_v3": {"first_k_dense_replace": 1}}
+"""Per family: config fields that make its tiny model have both a dense and an MoE layer."""
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class EPCase:
+    """One case: ``family`` (a transformers model type), rows (``batch``, ``seq``), ``strategy``,
+    the mesh ``dp x sp``, ``ep`` folded ``"contiguous"`` (ep groups of consecutive ranks of the
+    flattened dp x sp mesh: inside the sp groups when ep <= sp) or ``"strided"`` (across dp);
+    ``experts``: an expert count (None: the tiny config's 4); ``skew``: per-expert router logit bias
+    (None: none); ``checkpointing``: recompute the decoder layers in the backward."""
+
+    family: str = "qwen3_moe"
+    batch: str = "padded"
+    seq: int = 16
+    strategy: str = "ulysses"
+    dp: int = 2
+    sp: int = 2
+    ep: int = 2
+    fold: str = "contiguous"
+    experts: int | None = None
+    skew: tuple[float, ...] | None = None
+    checkpointing: bool = False
+
+    def label(self) -> str:
+        extra = "".join([f" E={self.experts}" if self.experts else "", f" skew={list(self.skew)}" if self.skew else "",
+                         " ckpt" if self.checkpointing else ""])
+        return (f"{self.family} {self.batch} S={self.seq} {self.strategy} dp{self.dp}xsp{self.sp} ep{self.ep}"
+                f"/{self.fold}{extra}")
+
+
+def build_moe(case: EPCase) -> nn.Module:
+    """The case's tiny float64 MoE model (eager experts, router aux loss on), skewed routers included."""
+    overrides = dict(FAMILY_OVERRIDES.get(case.family, {}))
+    if case.experts is not None:
+        keys = tiny_config(case.family).to_dict()
+        overrides.update({k: case.experts for k in EXPERT_COUNTS if k in keys})
+    model = build_tiny(case.family, **overrides)
+    if case.skew is not None:
+        skew_routers(model, case.skew)
+    return model
+
+
+def skew_routers(model: nn.Module, bias: tuple[float, ...]) -> None:
+    """Add ``bias[e]`` to every router's logit of expert e, so that some experts take most rows
+    and others none: through the router's own bias where it has one (GPT-OSS ``bias``, DeepSeek-V3's
+    selection bias ``e_score_correction_bias``), else by a forward hook that re-picks the top-k of
+    the biased softmax as Mixtral and Qwen3-MoE do (normalized when ``norm_topk_prob``)."""
+    for e in experts_of(model):
+        block = model.get_submodule(e.name.rpartition(".")[0])
+        router = next(m for n, m in block.named_children() if n in ("gate", "router"))
+        b = torch.tensor(bias, dtype=torch.float64)
+        with torch.no_grad():
+            if hasattr(router, "e_score_correction_bias"):
+                router.e_score_correction_bias.copy_(b.to(router.e_score_correction_bias))
+            elif isinstance(getattr(router, "bias", None), nn.Parameter):
+                router.bias.add_(b.to(router.bias))
+            else:
+                router.register_forward_hook(_BiasedTopK(b))
+
+
+class _BiasedTopK:
+    """Forward hook of a softmax-then-top-k router (Mixtral, Qwen3-MoE): ``logits + bias``, re-picked."""
+
+    def __init__(self, bias: Tensor) -> None:
+        self.bias = bias
+
+    def __call__(self, module: nn.Module, _args: Any, out: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, ...]:
+        logits = out[0] + self.bias.to(out[0])  # [T, E]
+        top, index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), module.top_k, dim=-1)
+        if getattr(module, "norm_topk_prob", True):
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), index
+
+
+def ep_groups(case: EPCase) -> list[list[int]]:
+    """The case's ep groups, as world ranks (the mesh is ``init_mesh(dp=, sp=)``: rank = d * sp + s)."""
+    world = case.dp * case.sp
+    if case.fold == "contiguous":
+        return [list(range(i, i + case.ep)) for i in range(0, world, case.ep)]
+    if case.fold == "strided":
+        return [list(range(j, world, world // case.ep)) for j in range(world // case.ep)]
+    raise ValueError(f"fold={case.fold!r}: choose contiguous or strided")
+
+
+def _case_meshes(case: EPCase) -> tuple[DeviceMesh, dist.ProcessGroup]:
+    """The case's dp x sp mesh and this rank's ep group (collective: every rank of the world)."""
+    split = {"ulysses": case.sp // 2, "ring": 2} if case.strategy == "hybrid" else {}
+    mesh = init_mesh(sp=case.sp, dp=case.dp, device_type="cpu", **split)
+    group, _ = dist.new_subgroups_by_enumeration(ep_groups(case))
+    return mesh, group
+
+
+def _grads(model: nn.Module) -> dict[str, Tensor | None]:
+    return {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+
+
+def _run(model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMesh, case: EPCase,
+         ep: dist.ProcessGroup | None) -> tuple[float, dict[str, Tensor | None], dict[str, list[int]], dict[str, Any]]:
+    """One parallel run: ``(loss, gradients after sync, tokens seen per dense module, EP record)``;
+    the model stays parallelized (the caller unparallelizes it)."""
+    if case.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    parallelize(model, mesh, strategy=case.strategy, ep=ep)
+    seen: dict[str, list[int]] = {}
+    hooks = [m.register_forward_pre_hook(lambda _m, args, kw, n=n: seen.setdefault(n, []).append(
+        int((args[0] if args else kw["hidden_states"]).shape[-2])), with_kwargs=True)
+        for n, m in model.named_modules() if n.endswith(("self_attn", "shared_experts", "shared_expert"))
+        or (n.endswith(".mlp") and not hasattr(m, "experts"))]
+    try:
+        local = shard_batch(batch, mesh)
+        loss = model(**local).loss
+        loss.backward()
+        sync_gradients(model, mesh)
+    finally:
+        for h in hooks:
+            h.remove()
+    record = {"local_len": int(local["seqpar_batch"].local_len),
+              "loads": [list(f.loads) for _, _, f in expert_parallel_modules(model)]}
+    return float(loss.detach()), _grads(model), seen, record
+
+
+def compare_ep(case: EPCase) -> dict[str, Any]:
+    """One case on this rank (collective over the world): ``{label, loss_diff, loss_diff_sp, grad_max,
+    grad_max_sp, worst, f32, dense_tokens_ok, full_grad_max, loads, floor}``; ``ok`` when every
+    comparison is within tolerance."""
+    torch.set_num_threads(1)
+    mesh, group = _case_meshes(case)
+    me = dist.get_rank()
+    d = me // case.sp  # this rank's dp index
+    model = build_moe(case)
+    vocab = decoder_config(model.config)[0].vocab_size
+    batches = [case_batch(ModelCase(batch=case.batch, seq=case.seq, seed=i), vocab)
+               for i in range(case.dp)]
+    floor = model_floor(model, [*batches, case_batch(ModelCase(batch="packed", seq=17), vocab)])
+    refs = [reference_grads(model, b, loss_scale=case.sp) for b in batches]
+    ref_loss = refs[d][0]
+    ref = {n: _mean([r[1][n] for r in refs]) for n in refs[0][1]}
+    sp_model, ep_model = copy.deepcopy(model), copy.deepcopy(model)
+    sp_loss, sp_grads, _, _ = _run(sp_model, batches[d], mesh, case, None)
+    unparallelize(sp_model)
+    ep_loss, ep_grads, seen, record = _run(ep_model, batches[d], mesh, case, group)
+    shards = {f"{path}.{p}": (f.owned, f.layout.rank) for path, _, f in expert_parallel_modules(ep_model)
+              for p in f.params}
+    worst: dict[str, tuple[float, float, float]] = {}  # name -> (vs reference, the reference's size, vs sp)
+    for n, p in ep_model.named_parameters():
+        r, s = ref[n], sp_grads[n]
+        if n in shards:
+            owned, rank = shards[n]
+            start, count = expert_range(sum(owned), len(owned), rank)
+            r = r[start:start + count] if r is not None else None
+            s = s[start:start + count] if s is not None else None
+        worst[n] = (*_diffs(ep_grads[n], r, p), _diffs(ep_grads[n], s, p)[0])
+    unparallelize(ep_model)  # the experts come back whole, gradients too
+    full = [_diffs(q.grad, ref[n], q) for n, q in ep_model.named_parameters() if n in shards]
+    values = max((float((q - model.get_parameter(n)).detach().abs().max()) for n, q in ep_model.named_parameters()
+                  if n in shards), default=0.0)
+    row = {"label": case.label(), "rank": me, "loss_ref": ref_loss, "loss_diff": abs(ep_loss - ref_loss),
+           "loss_diff_sp": abs(ep_loss - sp_loss), "grad_max": max(v[0] for v in worst.values()),
+           "grad_rel": max(v[0] / max(v[1], 1e-30) for v in worst.values()),
+           "grad_max_sp": max(v[2] for v in worst.values()),
+           "worst": max(worst, key=lambda n: worst[n][0]), "full_grad_max": max((f[0] for f in full), default=0.0),
+           "full_values_max": values, "f32": bool(floor), "floor": sorted(floor.params), "sharded": sorted(shards),
+           "loads": record["loads"], "dense_tokens": seen, "local_len": record["local_len"]}
+    row["dense_tokens_ok"] = bool(seen) and all(t == record["local_len"] for v in seen.values() for t in v)
+    row["ok"] = (row["loss_diff_sp"] <= LOSS_TOL and row["grad_max_sp"] <= GRAD_TOL and values == 0.0
+                 and row["dense_tokens_ok"] and _within(row["loss_diff"], abs(ref_loss), LOSS_TOL, floor)
+                 and all(_within(d, size, GRAD_TOL, floor) for d, size, _ in worst.values())
+                 and all(_within(d, size, GRAD_TOL, floor) for d, size in full))
+    return row
+
+
+def _diffs(mine: Tensor | None, theirs: Tensor | None, like: Tensor) -> tuple[float, float]:
+    """``(max |mine - theirs|, max |theirs|)``; None counts as zeros."""
+    a = mine if mine is not None else torch.zeros_like(like)
+    b = theirs if theirs is not None else torch.zeros_like(like)
+    if not a.numel():
+        return 0.0, 0.0
+    return float((a - b).abs().max()), float(b.abs().max())
+
+
+def _within(diff: float, scale: float, tol: float, floor: Floor) -> bool:
+    """Within the strict tolerance, or -- for a model float32-exact by its own code -- within
+    float32 precision of ``scale`` (the compared value's magnitude), as model_parity compares."""
+    return diff <= tol or (bool(floor) and diff <= F32_RTOL * scale)
+
+
+def _mean(grads: list[Tensor | None]) -> Tensor | None:
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    return sum(present) / len(grads)
+
+
+def run_ep_parity(rank: int, world: int, cases: list[EPCase]) -> list[dict[str, Any]]:
+    """Every case on this rank (``world`` must be each case's dp x sp); returns this rank's rows."""
+    rows = []
+    for case in cases:
+        assert case.dp * case.sp == world, (case.label(), world)
+        rows.append(compare_ep(case))
+    return rows
+
+
+def ep_case(family: str, **changes: Any) -> EPCase:
+    """An :class:`EPCase` of ``family`` with ``changes``."""
+    return replace(EPCase(family=family), **changes)
