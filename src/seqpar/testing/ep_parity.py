@@ -34,25 +34,30 @@ from ..batch.loss import sync_gradients
 from ..batch.sharding import shard_batch
 from ..comm.mesh import init_mesh
 from ..integrations.hf.parallelize import parallelize, unparallelize
+from ..integrations.mixers import STATE, family_of, set_mixer_mode, token_mixers
 from ..integrations.models import decoder_config
 from ..integrations.moe.expert_parallel import expert_parallel_modules
 from ..integrations.moe.families import experts_of
 from ..integrations.moe.plan import expert_range
 from .model_parity import F32_RTOL, GRAD_TOL, LOSS_TOL, Floor, ModelCase, case_batch, model_floor, reference_grads
-from .zoo import build_tiny, tiny_config
+from .zoo import VARIANTS, build_tiny, tiny_config
 
-FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {"deepseek_v3": {"first_k_dense_replace": 1}}
-"""Per family: config fields that make its tiny model have both a dense and an MoE layer."""
+MOE_LAYERS: dict[str, Any] = {"first_k_dense_replace": 1, "num_dense_layers": 1, "enable_moe_block": True,
+                              "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+"""Config fields (where a family's config has them) that give its 2-layer tiny model a dense layer
+and an MoE layer (DeepSeek, GLM and LFM2 MoE configs keep their first layers dense; Gemma 4's MoE
+block is off by default)."""
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
 class EPCase:
-    """One case: ``family`` (a transformers model type), rows (``batch``, ``seq``), ``strategy``,
-    the mesh ``dp x sp``, ``ep`` folded ``"contiguous"`` (ep groups of consecutive ranks of the
-    flattened dp x sp mesh: inside the sp groups when ep <= sp) or ``"strided"`` (across dp);
-    ``experts``: an expert count (None: the tiny config's 4); ``skew``: per-expert router logit bias
-    (None: none); ``checkpointing``: recompute the decoder layers in the backward."""
+    """One case: ``family`` (a transformers model type, or a :data:`seqpar.testing.zoo.VARIANTS`
+    name), rows (``batch``, ``seq``), ``strategy``, the mesh ``dp x sp``, ``ep`` folded
+    ``"contiguous"`` (ep groups of consecutive ranks of the flattened dp x sp mesh: inside the sp
+    groups when ep <= sp) or ``"strided"`` (across dp); ``experts``: an expert count (None: the tiny
+    config's 4); ``skew``: per-expert router logit bias (None: none); ``checkpointing``: recompute
+    the decoder layers in the backward."""
 
     family: str = "qwen3_moe"
     batch: str = "padded"
@@ -75,14 +80,23 @@ class EPCase:
 
 def build_moe(case: EPCase) -> nn.Module:
     """The case's tiny float64 MoE model (eager experts, router aux loss on), skewed routers included."""
-    overrides = dict(FAMILY_OVERRIDES.get(case.family, {}))
-    if case.experts is not None:
-        keys = tiny_config(case.family).to_dict()
-        overrides.update({k: case.experts for k in EXPERT_COUNTS if k in keys})
-    model = build_tiny(case.family, **overrides)
+    model_type, variant = VARIANTS.get(case.family, (case.family, {}))
+    config = tiny_config(model_type, **variant).to_dict()
+    overrides = {**variant, **_moe_overrides(config, case.experts)}
+    if isinstance(config.get("text_config"), dict):  # a multimodal model: its decoder's config
+        overrides["text_config"] = {**config["text_config"], **_moe_overrides(config["text_config"], case.experts)}
+    model = build_tiny(model_type, **overrides)
     if case.skew is not None:
         skew_routers(model, case.skew)
     return model
+
+
+def _moe_overrides(config: dict[str, Any], experts: int | None) -> dict[str, Any]:
+    """:data:`MOE_LAYERS` and the expert count, for the fields ``config`` has."""
+    out = {k: v for k, v in MOE_LAYERS.items() if k in config}
+    if experts is not None:
+        out.update({k: experts for k in EXPERT_COUNTS if k in config})
+    return out
 
 
 def skew_routers(model: nn.Module, bias: tuple[float, ...]) -> None:
@@ -135,6 +149,27 @@ def _case_meshes(case: EPCase) -> tuple[DeviceMesh, dist.ProcessGroup]:
     return mesh, group
 
 
+def _dense(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every linear projection of the model outside its token mixers -- attention, dense MLPs,
+    shared experts, routers, the head: the dense layers, which must keep SP with EP on (the experts
+    hold stacked tensors; a hybrid's token mixers have SP modes of their own,
+    :mod:`seqpar.integrations.mixers`)."""
+    mixers = tuple(f"{n}." for n, _ in token_mixers(model))
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.startswith(mixers)]
+
+
+def _tokens(x: Tensor) -> int:
+    """Tokens in a ``[..., H]`` activation (``[B, S, H]`` or ``[B*S, H]``)."""
+    return x.numel() // x.shape[-1]
+
+
+def _expert_rows(forward: Any) -> dict[int, list[int]]:
+    """Global expert id -> rows each ep rank sent it at the latest call, for this rank's experts."""
+    recv = forward.loads[-1]  # [source][local expert]
+    start, _ = expert_range(sum(forward.owned), len(forward.owned), forward.layout.rank)
+    return {start + j: [row[j] for row in recv] for j in range(len(recv[0]))}
+
+
 def _grads(model: nn.Module) -> dict[str, Tensor | None]:
     return {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
 
@@ -147,11 +182,12 @@ def _run(model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMesh, case: EPC
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     parallelize(model, mesh, strategy=case.strategy, ep=ep)
-    seen: dict[str, list[int]] = {}
+    if any(STATE in family_of(m).modes for _, m in token_mixers(model)):
+        set_mixer_mode(model, STATE)  # as the SP zoo runs them: the same mode in both runs, not a measured one
+    seen: dict[str, list[int]] = {}  # tokens each dense projection ran on (rows x positions)
     hooks = [m.register_forward_pre_hook(lambda _m, args, kw, n=n: seen.setdefault(n, []).append(
-        int((args[0] if args else kw["hidden_states"]).shape[-2])), with_kwargs=True)
-        for n, m in model.named_modules() if n.endswith(("self_attn", "shared_experts", "shared_expert"))
-        or (n.endswith(".mlp") and not hasattr(m, "experts"))]
+        _tokens(args[0] if args else kw["hidden_states"])), with_kwargs=True)
+        for n, m in _dense(model)]
     try:
         local = shard_batch(batch, mesh)
         loss = model(**local).loss
@@ -160,15 +196,16 @@ def _run(model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMesh, case: EPC
     finally:
         for h in hooks:
             h.remove()
-    record = {"local_len": int(local["seqpar_batch"].local_len),
-              "loads": [list(f.loads) for _, _, f in expert_parallel_modules(model)]}
+    record = {"local_tokens": int(local["seqpar_batch"].local_len) * batch["input_ids"].shape[0],
+              "loads": {path: _expert_rows(f) for path, _, f in expert_parallel_modules(model)}}
     return float(loss.detach()), _grads(model), seen, record
 
 
 def compare_ep(case: EPCase) -> dict[str, Any]:
     """One case on this rank (collective over the world): ``{label, loss_diff, loss_diff_sp, grad_max,
-    grad_max_sp, worst, f32, dense_tokens_ok, full_grad_max, loads, floor}``; ``ok`` when every
-    comparison is within tolerance."""
+    grad_max_sp, worst, f32, floor, dense_tokens_ok, full_grad_max, loads, failed, ok}``: ``loads``
+    per experts module, global expert id -> rows from each ep rank (this rank's experts); ``failed``
+    names the comparisons out of tolerance, ``ok`` when none is."""
     torch.set_num_threads(1)
     mesh, group = _case_meshes(case)
     me = dist.get_rank()
@@ -206,12 +243,15 @@ def compare_ep(case: EPCase) -> dict[str, Any]:
            "grad_max_sp": max(v[2] for v in worst.values()),
            "worst": max(worst, key=lambda n: worst[n][0]), "full_grad_max": max((f[0] for f in full), default=0.0),
            "full_values_max": values, "f32": bool(floor), "floor": sorted(floor.params), "sharded": sorted(shards),
-           "loads": record["loads"], "dense_tokens": seen, "local_len": record["local_len"]}
-    row["dense_tokens_ok"] = bool(seen) and all(t == record["local_len"] for v in seen.values() for t in v)
-    row["ok"] = (row["loss_diff_sp"] <= LOSS_TOL and row["grad_max_sp"] <= GRAD_TOL and values == 0.0
-                 and row["dense_tokens_ok"] and _within(row["loss_diff"], abs(ref_loss), LOSS_TOL, floor)
-                 and all(_within(d, size, GRAD_TOL, floor) for d, size, _ in worst.values())
-                 and all(_within(d, size, GRAD_TOL, floor) for d, size in full))
+           "loads": record["loads"], "dense_tokens": seen, "local_tokens": record["local_tokens"]}
+    row["dense_tokens_ok"] = bool(seen) and all(t == record["local_tokens"] for v in seen.values() for t in v)
+    checks = {"loss vs sp": row["loss_diff_sp"] <= LOSS_TOL, "grads vs sp": row["grad_max_sp"] <= GRAD_TOL,
+              "experts gathered back": values == 0.0, "dense layers keep SP": row["dense_tokens_ok"],
+              "loss vs reference": _within(row["loss_diff"], abs(ref_loss), LOSS_TOL, floor),
+              "grads vs reference": all(_within(d, size, GRAD_TOL, floor) for d, size, _ in worst.values()),
+              "whole experts' grads vs reference": all(_within(d, size, GRAD_TOL, floor) for d, size in full)}
+    row["failed"] = [name for name, ok in checks.items() if not ok]
+    row["ok"] = not row["failed"]
     return row
 
 

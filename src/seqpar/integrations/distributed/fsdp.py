@@ -14,7 +14,9 @@ A wrapper that reduces over only part of the ranks (FSDP over the dp axis alone,
 group) would leave the sp ranks' shares uncombined: :func:`check_gradient_reduction` refuses it at
 the model's first training forward, on every rank, before any gradient exists -- and so it refuses
 either wrapper around a model whose experts are sharded by expert parallelism (their shards average
-over other ranks: :func:`seqpar.sync_gradients` does that).
+over other ranks: :func:`seqpar.sync_gradients` does that); :func:`apply_ddp` refuses it before DDP's
+constructor broadcasts rank 0's experts over the other ranks' (a stock DDP built by hand does that
+before its first forward is refused: build none).
 """
 
 from __future__ import annotations
@@ -59,9 +61,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
     :func:`seqpar.parallelize`.
 
     Gradients then equal the non-parallel model's (as DTensors sharded over the ranks). Extra
-    keywords go to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...).
+    keywords go to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...). Raises
+    :class:`seqpar.Refused` for a model whose experts are sharded (expert parallelism): FSDP2 would
+    take every rank's experts for copies of one tensor.
     """
     from torch.distributed.fsdp import fully_shard
+
+    sharded = grad_groups.sharded_params(model)
+    if sharded:
+        raise Refused(_sharded_problem("FSDP2 (fully_shard)", sharded))
 
     flat = dp_sp_mesh(mesh)
     blocks = compat.decoder_block_classes(model)
@@ -74,8 +82,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, **ddp_kwargs: Any) -> nn.parallel.DistributedDataParallel:
     """Stock DDP over all dp x sp ranks of ``mesh`` (its default averaging). Call after
-    :func:`seqpar.parallelize`; returns the DDP wrapper (``ddp(**local)`` works as ``model(**local)``)."""
+    :func:`seqpar.parallelize`; returns the DDP wrapper (``ddp(**local)`` works as ``model(**local)``).
+    Raises :class:`seqpar.Refused` for a model whose experts are sharded (expert parallelism), before
+    DDP's constructor would broadcast rank 0's experts over every rank's own."""
+    sharded = grad_groups.sharded_params(model)
+    if sharded:
+        raise Refused(_sharded_problem("DistributedDataParallel", sharded))
     return nn.parallel.DistributedDataParallel(model, process_group=dp_sp_group(mesh), **ddp_kwargs)
+
+
+def _sharded_problem(what: str, sharded: list[grad_groups.ShardedParams]) -> str:
+    return (f"{what} averages every parameter it holds over one group of ranks (and DDP's constructor "
+            f"broadcasts rank 0's), but {sharded[0].what} are sharded over expert-parallel ranks (each rank "
+            "holds different experts): their gradients must be averaged over the ranks that hold the same experts "
+            "only -- use no wrapper and seqpar.sync_gradients(model, mesh), which averages each parameter over the "
+            "ranks that hold it")
 
 
 def gradient_reduction_problem(model: nn.Module, mesh: DeviceMesh) -> str | None:
@@ -97,11 +118,7 @@ def gradient_reduction_problem(model: nn.Module, mesh: DeviceMesh) -> str | None
                          for m in compat.fsdp_meshes(module)]
     sharded = grad_groups.sharded_params(model)
     if reducers and sharded:
-        return (f"{reducers[0][0]} averages every parameter it holds over one group of ranks, but {sharded[0].what} "
-                "are sharded over expert-parallel ranks (each rank holds different experts): their gradients must "
-                "be averaged over the ranks that hold the same experts only, which these wrappers do not do here "
-                "-- use no wrapper and seqpar.sync_gradients(model, mesh), which averages each parameter over the "
-                "ranks that hold it")
+        return _sharded_problem(reducers[0][0], sharded)
     for what, got in reducers:
         if got != want:
             return (f"{what} averages the gradients over ranks {got}, but this model is sequence-parallel over "
