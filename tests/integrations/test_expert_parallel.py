@@ -123,3 +123,73 @@ def test_ep_with_sp_exact_and_refusals(tmp_path):
             assert "use no wrapper and seqpar.sync_gradients(model, mesh)" in out[wrapper], (wrapper, out[wrapper])
         assert out["after"] == ([], 0.0), out["after"]  # unparallelize gathers the experts back, whole
     assert outs[0]["export"] == 0.0  # the written checkpoint holds every expert
+
+
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+ALL_COLD = (0.0, 0.0, -30.0, -30.0)  # top-2 of 4: experts 2 and 3 never picked -- their owner runs on no row
+GRID = [
+    *(EPCase(f, batch=b, seq=s, strategy=st) for f in FAMILIES for st in ("ulysses", "ring")
+      for b, s in (("padded", 16), ("packed", 17))),
+    # folds and degrees: ep across dp, ep = dp x sp (one replica each), ep without SP, hybrid attention
+    EPCase("qwen3_moe", fold="strided"), EPCase("qwen3_moe", dp=1, sp=4, ep=4), EPCase("mixtral", ep=4),
+    EPCase("qwen3_moe", dp=4, sp=1, ep=2), EPCase("gpt_oss", dp=4, sp=1, ep=4, batch="packed", seq=17),
+    EPCase("qwen3_moe", strategy="hybrid", dp=1, sp=4, ep=2), EPCase("qwen3_moe", seq=15, dp=1, sp=4, ep=2),
+    # experts no ep divides: 3 + 2, 2 + 2 + 1 + 1
+    EPCase("mixtral", experts=5), EPCase("qwen3_moe", experts=6, dp=1, sp=4, ep=4),
+    EPCase("gpt_oss", experts=5, strategy="ring", fold="strided"),
+    # skewed routers: through the router's own bias (GPT-OSS), its selection bias (DeepSeek-V3), a hook
+    EPCase("gpt_oss", skew=HOT_COLD), EPCase("deepseek_v3", skew=HOT_COLD),
+    EPCase("mixtral", skew=HOT_COLD, strategy="ring", batch="packed", seq=17),
+    EPCase("mixtral", skew=ALL_COLD), EPCase("qwen3_moe", skew=ALL_COLD, dp=1, sp=4, ep=2, fold="strided"),
+    # activation checkpointing: the experts' exchanges run again in the backward
+    EPCase("qwen3_moe", checkpointing=True), EPCase("mixtral", checkpointing=True, strategy="ring", batch="packed",
+                                                    seq=17),
+]
+
+
+@pytest.mark.heavy
+def test_ep_grid_exact():
+    """Qwen3-MoE, Mixtral, DeepSeek-V3, GPT-OSS x Ulysses, ring x padded, packed rows; other folds and
+    degrees, uneven expert counts, skewed routers (an owner with no row at all), checkpointing."""
+    outs = run_distributed(_grid, 4, timeout=1800)
+    for i, case in enumerate(GRID):
+        rows = [o[i] for o in outs]
+        for r in rows:
+            assert r["ok"], (r["label"], r["failed"], r["worst"], r["grad_max"], r["grad_max_sp"])
+            # DeepSeek-V3's router runs in float32 (its own code): compared relative to float32 precision
+            assert r["f32"] == (case.family == "deepseek_v3"), (r["label"], r["floor"])
+        loads = _expert_rows(rows)
+        if case.skew is not None:
+            for layer, experts in loads.items():
+                cold = [e for e, b in enumerate(case.skew) if b < -10]
+                assert all(sum(experts[e]) == 0 for e in cold), (r["label"], layer, experts)
+        if case.skew == ALL_COLD:  # an owner holding only cold experts received nothing from anyone
+            assert any(all(sum(r["loads"][layer][e]) == 0 for e in r["loads"][layer]) for r in rows
+                       for layer in r["loads"]), [r["loads"] for r in rows]
+
+
+def _grid(rank, world):
+    return [compare_ep(c) for c in GRID]
+
+
+STRICT = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "phimoe", "granitemoe", "flex_olmo"]
+"""Families of the EP zoo that are float64-exact throughout: compared to 1e-9 / 1e-8 against the reference."""
+
+
+@pytest.mark.heavy
+def test_every_family_with_an_ep_plan_is_exact_or_refused():
+    """The EP zoo (seqpar.testing.ep_zoo) at sp = ep = 2: every causal-LM family whose config declares
+    an expert-parallel plan ends exact, refused by SP itself (no family is refused for its experts), or
+    unbuildable by transformers in float64."""
+    from seqpar.testing.ep_zoo import ep_families, run_ep_zoo
+
+    rows = run_distributed(run_ep_zoo, 2, None, timeout=1800)[0]
+    assert {r.family for r in rows} == set(ep_families())
+    bad = [f"{r.family}: {r.outcome} ({r.detail[:300]})" for r in rows
+           if r.outcome not in ("exact", "exact (float32 model)", "refused", "unbuildable")]
+    assert not bad, "\n".join(bad)
+    assert all("cannot parallelize" in r.detail for r in rows if r.outcome == "refused"), [
+        (r.family, r.detail[:200]) for r in rows if r.outcome == "refused"]
+    assert len([r for r in rows if r.outcome.startswith("exact")]) >= 45
+    assert {r.family: r.outcome for r in rows if r.family in STRICT} == dict.fromkeys(STRICT, "exact")
+    assert all(r.outcome.startswith("exact") for r in rows if r.family in ("deepseek_v3", "deepseek_v2", "glm4_moe"))

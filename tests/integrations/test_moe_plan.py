@@ -119,3 +119,30 @@ def test_an_experts_kernel_that_cannot_run_on_a_shard_is_refused(monkeypatch):
     monkeypatch.setattr(compat, "experts_implementation", lambda config: "deepgemm_megamoe")
     with pytest.raises(Refused, match="experts_implementation='deepgemm_megamoe'.*load it with"):
         experts_of(model)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_each_experts_implementation_runs_on_a_shard(impl):
+    """What EP's owner does: the class's own forward on a cut of the stacked tensors (num_experts set
+    to the cut's), local expert ids, top-1 with unit weights -- equal, row by row, to the whole
+    module on the same experts' global ids (float32: grouped_mm has no float64)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from seqpar.testing.zoo import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), experts_implementation=impl)
+    whole = model.model.layers[0].mlp.experts
+    shard = copy.deepcopy(whole)
+    start, n = plan.expert_range(4, 2, 1)  # ep rank 1 of 2: experts 2-3
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(shard, name, nn.Parameter(getattr(whole, name).detach()[start:start + n].clone()))
+    shard.num_experts = n
+    x = torch.randn(9, whole.gate_up_proj.shape[-1])
+    local = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1, 1])[:, None]
+    ones = torch.ones(9, 1)
+    got = type(shard).forward(shard, x, local, ones)
+    want = type(whole).forward(whole, x, local + start, ones)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), float((got - want).abs().max())
