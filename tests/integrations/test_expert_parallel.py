@@ -2,11 +2,12 @@
 gloo, 4 ranks: parallelize(model, mesh, ep=group) + shard_batch + sync_gradients against the
 unsharded model (loss 1e-9, every gradient 1e-8: an expert shard against its rows of the stacked
 tensor) and against the same code without EP (seqpar.testing.ep_parity); every dense projection runs
-on this rank's shard only (dense layers keep SP with EP on); skewed routers (an expert taking most
-rows, one taking none); refusals and contract errors on every rank; the experts' replica groups
-sync_gradients reduces over; DDP and FSDP2 refused around sharded experts (seqpar's shorthands before
-they touch a weight, a stock wrapper at its first forward); an export gathers them whole.
-`make test`: two parity cases and the rest in one spawn; the grid and the EP zoo are heavy."""
+on this rank's shard only (dense layers keep SP with EP on); skewed routers (an expert taking a row
+of every token, one taking none); refusals and contract errors on every rank; the experts' replica
+groups sync_gradients reduces over; the gradient norm to clip with (every expert counted once); DDP
+and FSDP2 refused around sharded experts (seqpar's shorthands before they touch a weight, a stock
+wrapper at its first forward); an export gathers them whole. `make test`: two parity cases and the
+rest in one spawn; the grid and the EP zoo are heavy."""
 
 import pytest
 import torch
@@ -106,6 +107,9 @@ def test_ep_with_sp_exact_and_refusals(tmp_path):
             assert not r["f32"] and r["loss_diff"] <= 1e-9 and r["grad_max"] <= 1e-8  # float64-exact families
             assert r["dense_tokens_ok"] and r["dense_tokens"], r["label"]  # dense projections: this shard only
             assert len(r["sharded"]) == 4, r["sharded"]  # 2 layers x (gate_up_proj, down_proj)
+            assert r["aux_loss"] > 0  # the router aux loss is on (weight 0.1) and in the compared loss
+            # the norm to clip with counts every expert once (checked in "ok"); the local norm would not
+            assert r["local_norm"] < r["norm"] - 1e-6, (r["local_norm"], r["norm"])
         if case.skew == HOT_COLD:
             for layer, experts in _expert_rows(rows).items():
                 totals = {e: sum(by_source) for e, by_source in experts.items()}

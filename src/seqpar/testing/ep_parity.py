@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..batch.grad_groups import total_grad_norm
 from ..batch.loss import sync_gradients
 from ..batch.sharding import shard_batch
 from ..comm.mesh import init_mesh
@@ -190,20 +191,26 @@ def _run(model: nn.Module, batch: dict[str, Tensor], mesh: DeviceMesh, case: EPC
         for n, m in _dense(model)]
     try:
         local = shard_batch(batch, mesh)
-        loss = model(**local).loss
+        outputs = model(**local)
+        loss = outputs.loss
         loss.backward()
         sync_gradients(model, mesh)
     finally:
         for h in hooks:
             h.remove()
-    record = {"local_tokens": int(local["seqpar_batch"].local_len) * batch["input_ids"].shape[0],
+    aux = getattr(outputs, "aux_loss", None)  # the router aux loss, recomputed over the SP group
+    local_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    record = {"aux_loss": float(aux) if isinstance(aux, Tensor) else None, "norm": float(total_grad_norm(model)),
+              "local_norm": float(local_norm),  # this rank's gradients alone: its own experts only under EP
+              "local_tokens": int(local["seqpar_batch"].local_len) * batch["input_ids"].shape[0],
               "loads": {path: _expert_rows(f) for path, _, f in expert_parallel_modules(model)}}
     return float(loss.detach()), _grads(model), seen, record
 
 
 def compare_ep(case: EPCase) -> dict[str, Any]:
     """One case on this rank (collective over the world): ``{label, loss_diff, loss_diff_sp, grad_max,
-    grad_max_sp, worst, f32, floor, dense_tokens_ok, full_grad_max, loads, failed, ok}``: ``loads``
+    grad_max_sp, worst, f32, floor, dense_tokens_ok, full_grad_max, aux_loss, norm, loads, failed, ok}``
+    (``norm``: :func:`seqpar.batch.grad_groups.total_grad_norm` after the sync); ``loads``
     per experts module, global expert id -> rows from each ep rank (this rank's experts); ``failed``
     names the comparisons out of tolerance, ``ok`` when none is."""
     torch.set_num_threads(1)
@@ -219,7 +226,7 @@ def compare_ep(case: EPCase) -> dict[str, Any]:
     ref_loss = refs[d][0]
     ref = {n: _mean([r[1][n] for r in refs]) for n in refs[0][1]}
     sp_model, ep_model = copy.deepcopy(model), copy.deepcopy(model)
-    sp_loss, sp_grads, _, _ = _run(sp_model, batches[d], mesh, case, None)
+    sp_loss, sp_grads, _, sp_record = _run(sp_model, batches[d], mesh, case, None)
     unparallelize(sp_model)
     ep_loss, ep_grads, seen, record = _run(ep_model, batches[d], mesh, case, group)
     shards = {f"{path}.{p}": (f.owned, f.layout.rank) for path, _, f in expert_parallel_modules(ep_model)
@@ -243,13 +250,19 @@ def compare_ep(case: EPCase) -> dict[str, Any]:
            "grad_max_sp": max(v[2] for v in worst.values()),
            "worst": max(worst, key=lambda n: worst[n][0]), "full_grad_max": max((f[0] for f in full), default=0.0),
            "full_values_max": values, "f32": bool(floor), "floor": sorted(floor.params), "sharded": sorted(shards),
-           "loads": record["loads"], "dense_tokens": seen, "local_tokens": record["local_tokens"]}
+           "loads": record["loads"], "dense_tokens": seen, "local_tokens": record["local_tokens"],
+           "aux_loss": record["aux_loss"], "norm": record["norm"], "norm_sp": sp_record["norm"],
+           "local_norm": record["local_norm"],
+           "norm_ref": float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in ref.values()
+                                                                  if g is not None])))}
     row["dense_tokens_ok"] = bool(seen) and all(t == record["local_tokens"] for v in seen.values() for t in v)
     checks = {"loss vs sp": row["loss_diff_sp"] <= LOSS_TOL, "grads vs sp": row["grad_max_sp"] <= GRAD_TOL,
               "experts gathered back": values == 0.0, "dense layers keep SP": row["dense_tokens_ok"],
               "loss vs reference": _within(row["loss_diff"], abs(ref_loss), LOSS_TOL, floor),
               "grads vs reference": all(_within(d, size, GRAD_TOL, floor) for d, size, _ in worst.values()),
-              "whole experts' grads vs reference": all(_within(d, size, GRAD_TOL, floor) for d, size in full)}
+              "whole experts' grads vs reference": all(_within(d, size, GRAD_TOL, floor) for d, size in full),
+              "grad norm vs sp": abs(row["norm"] - row["norm_sp"]) <= GRAD_TOL,
+              "grad norm vs reference": _within(abs(row["norm"] - row["norm_ref"]), row["norm_ref"], GRAD_TOL, floor)}
     row["failed"] = [name for name, ok in checks.items() if not ok]
     row["ok"] = not row["failed"]
     return row

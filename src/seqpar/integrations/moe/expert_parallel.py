@@ -193,7 +193,7 @@ def gather_experts(model: nn.Module) -> dict[str, Tensor]:
 
 def _sharded(model: nn.Module) -> list[grad_groups.ShardedParams]:
     """The finder of :mod:`seqpar.batch.grad_groups`: each experts module's shards and their replicas."""
-    return [grad_groups.ShardedParams(tuple(m.get_parameter(p) for p in f.params), f.layout.replicas,
+    return [grad_groups.ShardedParams(tuple(m.get_parameter(p) for p in f.params), f.layout.replicas, f.layout.group,
                                       f"the experts of {path}")
             for path, m, f in expert_parallel_modules(model)]
 
