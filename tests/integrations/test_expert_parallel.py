@@ -23,6 +23,8 @@ QUICK = [EPCase("qwen3_moe", skew=HOT_COLD),  # dp2 x sp2, ep over sp, Ulysses, 
 
 
 def _worker(rank, world, export_dir):
+    import copy
+
     import torch.distributed as dist
 
     import seqpar
@@ -58,6 +60,12 @@ def _worker(rank, world, export_dir):
     found = grad_groups.sharded_params(model)
     out["replicas"] = [(s.what, len(s.params), dist.get_process_group_ranks(s.group)) for s in found]
     out["shapes"] = [tuple(p.shape) for s in found for p in s.params]
+    ids = torch.arange(32).view(2, 16) % 50
+    local = seqpar.shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    copied = copy.deepcopy(model)  # a reference model (DPO, EMA): its own experts' shards, the same groups
+    with torch.no_grad():
+        out["copy"] = (float(model(**local).loss), float(copied(**local).loss),
+                       len(grad_groups.sharded_params(copied)))
     seqpar.save_pretrained(model, export_dir, mesh)
     try:
         seqpar.apply_ddp(model, mesh)
@@ -75,7 +83,6 @@ def _worker(rank, world, export_dir):
     stock = build_tiny("qwen3_moe")  # a wrapper built by hand is refused at its first training forward
     seqpar.parallelize(stock, mesh, ep=over_sp)
     ddp = torch.nn.parallel.DistributedDataParallel(stock, process_group=dist.group.WORLD)
-    ids = torch.arange(32).view(2, 16) % 50
     try:
         ddp(**seqpar.shard_batch({"input_ids": ids, "labels": ids}, mesh))
         out["stock ddp"] = None
@@ -125,6 +132,8 @@ def test_ep_with_sp_exact_and_refusals(tmp_path):
         assert out["shapes"] == [(2, 64, 32), (2, 32, 32)] * 2, out["shapes"]  # 2 of the 4 experts
         for wrapper in ("ddp", "fsdp", "stock ddp"):  # refused, saying what to do instead
             assert "use no wrapper and seqpar.sync_gradients(model, mesh)" in out[wrapper], (wrapper, out[wrapper])
+        loss, copied_loss, copied_shards = out["copy"]
+        assert loss == copied_loss and copied_shards == 2, out["copy"]
         assert out["after"] == ([], 0.0), out["after"]  # unparallelize gathers the experts back, whole
     assert outs[0]["export"] == 0.0  # the written checkpoint holds every expert
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import collections
 import types
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,16 +62,16 @@ class ExpertParallelForward:
     """The ``forward`` seqpar binds to one experts module (see the module doc): its layout, how
     many experts each ep rank owns, the stacked parameters it cut, and the module's expert count
     before the cut (restored by :func:`remove_ep`). ``loads``: the latest calls' ``recv[s][j]``, rows
-    from ep rank s for this rank's j-th expert (what its experts ran on)."""
+    from ep rank s for this rank's j-th expert (what its experts ran on). Bound to its module as a
+    method: a deep copy of the model (a reference model) binds its own copy of the module to the
+    same object (``deepcopy`` keeps a bound method's function), which holds nothing per module
+    but ``loads``."""
 
     def __init__(self, layout: EPLayout, owned: list[int], params: tuple[str, ...], num_experts: int,
                  last_batch: Callable[[], LocalBatch | None] | None) -> None:
         self.layout, self.owned, self.params, self.num_experts = layout, owned, params, num_experts
         self.last_batch = last_batch
         self.loads: collections.deque[list[list[int]]] = collections.deque(maxlen=64)  # recv per call, latest
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> ExpertParallelForward:
-        return ExpertParallelForward(self.layout, list(self.owned), self.params, self.num_experts, self.last_batch)
 
     def __call__(self, module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         # hidden_states [T, H]: this rank's tokens; top_k_index, top_k_weights [T, k] (global expert ids)
