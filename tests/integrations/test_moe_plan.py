@@ -146,3 +146,17 @@ def test_each_experts_implementation_runs_on_a_shard(impl):
     got = type(shard).forward(shard, x, local, ones)
     want = type(whole).forward(whole, x, local + start, ones)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), float((got - want).abs().max())
+
+
+def test_a_dynamic_schedules_bin_is_refused_before_any_exchange():
+    """EP in a dynamic SP schedule's bin: the ranks of an ep group run different numbers of forwards
+    there, so the experts' forward refuses it first thing (no collective: here there is no group)."""
+    from seqpar.batch.local_batch import LocalBatch
+    from seqpar.integrations.moe.expert_parallel import ExpertParallelForward
+    from seqpar.integrations.moe.layout import EPLayout
+
+    batch = LocalBatch(None, sp_rank=0, sp_size=2, dp_size=1, denominator=1.0, num_items_in_batch=None,
+                       loss_weights=None, grad_ranks=4)  # a bin: grad_ranks given
+    forward = ExpertParallelForward(EPLayout(None, None, 2, 0), [2, 2], ("gate_up_proj",), 4, lambda: batch)
+    with pytest.raises(Refused, match="dynamic SP schedule's bin.*use the static schedule"):
+        forward(nn.Identity(), torch.zeros(3, 8), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
