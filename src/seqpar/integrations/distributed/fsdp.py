@@ -92,11 +92,11 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, **ddp_kwargs: Any) -> nn.paral
 
 
 def _sharded_problem(what: str, sharded: list[grad_groups.ShardedParams]) -> str:
-    return (f"{what} averages every parameter it holds over one group of ranks (and DDP's constructor "
-            f"broadcasts rank 0's), but {sharded[0].what} are sharded over expert-parallel ranks (each rank "
-            "holds different experts): their gradients must be averaged over the ranks that hold the same experts "
-            "only -- use no wrapper and seqpar.sync_gradients(model, mesh), which averages each parameter over the "
-            "ranks that hold it")
+    """Why ``what`` (a wrapper) cannot hold a model with sharded experts, and what to use instead."""
+    return (f"{what} treats every parameter as one tensor copied on every rank of one group, but "
+            f"{sharded[0].what} are sharded over expert-parallel ranks (each rank holds different experts): their "
+            "gradients must be averaged over the ranks that hold the same experts only -- use no wrapper and "
+            "seqpar.sync_gradients(model, mesh), which averages each parameter over the ranks that hold it")
 
 
 def gradient_reduction_problem(model: nn.Module, mesh: DeviceMesh) -> str | None:
