@@ -157,6 +157,17 @@ def test_attn_implementation_reads_what_set_attn_implementation_set():
     assert compat.attn_implementation(model.config) == "sdpa"
 
 
+def test_experts_implementation_reads_what_from_config_set():
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    for name in ("eager", "batched_mm"):
+        model = AutoModelForCausalLM.from_config(config, experts_implementation=name)
+        assert compat.experts_implementation(model.config) == name
+    assert compat.experts_implementation(object()) is None  # a config without experts
+
+
 def test_decoder_block_classes_names_the_decoder_layer():
     model = _tiny_llama()
     assert compat.decoder_block_classes(model) == {"LlamaDecoderLayer"}

@@ -28,6 +28,7 @@ from .integrations.distributed.fsdp import apply_ddp, apply_fsdp
 from .integrations.hf.export import save_pretrained
 from .integrations.hf.parallelize import attention_kernel, parallelize, parallelized, unparallelize
 from .integrations.memory.switches import memory_switches, reduce_memory, restore_memory, token_stats
+from .integrations.moe.expert_parallel import apply_ep, remove_ep
 from .integrations.trainer.mixin import SeqParTrainerMixin, parallelize_trainer
 from .integrations.trl import mixins as _trl_trainers  # noqa: F401  registers TRL's DPO / Reward / GRPO mixins
 from .planner import Plan, plan
@@ -41,6 +42,7 @@ __all__ = [
     "SeqShard",
     "all_to_all",
     "apply_ddp",
+    "apply_ep",
     "apply_fsdp",
     "attention_kernel",
     "count_target_tokens",
@@ -55,6 +57,7 @@ __all__ = [
     "plan",
     "reduce_memory",
     "reference_attention",
+    "remove_ep",
     "restore_memory",
     "ring_attention",
     "save_pretrained",

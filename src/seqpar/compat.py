@@ -32,6 +32,7 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     fsdp_meshes                      FSDPModule._get_fsdp_state()._fsdp_param_groups   integrations/fsdp.py
     attn_implementation              PretrainedConfig._attn_implementation             integrations/hf.py, zoo
     decoder_block_classes            PreTrainedModel._no_split_modules                 integrations/fsdp, memory
+    experts_implementation           PretrainedConfig._experts_implementation         integrations/moe/families.py
     mark_uninitialized               module._is_hf_initialized                         integrations/materialize.py
     init_weights_override            PreTrainedModel._init_weights (shadowed)          integrations/materialize.py
     split_prepared_loader            accelerate's BatchSamplerShard and                integrations/trainer.py
@@ -102,7 +103,8 @@ __all__ = [
     "attn_implementation", "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward",
     "cuda_efficient_attention", "cuda_efficient_attention_backward", "cuda_flash_attention",
     "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward", "decoder_block_classes",
-    "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "float64_loss_log", "fsdp_meshes",
+    "default_store", "experts_implementation", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh",
+    "float64_loss_log", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
     "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers",
@@ -269,6 +271,13 @@ def attn_implementation(config: Any) -> str | None:
     """The attention implementation a (sub-)config runs now (``config._attn_implementation``;
     ``set_attn_implementation`` is the public setter, there is no public getter)."""
     return config._attn_implementation
+
+
+def experts_implementation(config: Any) -> str | None:
+    """The MoE experts implementation a (sub-)config runs now (``config._experts_implementation``:
+    ``"eager"``, ``"grouped_mm"``, ...; set through ``from_pretrained(experts_implementation=...)``,
+    there is no public getter). None for a config that has none."""
+    return getattr(config, "_experts_implementation", None)
 
 
 def decoder_block_classes(model: nn.Module) -> set[str]:

@@ -52,6 +52,7 @@ from ..comm.gather import gather_seq
 from ..comm.guard import check_failures, pending_failure
 from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
 from ..errors import Refused
+from . import grad_groups
 from .local_batch import BATCH_KWARG, LocalBatch
 from .targets import IGNORE_INDEX
 
@@ -274,9 +275,11 @@ def _average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None
 def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     """Average every parameter's gradient over the sp and dp ranks of ``mesh`` (one all-reduce per
     axis and dtype), completing the gradient contract of the seqpar loss: what stock DDP over the
-    dp x sp ranks does, for a model without a wrapper. Parameters without a gradient count as zeros
-    (every rank must send the same buffers). Raises ValueError for sharded (DTensor) gradients; an
-    exception here is told to every rank (:mod:`seqpar.comm.faults`)."""
+    dp x sp ranks does, for a model without a wrapper. A parameter only some ranks hold (an expert
+    shard, :mod:`seqpar.batch.grad_groups`) is averaged over the ranks that hold the same shard
+    instead. Parameters without a gradient count as zeros (every rank must send the same buffers).
+    Raises ValueError for sharded (DTensor) gradients; an exception here is told to every rank
+    (:mod:`seqpar.comm.faults`)."""
     with faults.publishing("sync_gradients"):
         _sync_gradients(model, mesh)
 
@@ -293,6 +296,11 @@ def _sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
             p.grad = torch.zeros_like(p)
     if not params:
         return
+    own = {id(p): s.group for s in grad_groups.sharded_params(model) for p in s.params if p.requires_grad}
+    replicated = [p for p in params if id(p) not in own]
     for axis in (Axis.SP.value, Axis.DP.value):
-        if has_axis(mesh, axis) and axis_size(mesh, axis) > 1:
-            _average_grads(params, axis_group(mesh, axis))
+        if replicated and has_axis(mesh, axis) and axis_size(mesh, axis) > 1:
+            _average_grads(replicated, axis_group(mesh, axis))
+    for group in dict.fromkeys(own.values()):  # each shard over the ranks that hold it (first-seen order)
+        if dist.get_world_size(group) > 1:
+            _average_grads([p for p in params if own.get(id(p)) is group], group)

@@ -26,8 +26,10 @@ from . import waits
 from .collectives import Group
 
 
-def _all_to_all_rows(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group) -> Tensor:
-    """``x [sum(send_counts), E]`` cut into per-rank pieces -> ``[sum(recv_counts), E]`` in rank order."""
+def exchange_rows(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group) -> Tensor:
+    """``x [sum(send_counts), E]`` cut into per-rank pieces -> ``[sum(recv_counts), E]`` in rank order
+    (one ``all_to_all_single`` with split sizes, no autograd: the autograd Functions built on it say
+    what their backward sends)."""
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(recv_counts),
                                   input_split_sizes=list(send_counts), group=group, async_op=True)
@@ -48,12 +50,12 @@ class _RouteRows(torch.autograd.Function):
         send_counts = [int(i.numel()) for i in send_index]
         ctx.save_for_backward(flat)
         ctx.shape, ctx.send_counts, ctx.recv_counts, ctx.group = x.shape, send_counts, list(recv_counts), group
-        return _all_to_all_rows(x.index_select(0, flat), send_counts, recv_counts, group)
+        return exchange_rows(x.index_select(0, flat), send_counts, recv_counts, group)
 
     @staticmethod
     def backward(ctx, g):
         (flat,) = ctx.saved_tensors
-        back = _all_to_all_rows(g, ctx.recv_counts, ctx.send_counts, ctx.group)  # [sum(send_counts), E]
+        back = exchange_rows(g, ctx.recv_counts, ctx.send_counts, ctx.group)  # [sum(send_counts), E]
         dx = g.new_zeros(ctx.shape).index_add_(0, flat, back)
         return dx, None, None, None
 

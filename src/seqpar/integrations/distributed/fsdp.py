@@ -12,7 +12,11 @@ exactly the non-parallel model's gradient. Any stock wrapper over those ranks wo
 :func:`apply_fsdp` and :func:`apply_ddp` are shorthands for the first two with ``mesh``'s ranks.
 A wrapper that reduces over only part of the ranks (FSDP over the dp axis alone, DDP over the dp
 group) would leave the sp ranks' shares uncombined: :func:`check_gradient_reduction` refuses it at
-the model's first training forward, on every rank, before any gradient exists.
+the model's first training forward, on every rank, before any gradient exists -- and so it refuses
+either wrapper around a model whose experts are sharded by expert parallelism (their shards average
+over other ranks: :func:`seqpar.sync_gradients` does that); :func:`apply_ddp` refuses it before DDP's
+constructor broadcasts rank 0's experts over the other ranks' (a stock DDP built by hand does that
+before its first forward is refused: build none).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ... import compat
+from ...batch import grad_groups
 from ...comm.mesh import as_mesh
 from ...errors import Refused
 
@@ -56,9 +61,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
     :func:`seqpar.parallelize`.
 
     Gradients then equal the non-parallel model's (as DTensors sharded over the ranks). Extra
-    keywords go to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...).
+    keywords go to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...). Raises
+    :class:`seqpar.Refused` for a model whose experts are sharded (expert parallelism): FSDP2 would
+    take every rank's experts for copies of one tensor.
     """
     from torch.distributed.fsdp import fully_shard
+
+    sharded = grad_groups.sharded_params(model)
+    if sharded:
+        raise Refused(_sharded_problem("FSDP2 (fully_shard)", sharded))
 
     flat = dp_sp_mesh(mesh)
     blocks = compat.decoder_block_classes(model)
@@ -71,8 +82,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, **ddp_kwargs: Any) -> nn.parallel.DistributedDataParallel:
     """Stock DDP over all dp x sp ranks of ``mesh`` (its default averaging). Call after
-    :func:`seqpar.parallelize`; returns the DDP wrapper (``ddp(**local)`` works as ``model(**local)``)."""
+    :func:`seqpar.parallelize`; returns the DDP wrapper (``ddp(**local)`` works as ``model(**local)``).
+    Raises :class:`seqpar.Refused` for a model whose experts are sharded (expert parallelism), before
+    DDP's constructor would broadcast rank 0's experts over every rank's own."""
+    sharded = grad_groups.sharded_params(model)
+    if sharded:
+        raise Refused(_sharded_problem("DistributedDataParallel", sharded))
     return nn.parallel.DistributedDataParallel(model, process_group=dp_sp_group(mesh), **ddp_kwargs)
+
+
+def _sharded_problem(what: str, sharded: list[grad_groups.ShardedParams]) -> str:
+    """Why ``what`` (a wrapper) cannot hold a model with sharded experts, and what to use instead."""
+    return (f"{what} treats every parameter as one tensor copied on every rank of one group, but "
+            f"{sharded[0].what} are sharded over expert-parallel ranks (each rank holds different experts): their "
+            "gradients must be averaged over the ranks that hold the same experts only -- use no wrapper and "
+            "seqpar.sync_gradients(model, mesh), which averages each parameter over the ranks that hold it")
 
 
 def gradient_reduction_problem(model: nn.Module, mesh: DeviceMesh) -> str | None:
@@ -92,6 +116,9 @@ def gradient_reduction_problem(model: nn.Module, mesh: DeviceMesh) -> str | None
         if isinstance(module, FSDPModule):
             reducers += [(f"FSDP2 (fully_shard) on {type(module).__name__}", mesh_ranks(m))
                          for m in compat.fsdp_meshes(module)]
+    sharded = grad_groups.sharded_params(model)
+    if reducers and sharded:
+        return _sharded_problem(reducers[0][0], sharded)
     for what, got in reducers:
         if got != want:
             return (f"{what} averages the gradients over ranks {got}, but this model is sequence-parallel over "

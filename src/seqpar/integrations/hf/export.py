@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..moe.expert_parallel import gather_experts
 from ..peft import is_peft_model, unwrap_peft
 
 LORA_EXPORTS = ("merged", "adapter")
@@ -33,13 +34,19 @@ BASE_DIR = "base"  # lora="adapter" for a base model that has no directory of it
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The whole state dict of ``model`` (sharded or not) on rank 0, on the CPU; ``{}`` on the other
-    ranks. A collective when a process group exists (every rank must call it)."""
+    """The whole state dict of ``model`` (sharded or not, its experts under expert parallelism
+    gathered whole) on rank 0, on the CPU; ``{}`` on the other ranks. A collective when a process
+    group exists (every rank must call it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not (dist.is_available() and dist.is_initialized()):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    experts = gather_experts(model)  # expert parallelism: each rank holds a shard under the whole tensor's name
+    for name, whole in experts.items():
+        if name in state:
+            state[name] = whole.cpu()
+    return state
 
 
 def _fresh_copy(model: nn.Module, state: dict[str, Tensor]) -> nn.Module:

@@ -56,6 +56,7 @@ from ...errors import Refused
 from ..distributed.fsdp import check_gradient_reduction
 from ..mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
 from ..models import decoder_config
+from ..moe.expert_parallel import apply_ep, remove_ep
 from ..peft import unwrap_peft
 from ..state import ParallelState, ensure_state, set_loss_function, state_of, undo
 from ..vlm.encoder import install_vision
@@ -68,8 +69,8 @@ from .router_losses import check_router_losses, install_router_losses
 _names = itertools.count()
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses", kernel: KernelArg | None = None
-                ) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses", kernel: KernelArg | None = None,
+                ep: dist.ProcessGroup | DeviceMesh | None = None) -> nn.Module:
     """Make a transformers model sequence-parallel over the ``"sp"`` axis of ``mesh`` (in place).
 
     Feed it ``model(**seqpar.shard_batch(batch, mesh))``; ``out.loss`` is then the exact loss of the
@@ -86,6 +87,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     of S) or, where measured faster, split by heads (each rank its share of the heads on the
     whole sequence), see :mod:`.mixers`, :func:`.mixers.set_mixer_mode` and
     :func:`.mixers.describe_token_mixers`.
+
+    ``ep``: expert parallelism for an MoE model -- a ProcessGroup or 1-D DeviceMesh whose ranks are
+    a subset of ``mesh``'s dp x sp ranks (EP folded over them: :mod:`seqpar.integrations.moe.layout`);
+    each rank then holds a shard of every layer's experts and tokens travel to them and back
+    (:func:`seqpar.integrations.moe.expert_parallel.apply_ep`), while every dense layer keeps SP. Every
+    rank of the world calls parallelize together then. A model whose experts seqpar cannot shard is
+    refused (:class:`seqpar.Refused`), never run without EP.
 
     Raises ValueError if the model is not a transformers model whose attention goes through
     ``AttentionInterface``, has no attention heads, mixes tokens by other means too (convolutions,
@@ -160,6 +168,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         record.push("parallel", "the token mixers", wrap_token_mixers(model, mesh, lambda: last.batch))
         # MoE: the router aux loss over the whole batch, not each rank's shard
         record.push("parallel", "the router-loss hook", install_router_losses(model, mesh).remove)
+        if ep is not None:  # MoE: each rank a shard of the experts, the tokens travel to them (collective)
+            apply_ep(model, ep, mesh=mesh, last_batch=lambda: last.batch)
+            record.push("parallel", "the experts' shards", functools.partial(remove_ep, model))
         publish_forward_errors(model, record)  # an exception in the forward is told to every rank
     except BaseException:
         undo(model, "parallel")  # nothing half-installed stays behind
@@ -232,9 +243,10 @@ def unparallelize(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def parallelized(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses",
-                 kernel: KernelArg | None = None) -> Iterator[nn.Module]:
+                 kernel: KernelArg | None = None, ep: dist.ProcessGroup | DeviceMesh | None = None
+                 ) -> Iterator[nn.Module]:
     """``with seqpar.parallelized(model, mesh) as m:`` -- :func:`parallelize`, undone on exit."""
-    parallelize(model, mesh, strategy=strategy, kernel=kernel)
+    parallelize(model, mesh, strategy=strategy, kernel=kernel, ep=ep)
     try:
         yield model
     finally:

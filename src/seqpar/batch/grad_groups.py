@@ -1,0 +1,88 @@
+"""Parameters that not every rank holds, and the ranks that average their gradients.
+
+Every parameter of a sequence-parallel model is replicated over the dp x sp ranks, and seqpar's
+loss makes the average of its gradient over them exact (:mod:`seqpar.batch.loss`). Expert
+parallelism breaks that for the experts: each rank holds a shard of them, and a shard is a
+different tensor on each rank of its expert-parallel group -- averaging it over every rank would mix
+different experts. Its gradient is averaged over the ranks that hold the *same* shard instead (its
+scale is set so that this average is exact, :mod:`seqpar.integrations.moe.expert_parallel`).
+
+What shards parameters this way says so through a *finder* registered here once, at import (a
+registration point, as transformers' ``AttentionInterface`` is), so that :func:`seqpar.sync_gradients`
+and the wrapper checks of :mod:`seqpar.integrations.distributed.fsdp` reduce each parameter over its
+own ranks without importing the integration that sharded it (it sits above them)::
+
+    register_finder(finder)      finder(model) -> [ShardedParams(params, group, peers, what), ...]
+    sharded_params(model)        every finder's answer for one model
+    total_grad_norm(model)       the whole model's gradient norm, the same on every rank
+
+The norm a step clips with must count every shard once: after :func:`seqpar.sync_gradients` a
+replicated parameter's gradient is whole on every rank, but a rank holds only its own experts', so
+their squares are summed over the ranks that hold the others (``peers``) -- the local norm alone
+undercounts them, and differs from rank to rank (Megatron-LM#5916's undercount, with EP and TP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..comm import collectives
+
+
+@dataclass(frozen=True)
+class ShardedParams:
+    """``params``: parameters this rank holds a shard of; ``group``: the ranks that hold the same
+    shards (their gradients are averaged over it, and over nothing else); ``peers``: the ranks that
+    hold the other shards (together, one whole copy); ``what``: in words."""
+
+    params: tuple[nn.Parameter, ...]
+    group: dist.ProcessGroup
+    peers: dist.ProcessGroup
+    what: str
+
+
+Finder = Callable[[nn.Module], list[ShardedParams]]
+_FINDERS: list[Finder] = []
+
+
+def register_finder(finder: Finder) -> None:
+    """Add ``finder`` (once; registering the same function again does nothing)."""
+    if finder not in _FINDERS:
+        _FINDERS.append(finder)
+
+
+def sharded_params(model: nn.Module) -> list[ShardedParams]:
+    """Every registered finder's sharded parameters of ``model`` ([] for a model nothing sharded)."""
+    return [s for finder in _FINDERS for s in finder(model)]
+
+
+def total_grad_norm(model: nn.Module, norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of ``model``'s whole gradient (a 0-d float64 tensor, the same on every
+    rank; call after :func:`seqpar.sync_gradients`): each replicated parameter once, each sharded
+    one over all its shards (one all-reduce over its ``peers`` per sharding). Clip with it
+    (``torch.nn.utils.clip_grads_with_norm_``). Parameters without a gradient count as zeros."""
+    inf = math.isinf(norm_type)
+    sharded = sharded_params(model)
+    own = {id(p) for s in sharded for p in s.params}
+    grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in own]
+    total = _norm_part(grads, norm_type, grads[0].device if grads else torch.device("cpu"))
+    for s in sharded:  # this rank's shards, then every peer's
+        part = _norm_part([p.grad for p in s.params if p.grad is not None], norm_type, collectives.comm_device(s.peers))
+        collectives.all_reduce(part, group=s.peers, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        part = part.to(total.device)
+        total = torch.maximum(total, part) if inf else total + part
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def _norm_part(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """``max |g|`` (inf-norm) or ``sum |g| ** p`` over ``grads``, in float64, a 0-d tensor on ``device``."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach().double(), norm_type).to(device) for g in grads])
+    return norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
