@@ -29,7 +29,7 @@ from .integrations.hf.export import save_pretrained
 from .integrations.hf.parallelize import attention_kernel, parallelize, parallelized, unparallelize
 from .integrations.memory.switches import memory_switches, reduce_memory, restore_memory, token_stats
 from .integrations.trainer.mixin import SeqParTrainerMixin, parallelize_trainer
-from .integrations.trl import mixins as _trl_trainers  # noqa: F401  registers TRL's DPO / Reward / GRPO mixins
+from .integrations.trl import registry as _trl_registry  # noqa: F401  classifies every TRL trainer
 from .planner import Plan, plan
 
 __version__ = "0.1.0"
