@@ -90,3 +90,16 @@ def test_an_unclassified_trl_trainer_is_refused_and_a_users_subclass_keeps_its_p
 def _load(key: str) -> type:
     module, _, name = key.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def test_the_guide_lists_every_trainer_as_exact_or_refused():
+    """docs/guides/trl.md's table names each classified trainer with its verdict."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "trl.md").read_text()
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in text.splitlines()
+            if line.startswith("| `trl.")}
+    for entry in set(TRL_TRAINERS.values()):
+        row = next((verdict for name, verdict in rows.items() if f"`{entry.name}`" in name), None)
+        assert row is not None, f"docs/guides/trl.md does not list {entry.name}"
+        assert row.startswith("exact" if entry.exact else "refused"), (entry.name, row)
