@@ -218,3 +218,21 @@ def test_refuses_generation_options_by_name(option, value):
     setattr(args, option, value)
     with pytest.raises(seqpar.Refused, match=option):
         check_grpo_options(SimpleNamespace(args=args, tools=None, rollout_func=None))
+
+
+def test_refuses_kto_evaluation_by_name():
+    from types import SimpleNamespace
+
+    from trl import KTOTrainer
+
+    import seqpar
+    from seqpar.integrations.trl.mixins import check_trl_options
+
+    trainer = object.__new__(KTOTrainer)
+    trainer.args = SimpleNamespace(use_liger_kernel=False, eval_strategy="no")
+    trainer.compute_loss_func, trainer.ref_model, trainer.precompute_ref_logps = None, object(), False
+    trainer.model = torch.nn.Linear(1, 1)
+    check_trl_options(trainer)  # the defaults pass
+    trainer.args.eval_strategy = "steps"
+    with pytest.raises(seqpar.Refused, match="evaluation"):
+        check_trl_options(trainer)

@@ -76,30 +76,38 @@ def test_groups_need_not_be_contiguous_nor_equal():
     assert float(nanstd(torch.tensor([1.0, NAN, 3.0]))) == pytest.approx(math.sqrt(2.0))
 
 
+@pytest.fixture(scope="module")
+def rloo(tmp_path_factory):
+    return generation_trainer("rloo", str(tmp_path_factory.mktemp("rloo")), [Fixed(0), Fixed(1)],
+                              reward_weights=[1.0, 0.5], beta=0.0)
+
+
 @pytest.mark.parametrize("normalize", [False, True])
-def test_rloo_advantages_equal_rloo_trainers(tmp_path, normalize):
-    rloo = generation_trainer("rloo", str(tmp_path), [Fixed(0), Fixed(1)], reward_weights=[1.0, 0.5],
-                              normalize_advantages=normalize, beta=0.0)
+def test_rloo_advantages_equal_rloo_trainers(rloo, normalize):
+    rloo.normalize_advantages = normalize  # RLOOConfig(normalize_advantages=...) as the trainer reads it
     want = rloo._generate_and_score_completions(_batch())["advantages"]
     got = rloo_advantages(_rewards(), [i // G for i in range(N)], weights=rloo.reward_weights, normalize=normalize)
     assert torch.equal(got, want), (got, want)
 
 
-def test_rloo_kl_penalty_is_trls(tmp_path):
+def test_rloo_kl_penalty_is_trls(rloo):
     """beta != 0: TRL subtracts beta x (each completion's summed old - ref log-probs) from the reward."""
     from trl.trainer.utils import add_fused_lm_head
     from trl_fixtures import tiny_lm
 
-    rloo = generation_trainer("rloo", str(tmp_path), [Fixed(0), Fixed(1)], reward_weights=[1.0, 0.5], beta=0.0)
+    rloo.normalize_advantages = False
     rloo.beta, rloo.ref_model = 0.2, tiny_lm(seed=5)  # a reference other than the policy: the penalty is not 0
     add_fused_lm_head(rloo.ref_model)  # as TRL does to the reference it builds itself
-    out = rloo._generate_and_score_completions(_batch())
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
-    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
-    c = out["completion_ids"].shape[1]
-    with torch.no_grad():
-        pol, _, _ = rloo._get_per_token_logps_and_entropies(rloo.model, ids, mask, c)
-        ref, _, _ = rloo._get_per_token_logps_and_entropies(rloo.ref_model, ids, mask, c)
+    try:
+        out = rloo._generate_and_score_completions(_batch())
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        c = out["completion_ids"].shape[1]
+        with torch.no_grad():
+            pol, _, _ = rloo._get_per_token_logps_and_entropies(rloo.model, ids, mask, c)
+            ref, _, _ = rloo._get_per_token_logps_and_entropies(rloo.ref_model, ids, mask, c)
+    finally:
+        rloo.beta, rloo.ref_model = 0.0, None
     kl = ((pol - ref) * out["completion_mask"]).sum(-1)
     got = rloo_advantages(_rewards(), [i // G for i in range(N)], weights=rloo.reward_weights, kl=kl, beta=0.2)
     assert kl.abs().max() > 1e-2 and torch.equal(got, out["advantages"]), (got, out["advantages"])

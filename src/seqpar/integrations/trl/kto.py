@@ -12,8 +12,8 @@ or not (its ``label``), against a reference, with TRL's own loss (how it is exac
 
 KTO's KL estimate couples a micro-batch's completions (and the dp ranks'), which is why a dynamic SP
 schedule (bins of other rows) is refused. A peft model without ``ref_model`` is refused (TRL runs the
-whole model with its adapters off inside its loss); precomputed reference log-probs
-(``precompute_ref_log_probs``) are TRL's, computed before seqpar is applied.
+whole model with its adapters off inside its loss), and so is evaluation (not verified); precomputed
+reference log-probs (``precompute_ref_log_probs``) are TRL's, computed before seqpar is applied.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 
 from torch import nn
 
+from ...errors import Refused
 from ..trainer.mixin import SeqParTrainerMixin
-from .mixins import SeqParTRLMixin, dp_metrics, refuse_eval_over_dp
+from .mixins import SeqParTRLMixin, dp_metrics
 from .objectives import ShardedModel, swapped
 
 KTO_BATCH_KEYS = ("completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "label",
@@ -49,5 +50,5 @@ class SeqParKTOMixin(SeqParTRLMixin):
                                                                 inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, *args: Any, **kwargs: Any):
-        """TRL's (its loss through :meth:`compute_loss`), at dp = 1."""
-        return super(SeqParTrainerMixin, self).prediction_step(*args, **refuse_eval_over_dp(self, kwargs))
+        raise Refused("seqpar's KTOTrainer integration trains; its evaluation is not verified exact: evaluate "
+                      "without seqpar (eval_strategy='no' here)")

@@ -116,6 +116,9 @@ def check_trl_options(trainer: Any) -> None:
         "router_aux_loss_coef (a MoE router aux loss)": bool(getattr(trainer, "aux_loss_enabled", False)),
         "compute_loss_func": getattr(trainer, "compute_loss_func", None) is not None,
     }
+    if kind == "KTOTrainer":
+        refused["evaluation (eval_strategy: not verified exact)"] = (
+            str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"))
     if kind in ("DPOTrainer", "KTOTrainer"):  # TRL calls the whole model with its adapters off inside its loss
         refused["a peft model without ref_model (the reference is the model with its adapters off)"] = (
             trainer.ref_model is None and not trainer.precompute_ref_logps and is_peft_model(trainer.model))
