@@ -177,13 +177,14 @@ def with_advantages(rollouts: Sequence[Rollout], *, estimator: str = "grpo", sca
     return [replace(r, advantage=float(a)) for r, a in zip(rollouts, adv.tolist(), strict=True)]
 
 
-def rollout_batch(rollouts: Sequence[Rollout], pad_id: int, *, dtype: torch.dtype = torch.float32
+def rollout_batch(rollouts: Sequence[Rollout], pad_id: int, *, dtype: torch.dtype = torch.float64
                   ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """``(batch, inputs)``: one rollout per row, right-padded to the longest. ``batch``: ``input_ids``,
     ``labels`` (the completion tokens; ``-100`` elsewhere), ``attention_mask``, ``position_ids``
     ``[B, S]`` for :func:`seqpar.shard_batch`; ``inputs`` for the objective: ``advantages`` ``[B]``
     (or ``[B, S]`` per token), ``old_logps`` / ``ref_logps`` ``[B, S]`` when given -- per-token
-    values aligned with the labels (entry i belongs to token i), 0 elsewhere. ValueError for a rollout
+    values aligned with the labels (entry i belongs to token i), 0 elsewhere, in ``dtype`` (the
+    objective casts them to the model's, as TRL's float32 columns are). ValueError for a rollout
     without an advantage (call :func:`with_advantages`)."""
     if not rollouts:
         raise ValueError("rollout_batch needs at least one rollout")
