@@ -14,7 +14,8 @@ TORCH ?= $(shell grep '^torch==' $(LOCK))
 INTERNALS_TESTS := tests/test_compat.py tests/integrations/test_state_passing.py tests/integrations/test_zoo.py \
 	tests/integrations/test_vlm.py tests/integrations/test_vlm_zoo.py tests/integrations/test_trainer.py \
 	tests/integrations/test_trl_vlm.py tests/integrations/test_hf.py tests/cli/test_env.py \
-	tests/integrations/test_trainer_dynamic.py tests/integrations/test_trl_dynamic.py
+	tests/integrations/test_trainer_dynamic.py tests/integrations/test_trl_dynamic.py \
+	tests/integrations/test_trl_registry.py
 LATEST_VENV ?= .venv-latest
 
 .PHONY: install train test lint bench verify gpu-check test-latest lock

@@ -433,18 +433,23 @@ def test_load_balancing_loss_func_is_the_modeling_modules():
         compat.load_balancing_loss_func(llama.LlamaForCausalLM)
 
 
-def test_trl_grpo_gathers_are_the_module_globals_grpo_calls_and_come_back():
-    """GRPOTrainer reads gather / gather_object as its module's globals (its reward gather, its logs)."""
+@pytest.mark.parametrize("module_name", compat.TRL_GATHER_MODULES)
+def test_trl_generation_gathers_are_the_module_globals_grpo_and_rloo_call_and_come_back(module_name):
+    """GRPOTrainer and RLOOTrainer read gather / gather_object as their module's globals (the reward
+    gather, the logs)."""
+    import importlib
     import inspect
 
-    from trl.trainer import grpo_trainer
-
-    source = inspect.getsource(grpo_trainer.GRPOTrainer)
+    module = importlib.import_module(module_name)
+    source = inspect.getsource(module)
     assert "rewards_per_func = gather(rewards_per_func)" in source and "gather_object(" in source
-    old = grpo_trainer.gather, grpo_trainer.gather_object
-    with compat.trl_grpo_gathers(len, list):
-        assert (grpo_trainer.gather, grpo_trainer.gather_object) == (len, list)
-    assert (grpo_trainer.gather, grpo_trainer.gather_object) == old
+    old = module.gather, module.gather_object
+    with compat.trl_generation_gathers(module_name, len, list):
+        assert (module.gather, module.gather_object) == (len, list)
+    assert (module.gather, module.gather_object) == old
+    with pytest.raises(ValueError, match="generation trainer modules"):
+        with compat.trl_generation_gathers("trl.trainer.dpo_trainer", len, list):
+            pass
 
 
 def test_float64_loss_log_is_the_trainers_running_loss_sum():

@@ -30,7 +30,7 @@ from .integrations.hf.parallelize import attention_kernel, parallelize, parallel
 from .integrations.memory.switches import memory_switches, reduce_memory, restore_memory, token_stats
 from .integrations.moe.expert_parallel import apply_ep, remove_ep
 from .integrations.trainer.mixin import SeqParTrainerMixin, parallelize_trainer
-from .integrations.trl import mixins as _trl_trainers  # noqa: F401  registers TRL's DPO / Reward / GRPO mixins
+from .integrations.trl import registry as _trl_registry  # noqa: F401  classifies every TRL trainer
 from .planner import Plan, plan
 
 __version__ = "0.1.0"

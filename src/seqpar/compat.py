@@ -39,8 +39,9 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
                                      IterableDatasetShard: num_processes, process_index
     float64_loss_log                 Trainer._tr_loss (the loss summed between logs,   integrations/
                                      then averaged over every process)                trl_trainers.py
-    trl_grpo_gathers                 trl.trainer.grpo_trainer's module globals gather, integrations/trl_grpo.py
-                                     gather_object (swapped for a block; trl 1.16.0)
+    trl_generation_gathers           trl.trainer.grpo_trainer's / rloo_trainer's       integrations/trl/grpo.py
+                                     module globals gather, gather_object (swapped
+                                     for a block; trl 1.16.0)
     kernels_replaced, KernelCall,    a recurrent mixer's modeling-module globals       integrations/mixers/
       calls_kernels, kernel_route,   (causal_conv1d_fn, torch_chunk_gated_delta_rule,  state_*, testing/scans64,
       modeling_module,               chunk_kimi_delta_attention, mamba2_chunk_scan,    integrations/features
@@ -107,7 +108,8 @@ __all__ = [
     "float64_loss_log", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
-    "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers",
+    "queue_backward_callback", "split_prepared_loader", "tested_set", "TRL_GATHER_MODULES",
+    "trl_generation_gathers",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -500,15 +502,24 @@ def float64_loss_log(trainer: Any, step_loss: Tensor) -> Tensor:
     return total - acc
 
 
-@contextlib.contextmanager
-def trl_grpo_gathers(gather: Callable[[Any], Any], gather_object: Callable[[Any], Any]) -> Iterator[None]:
-    """For the block, TRL's GRPO module calls ``gather`` / ``gather_object`` in place of accelerate's
-    (it imports them as module globals: its reward gather, its completion logs); restored after."""
-    from trl.trainer import grpo_trainer
+TRL_GATHER_MODULES = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")
+"""TRL's generation trainers' modules that import accelerate's ``gather`` / ``gather_object`` as globals."""
 
-    old = grpo_trainer.gather, grpo_trainer.gather_object
-    grpo_trainer.gather, grpo_trainer.gather_object = gather, gather_object
+
+@contextlib.contextmanager
+def trl_generation_gathers(module_name: str, gather: Callable[[Any], Any],
+                           gather_object: Callable[[Any], Any]) -> Iterator[None]:
+    """For the block, TRL's GRPO or RLOO module (``module_name``, one of :data:`TRL_GATHER_MODULES`)
+    calls ``gather`` / ``gather_object`` in place of accelerate's (it imports them as module globals:
+    its reward gather, its completion logs); restored after."""
+    import importlib
+
+    if module_name not in TRL_GATHER_MODULES:
+        raise ValueError(f"{module_name} is not one of TRL's generation trainer modules {TRL_GATHER_MODULES}")
+    module = importlib.import_module(module_name)
+    old = module.gather, module.gather_object
+    module.gather, module.gather_object = gather, gather_object
     try:
         yield
     finally:
-        grpo_trainer.gather, grpo_trainer.gather_object = old
+        module.gather, module.gather_object = old

@@ -128,7 +128,7 @@ def grpo_oracle(loss_type: str, beta: float = 0.0) -> Callable[..., Tensor]:
             ptl = -torch.min(coef_1 * a, coef_2 * a)
             if beta:
                 ref = ref_tok[k]
-                ptl = ptl + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
+                ptl = ptl + beta * (torch.exp(ref - lp) - (ref - lp) - 1) * coef_1  # use_bias_correction_kl
             rows.append((ptl * m).sum() / m.sum().clamp(min=1))
             tot = tot + (ptl * m).sum()
             n_all += float(m.sum())

@@ -13,7 +13,10 @@ integration does not use it: TRL's trainers keep their own losses, run on a shar
 
 Families: :mod:`.causal_lm` (the token mean), :mod:`.preference` (DPO, SimPO, ORPO, KTO), :mod:`.rl`
 (GRPO / DAPO / Dr. GRPO / PPO policy losses), :mod:`.reward` (Bradley-Terry, sequence classification,
-value heads). The per-token and per-sequence quantities live in :mod:`.tokens` and :mod:`.rows`.
+value heads). The per-token and per-sequence quantities live in :mod:`.tokens` and :mod:`.rows`. What
+the RL and preference objectives read from data, pure and tested equal to TRL 1.16: advantages per
+prompt group (:mod:`.advantages`), rollouts made elsewhere (:mod:`.rollouts`), TRL's dataset formats
+and their tokens (:mod:`.trl_formats`).
 """
 
 from .causal_lm import CausalLM

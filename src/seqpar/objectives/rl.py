@@ -1,10 +1,13 @@
 """RL policy losses, the training side (rollouts stay with the generation engine): the clipped
 surrogate of GRPO / DAPO / Dr. GRPO / PPO with a KL to a reference, as TRL 1.16's ``GRPOTrainer``
-computes it (``loss_type``, ``epsilon``, ``epsilon_high``, ``delta``, ``beta``), per token::
+computes it (``loss_type``, ``epsilon``, ``epsilon_high``, ``delta``, ``beta``, ``use_bias_correction_kl``),
+per token::
 
     ratio = exp(logp - old_logp)                  (old_logp: the old policy's; default logp.detach())
     loss_t = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * kl_t
-    kl_t = exp(ref - logp) - (ref - logp) - 1     (k3 estimator, with reference log-probs)
+    kl_t = exp(ref - logp) - (ref - logp) - 1     (k3 estimator, with reference log-probs), times ratio
+                                                  with use_bias_correction_kl (TRL 1.16's default: the
+                                                  unbiased reverse-KL gradient of DeepSeek-V3.2)
 
 ``A``: the advantage, one per sequence ``[N]`` (GRPO) or per token ``[B, S]`` (PPO's GAE). The
 completion tokens are the labels' non-ignored tokens. Aggregation (``loss_type``):
@@ -41,6 +44,7 @@ class PolicyGradient(Objective):
     delta: float | None = None
     beta: float = 0.0
     max_completion_length: int | None = None
+    use_bias_correction_kl: bool = True
 
     name = "policy_gradient"
     needs = Needs(optional=("advantages", "old_logps"), reference=False)
@@ -65,6 +69,12 @@ class PolicyGradient(Objective):
         old = q.token.get("old_logps")
         old = logp.detach() if old is None else old.to(logp.dtype)
         coef_1 = torch.exp(logp - old)
+        kl = None
+        if self.beta != 0.0:
+            ref = q.token["ref_logps"].to(logp.dtype)
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            if self.use_bias_correction_kl:  # the ratio before delta's clamp, as TRL
+                kl = kl * coef_1
         high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         coef_2 = torch.clamp(coef_1, 1 - self.epsilon, 1 + high)
         if self.delta is not None:
@@ -72,9 +82,7 @@ class PolicyGradient(Objective):
         adv = adv.to(logp.dtype)
         per_token = -torch.min(coef_1 * adv, coef_2 * adv)
         metrics: dict[str, Tensor] = {}
-        if self.beta != 0.0:
-            ref = q.token["ref_logps"].to(logp.dtype)
-            kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if kl is not None:
             per_token = per_token + self.beta * kl
             metrics["kl"] = q.sums(kl.detach()).sum() / q.counts.sum().clamp(min=1.0)
         seq_sums = q.sums(per_token)  # [N]

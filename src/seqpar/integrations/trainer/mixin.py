@@ -97,7 +97,7 @@ class SeqParTrainerMixin:
     Raises what :func:`parallelize_trainer` raises, from the constructor."""
 
     loss_is_scaled_for_ga = True  # the loss is normalised by N over the whole accumulation window
-    seqpar_batch_keys: tuple[str, ...] = ()  # a TRL trainer's own batch columns (trl_trainers)
+    seqpar_batch_keys: tuple[str, ...] = ()  # a TRL trainer's own batch columns (integrations/trl/mixins.py)
     _seqpar: _State
 
     def __init__(self, *args: Any, sp: int | None = None, mesh: DeviceMesh | None = None,
@@ -209,45 +209,65 @@ def _trl_aux_term(trainer: Any, model: nn.Module, outputs: Any, num_items_in_bat
 
 _classes: dict[tuple[type, tuple[type, ...]], type] = {}
 
-TRL_TRAINERS = ("DPOTrainer", "RewardTrainer", "GRPOTrainer")
-"""TRL's objective trainers seqpar runs with TRL's own loss (:mod:`seqpar.integrations.trl`)."""
+@dataclass(frozen=True)
+class TrlEntry:
+    """How :func:`parallelize_trainer` treats one TRL trainer class (``name``: its public import path).
+    Exactly one of three: with TRL's own loss over a sharded stand-in model (``mixin`` and ``setup``;
+    under a dynamic schedule the ``dynamic`` methods class, with the ``check_dynamic`` that refuses
+    what it cannot make exact; None: no dynamic schedule), through the Trainer integration's causal-LM
+    token mean (no mixin, not refused: ``SFTTrainer``), or ``refused``: why seqpar cannot make it exact."""
+
+    name: str
+    mixin: type[SeqParTrainerMixin] | None = None
+    setup: Callable[[Any, _State], None] | None = None
+    dynamic: type | None = None
+    check_dynamic: Callable[[Any], None] | None = None
+    refused: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.refused is None
+
+
+TRL_TRAINERS: dict[str, TrlEntry] = {}
+"""Every TRL trainer class, exact or refused, keyed by where TRL defines it (:func:`trl_key`,
+``"trl.trainer.dpo_trainer.DPOTrainer"``); filled by :mod:`seqpar.integrations.trl.registry` (which
+``import seqpar`` imports; it subclasses the mixin above, so this module cannot import it). A TRL
+trainer class that is not here (new in a TRL release) is refused until it is classified."""
+
+
+def trl_key(cls: type) -> str:
+    """The registry key of a class: its defining module and qualified name."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def trl_class(cls: type) -> type | None:
+    """The first TRL class along ``cls``'s MRO (TRL's own trainer class, or the TRL class a user
+    subclassed), or None for a trainer that is not TRL's. By module name: TRL is never imported here."""
+    return next((k for k in cls.__mro__ if k.__module__.split(".")[0] == "trl"), None)
 
 
 def trl_kind(cls: type) -> str | None:
-    """"DPOTrainer", "RewardTrainer" or "GRPOTrainer" when ``cls`` is (a subclass of) that TRL trainer,
-    else None. By name along the MRO, so that TRL is never imported for nothing."""
-    for klass in cls.__mro__:
-        if klass.__name__ in TRL_TRAINERS and klass.__module__.startswith("trl."):
-            return klass.__name__
-    return None
-
-
-@dataclass(frozen=True)
-class TrlEntry:
-    """How :func:`parallelize_trainer` runs one TRL objective trainer: its ``mixin`` and ``setup``, and
-    under a dynamic schedule the ``dynamic`` methods class with the ``check`` that refuses what it
-    cannot make exact (None: no dynamic schedule for it)."""
-
-    mixin: type[SeqParTrainerMixin]
-    setup: Callable[[Any, _State], None]
-    dynamic: type | None = None
-    check_dynamic: Callable[[Any], None] | None = None
-
-
-TRL_MIXINS: dict[str, TrlEntry] = {}
-"""TRL's objective trainers by class name ("DPOTrainer"...), registered by :mod:`seqpar.integrations.trl`
-(which ``import seqpar`` imports; it subclasses the mixin above, so this module cannot import it)."""
+    """The class name of :func:`trl_class` ("DPOTrainer", "GRPOTrainer"...), or None."""
+    klass = trl_class(cls)
+    return klass.__name__ if klass is not None else None
 
 
 def trl_entry(cls: type) -> TrlEntry | None:
-    """The :class:`TrlEntry` of a TRL objective trainer class, None for other trainers."""
-    kind = trl_kind(cls)
-    if kind is None:
+    """The :class:`TrlEntry` of a TRL trainer class (or of the user's subclass of one), None for a
+    trainer that is not TRL's. Refused for a TRL class seqpar has not classified."""
+    klass = trl_class(cls)
+    if klass is None:
         return None
-    if kind not in TRL_MIXINS:
-        raise Refused(f"seqpar's {kind} integration is not loaded: import seqpar (or "
-                      "seqpar.integrations.trl.mixins) before parallelize_trainer")
-    return TRL_MIXINS[kind]
+    if not TRL_TRAINERS:
+        raise Refused("seqpar's TRL integration is not loaded: import seqpar (or "
+                      "seqpar.integrations.trl.registry) before parallelize_trainer")
+    entry = TRL_TRAINERS.get(trl_key(klass))
+    if entry is None:
+        raise Refused(f"TRL's {klass.__name__} ({trl_key(klass)}) is not classified by seqpar (a trainer new in "
+                      "this TRL release): seqpar has not verified that it is exact; train it without seqpar, or "
+                      "with the TRL release seqpar was tested with (seqpar/tested.txt)")
+    return entry
 
 
 def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int | None = None,
@@ -267,17 +287,17 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     size, if the model cannot be parallelized (:func:`seqpar.parallelize`), if the mesh does not
     span every process of the trainer, if accelerate's own context / sequence parallelism is on, or
     if the trainer computes a loss other than the causal-LM token mean (``compute_loss_func``,
-    label smoothing, TRL's ``loss_type="dft"``). TRL's ``DPOTrainer``, ``RewardTrainer`` and
-    ``GRPOTrainer`` keep their own loss, exact (:mod:`.trl_objectives`, :mod:`.trl_grpo`); what of
-    them seqpar cannot make exact is Refused by its option name (:func:`.trl_trainers.check_trl_options`,
-    :func:`.trl_grpo.check_grpo_options`). A MoE router aux loss is exact (the model's
-    ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's SFTTrainer weighted
-    as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp;
+    label smoothing, TRL's ``loss_type="dft"``). TRL's ``DPOTrainer``, ``RewardTrainer``, ``KTOTrainer``,
+    ``GRPOTrainer`` and ``RLOOTrainer`` keep their own loss, exact (:mod:`seqpar.integrations.trl`);
+    what of them seqpar cannot make exact is Refused by its option name; every other TRL trainer is
+    Refused by name with the reason (:mod:`seqpar.integrations.trl.registry`). A MoE router aux loss
+    is exact (the model's ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's
+    SFTTrainer weighted as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp;
     at dp > 1 each dp rank's own, as under DDP without seqpar). Another TRL trainer adding a router
     aux loss at dp > 1 is Refused (not yet held against DDP).
     ``schedule``: a dynamic SP schedule over ``mesh`` (``seqpar.planner.bins.DynamicSP``): each
     micro-batch's rows binned, each bin at the degree it needs (:mod:`.trainer_dynamic`; TRL's DPO
-    and reward trainers: whole pairs per bin, :mod:`.trl_dynamic`; GRPO is refused).
+    and reward trainers: whole pairs per bin, :mod:`seqpar.integrations.trl.dynamic`; the others are refused).
     """
     dynamic: tuple[type, ...] = ()
     if schedule is not None:  # the dynamic schedule (issue 37): its methods live in their own module
@@ -287,7 +307,7 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     if isinstance(trainer, SeqParTrainerMixin):
         raise ValueError("this trainer is already sequence-parallel (seqpar.parallelize_trainer or "
                          "seqpar.SeqParTrainerMixin)")
-    entry = trl_entry(type(trainer))
+    entry = _own_loss_entry(trainer)
     if entry is not None and schedule is not None:  # TRL's DPO / Reward: whole pairs per bin, TRL's loss
         if entry.check_dynamic is not None:
             entry.check_dynamic(trainer)  # refuses what it cannot make exact, by name
@@ -295,7 +315,7 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
             raise Refused(f"a dynamic SP schedule (schedule=) with TRL's {trl_kind(type(trainer))} is not supported: "
                           "leave schedule=None (the static schedule)")
         dynamic = (entry.dynamic,)
-    mixin = entry.mixin if entry else SeqParTrainerMixin  # TRL's DPO / Reward / GRPO trainers: their own
+    mixin = entry.mixin if entry else SeqParTrainerMixin  # TRL's trainers with their own loss: their mixin
     state = _setup(trainer, mesh, sp, strategy, layout, who="parallelize_trainer")
     base = type(trainer)
     cls = _classes.get((base, dynamic))
@@ -327,9 +347,10 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                          "would shard the batch a second time (and torch context_parallel drops the attention "
                          "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
                          "when seqpar runs the sequence parallelism")
-    entry = trl_entry(type(trainer))
-    if entry is not None:  # TRL's DPO / Reward / GRPO trainers: TRL's own loss, sharded
+    entry = _own_loss_entry(trainer)
+    if entry is not None:  # TRL's trainers with their own loss (DPO, GRPO...): TRL's loss, sharded
         mixin, setup_trl = entry.mixin, entry.setup
+        assert mixin is not None and setup_trl is not None, entry
         if who != "parallelize_trainer" and not isinstance(trainer, mixin):
             raise ValueError(f"{who} is over TRL's {mixin.__name__.removeprefix('SeqPar').removesuffix('Mixin')}"
                              f"Trainer, whose loss SeqParTrainerMixin does not compute: build it plainly and call "
@@ -344,6 +365,16 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
                       f"verified exact (dp={state.dp}): train with sp only (dp=1), or set output_router_logits=False")
     parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
     return state
+
+
+def _own_loss_entry(trainer: Any) -> TrlEntry | None:
+    """The trainer's :class:`TrlEntry` when seqpar runs it with TRL's own loss; None for the Trainer
+    integration's token mean (``Trainer``, ``SFTTrainer``, a user's subclass); Refused, naming the
+    trainer and the reason, for a TRL trainer seqpar cannot make exact."""
+    entry = trl_entry(type(trainer))
+    if entry is not None and entry.refused is not None:
+        raise Refused(f"seqpar cannot make TRL's {entry.name} exact: {entry.refused}")
+    return entry if entry is not None and entry.mixin is not None else None
 
 
 def _router_aux_on(trainer: Any) -> bool:
@@ -384,7 +415,7 @@ def check_own_loss(cls: type) -> None:
         raise Refused(f"{klass.__module__}.{klass.__name__} defines its own compute_loss, which seqpar's Trainer "
                       "integration would replace by the causal-LM token mean: train its objective through "
                       "seqpar.objectives (your own loop), use one of the trainers seqpar supports (Trainer, "
-                      "SFTTrainer, TRL's DPOTrainer / RewardTrainer / GRPOTrainer), or keep the model's own loss")
+                      "SFTTrainer, TRL's DPO / Reward / KTO / GRPO / RLOO trainers), or keep the model's own loss")
 
 
 def check_loss_options(trainer: Any) -> None:

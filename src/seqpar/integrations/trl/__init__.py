@@ -1,4 +1,4 @@
-"""TRL's objective trainers (``DPOTrainer``, ``RewardTrainer``, ``GRPOTrainer``) under
-``seqpar.parallelize_trainer``, with TRL's own losses: the sharded stand-in model (:mod:`.objectives`),
-the mixins and the options refused by name (:mod:`.mixins`, :mod:`.grpo`), a dynamic schedule
-(:mod:`.dynamic`)."""
+"""TRL's trainers under ``seqpar.parallelize_trainer``: which are exact and which are refused, with the
+reason (:mod:`.registry`); TRL's own losses over the sharded stand-in model (:mod:`.objectives`); the
+mixins and the options they refuse by name (:mod:`.mixins`: DPO, reward; :mod:`.kto`; :mod:`.grpo`:
+GRPO and RLOO); a dynamic schedule for DPO and reward (:mod:`.dynamic`)."""

@@ -1,5 +1,7 @@
-"""TRL's ``GRPOTrainer`` under :func:`seqpar.parallelize_trainer`: generation on the whole prompt,
-the training forward sharded.
+"""TRL's ``GRPOTrainer`` and ``RLOOTrainer`` under :func:`seqpar.parallelize_trainer`: generation on
+the whole prompt, the training forward (and the reference model's) sharded. RLOO's trainer is GRPO's
+loop with another advantage (leave-one-out, its KL in the reward) and a sequence-level loss: the same
+mixin serves both.
 
 TRL 1.16 sizes and distributes GRPO by the process count; under seqpar the ``sp`` ranks of a dp group
 are one "process" of the script without seqpar, so while a step runs GRPO sees a world of dp ranks::
@@ -7,6 +9,11 @@ are one "process" of the script without seqpar, so while a step runs GRPO sees a
     generation_batch_size     per_device x dp x steps_per_generation (its config computed it from the world)
     seed                      seed + dp rank (TRL seeds generation per process)
     generation, rewards       the plain model on whole prompts, on every SP rank: the same completions
+                              (and the old log-probs, and with peft the reference's: the adapters off)
+    reference (beta != 0)     a reference model (TRL loads it from the policy's checkpoint) is
+                              parallelized once and run as a ShardedModel: its per-token log-probs
+                              equal the unsharded ones; TRL's KL (GRPO: k3 in the loss; RLOO: the
+                              log-ratio sum in the reward) and its aggregation run unchanged
     gathers                   rewards, token counts, metrics and logs over the dp ranks only (one copy
                               of each SP group), advantages sliced by the dp rank
     training forward          the model parallelized from compute_loss to the end of the step's backward
@@ -20,6 +27,7 @@ option (:func:`check_grpo_options`) where seqpar knows it is not exact.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Iterator
@@ -36,7 +44,7 @@ from ..hf.parallelize import parallelize, unparallelize
 from ..peft import unwrap_peft
 from ..state import state_of
 from ..trainer.data import sp_groups
-from ..trainer.mixin import SeqParTrainerMixin
+from ..trainer.mixin import SeqParTrainerMixin, trl_class, trl_kind
 from .objectives import DPGather, ShardedModel, swapped
 
 
@@ -78,7 +86,8 @@ class SeqParGRPOMixin(SeqParTrainerMixin):
         world = DPWorld(self.accelerator, self._seqpar)
         try:
             with faults.publishing("the Trainer's training step"), swapped(self, "accelerator", world), \
-                    compat.trl_grpo_gathers(world.gather, world.gather_object):
+                    compat.trl_generation_gathers(_trl_module(self), world.gather, world.gather_object), \
+                    _sharded_ref(self):
                 loss = super(SeqParTrainerMixin, self).training_step(model, inputs, num_items_in_batch)
             return compat.float64_loss_log(self, loss)  # the log averages the SP copies exactly
         finally:  # parallelized by compute_loss, through the backward (activation checkpointing recomputes)
@@ -98,8 +107,26 @@ class SeqParGRPOMixin(SeqParTrainerMixin):
                                                             inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, *args: Any, **kwargs: Any):
-        raise Refused("seqpar's GRPOTrainer integration trains; its evaluation is not verified exact: evaluate "
-                      "without seqpar (eval_strategy='no' here)")
+        raise Refused(f"seqpar's {trl_kind(type(self))} integration trains; its evaluation is not verified exact: "
+                      "evaluate without seqpar (eval_strategy='no' here)")
+
+
+def _trl_module(trainer: Any) -> str:
+    """The module of the trainer's TRL class, whose globals gather / gather_object it calls."""
+    klass = trl_class(type(trainer))
+    assert klass is not None, type(trainer)
+    return klass.__module__
+
+
+def _sharded_ref(trainer: Any) -> contextlib.AbstractContextManager[None]:
+    """For the block, the trainer's reference model (parallelized by :func:`setup_grpo`) is a
+    :class:`ShardedModel`: TRL's reference forward in ``_generate_and_score_completions`` runs on this
+    rank's shard and hands back the whole batch's per-token log-probs. No reference: nothing."""
+    ref = getattr(trainer, "ref_model", None)
+    if ref is None:
+        return contextlib.nullcontext()
+    state = trainer._seqpar
+    return swapped(trainer, "ref_model", ShardedModel(ref, state.mesh, state.layout))
 
 
 def is_parallelized(model: nn.Module) -> bool:
@@ -114,10 +141,14 @@ def _unwrap_ddp(model: nn.Module) -> nn.Module:
 
 
 def setup_grpo(trainer: Any, state: Any) -> None:
-    """Refuse what is not exact; size GRPO's generation batch and seed its generation for dp processes."""
+    """Refuse what is not exact; size the generation batch and seed generation for dp processes;
+    parallelize the reference model (beta != 0 without peft), which only ever runs sharded."""
     from accelerate.utils import set_seed
 
     check_grpo_options(trainer)
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None:
+        parallelize(unwrap_peft(trainer.accelerator.unwrap_model(ref)), state.mesh, strategy=state.strategy)
     args = trainer.args
     args.generation_batch_size = args.per_device_train_batch_size * state.dp * args.steps_per_generation
     if args.generation_batch_size % trainer.num_generations:
@@ -127,11 +158,12 @@ def setup_grpo(trainer: Any, state: Any) -> None:
 
 
 def check_grpo_options(trainer: Any) -> None:
-    """Refused, by name, for the GRPO options seqpar does not run exactly."""
+    """Refused, by name, for the GRPO / RLOO options seqpar does not run exactly."""
     args = trainer.args
     refused = {
         "use_vllm": bool(getattr(args, "use_vllm", False)),
-        "beta != 0 (a reference model)": float(getattr(args, "beta", 0.0)) != 0.0,
+        "sync_ref_model (the reference mixed into the policy's weights: not verified)":
+            bool(getattr(args, "sync_ref_model", False)),
         "use_liger_kernel": bool(getattr(args, "use_liger_kernel", False)),
         "router_aux_loss_coef (a MoE router aux loss)": bool(getattr(trainer, "aux_loss_enabled", False)),
         "eval_strategy": str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"),
@@ -140,6 +172,7 @@ def check_grpo_options(trainer: Any) -> None:
     }
     named = [k for k, on in refused.items() if on]
     if named:
-        raise Refused(f"seqpar's GRPOTrainer integration cannot make {', '.join(named)} exact yet: turn "
+        raise Refused(f"seqpar's {trl_kind(type(trainer)) or 'GRPOTrainer'} integration cannot make "
+                      f"{', '.join(named)} exact yet: turn "
                       f"{'it' if len(named) == 1 else 'them'} off to train with seqpar")
 

@@ -1,6 +1,7 @@
 """The mixins :func:`seqpar.parallelize_trainer` puts over TRL's ``DPOTrainer`` and ``RewardTrainer``
 (how they are exact: :mod:`seqpar.integrations.trl.objectives`), and the TRL options they refuse;
-``GRPOTrainer``'s lives in :mod:`seqpar.integrations.trl.grpo`.
+``KTOTrainer``'s lives in :mod:`seqpar.integrations.trl.kto`, ``GRPOTrainer`` / ``RLOOTrainer``'s in
+:mod:`seqpar.integrations.trl.grpo`; which class gets which: :mod:`seqpar.integrations.trl.registry`.
 
 Each mixin overrides ``compute_loss`` only to hand TRL's own ``compute_loss`` a
 :class:`~seqpar.integrations.trl.objectives.ShardedModel` in place of the model (and of DPO's
@@ -18,9 +19,7 @@ from ... import compat
 from ...errors import Refused
 from ..hf.parallelize import parallelize
 from ..peft import is_peft_model, unwrap_peft
-from ..trainer.mixin import TRL_MIXINS, SeqParTrainerMixin, TrlEntry, trl_entry, trl_kind
-from .dynamic import DynamicPairMethods, check_pair_dynamic
-from .grpo import SeqParGRPOMixin, setup_grpo
+from ..trainer.mixin import SeqParTrainerMixin, trl_kind
 from .objectives import DPGather, ShardedModel, swapped
 
 DPO_BATCH_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
@@ -98,11 +97,6 @@ def dp_metrics(trainer: Any) -> contextlib.AbstractContextManager[None]:
     return swapped(trainer, "accelerator", DPGather(trainer.accelerator, state.mesh, state.dp))
 
 
-def mixin_for(cls: type) -> type[SeqParTrainerMixin] | None:
-    """The mixin for a TRL objective trainer class (None for other trainers)."""
-    entry = trl_entry(cls)
-    return entry.mixin if entry else None
-
 
 def setup_trl(trainer: Any, state: Any) -> None:
     """Refuse what seqpar cannot make exact; parallelize the model and DPO's reference model."""
@@ -111,12 +105,6 @@ def setup_trl(trainer: Any, state: Any) -> None:
     if ref is not None:
         parallelize(unwrap_peft(trainer.accelerator.unwrap_model(ref)), state.mesh, strategy=state.strategy)
     parallelize(unwrap_peft(trainer.model), state.mesh, strategy=state.strategy)
-
-
-TRL_MIXINS.update({  # whole pairs per bin under a dynamic schedule; GRPO's model: parallelized per step
-    "DPOTrainer": TrlEntry(SeqParDPOMixin, setup_trl, DynamicPairMethods, check_pair_dynamic),
-    "RewardTrainer": TrlEntry(SeqParRewardMixin, setup_trl, DynamicPairMethods, check_pair_dynamic),
-    "GRPOTrainer": TrlEntry(SeqParGRPOMixin, setup_grpo, None, check_pair_dynamic)})  # refuses it by name
 
 
 def check_trl_options(trainer: Any) -> None:
@@ -128,7 +116,10 @@ def check_trl_options(trainer: Any) -> None:
         "router_aux_loss_coef (a MoE router aux loss)": bool(getattr(trainer, "aux_loss_enabled", False)),
         "compute_loss_func": getattr(trainer, "compute_loss_func", None) is not None,
     }
-    if kind == "DPOTrainer":
+    if kind == "KTOTrainer":
+        refused["evaluation (eval_strategy: not verified exact)"] = (
+            str(getattr(args, "eval_strategy", "no")) not in ("no", "IntervalStrategy.NO"))
+    if kind in ("DPOTrainer", "KTOTrainer"):  # TRL calls the whole model with its adapters off inside its loss
         refused["a peft model without ref_model (the reference is the model with its adapters off)"] = (
             trainer.ref_model is None and not trainer.precompute_ref_logps and is_peft_model(trainer.model))
     named = [k for k, on in refused.items() if on]

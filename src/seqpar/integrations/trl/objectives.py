@@ -131,7 +131,7 @@ class ShardedModel:
 
 class DPGather:
     """Stands in for the trainer's accelerator while TRL's ``compute_loss`` runs: ``gather`` and
-    ``gather_for_metrics`` concatenate over the dp ranks only (one copy of each SP group's equal
+    ``gather_for_metrics`` concatenate, ``reduce`` reduces, over the dp ranks only (one copy of each SP group's equal
     values; with dp=1 the tensor itself, as accelerate returns it in one process); every other
     attribute is the accelerator's."""
 
@@ -149,6 +149,16 @@ class DPGather:
         parts = [torch.empty_like(t) for _ in range(self._dp)]
         dist.all_gather(parts, t, group=self._group)
         return torch.cat(parts)
+
+    def reduce(self, tensor: Tensor, reduction: str = "sum", scale: float = 1.0) -> Tensor:
+        """accelerate's ``reduce`` over the dp ranks only (TRL's token-weighted metric means: a sum of
+        each SP group's one copy, in the order the script's processes sum them)."""
+        if not isinstance(tensor, Tensor) or reduction not in ("sum", "mean", "max"):
+            raise Refused("seqpar's TRL integration reduces one tensor by sum, mean or max")
+        out = tensor.detach().clone()
+        if self._group is not None:
+            dist.all_reduce(out, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM, group=self._group)
+        return out / self._dp if reduction == "mean" else out
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         if use_gather_object or not isinstance(input_data, Tensor):
