@@ -253,6 +253,9 @@ def _worker(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
     flat = compat.flatten_mesh(mesh[("a", "b")], "ab")
     out["flat"] = (flat.size(), mesh["ab"].size(), dist.get_process_group_ranks(mesh.get_group("ab")))
+    grid = compat.unflatten_mesh(flat, (world, 1), ("c", "d"))
+    out["unflat"] = (grid.mesh.tolist(), dist.get_process_group_ranks(grid.get_group("c")),
+                     grid._get_root_mesh() is mesh)
 
     seen = []
     model = nn.Linear(2, 2)
@@ -291,6 +294,12 @@ def dist_results():
 def test_flatten_mesh_names_one_group_over_the_dims(dist_results):
     for r in dist_results:
         assert r["flat"] == (2, 2, [0, 1])
+
+
+@pytest.mark.distributed
+def test_unflatten_mesh_splits_a_flat_view_on_the_same_root(dist_results):
+    for r in dist_results:
+        assert r["unflat"] == ([[0], [1]], [0, 1], True)
 
 
 @pytest.mark.distributed

@@ -13,6 +13,7 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     shim                             outside internal                                  used by
     -------------------------------  ------------------------------------------------  -----------------------
     flatten_mesh                     DeviceMesh._flatten                               comm/mesh.py
+    unflatten_mesh                   DeviceMesh._unflatten                             comm/mesh.py (ep_mesh)
     queue_backward_callback          Variable._execution_engine.queue_callback         comm/guard.py, comm/faults.py
     default_store                    distributed_c10d._get_default_store               comm/faults.py
     abort_all_groups                 distributed_c10d._abort_process_group             comm/waits.py
@@ -105,7 +106,7 @@ __all__ = [
     "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "float64_loss_log", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
-    "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers",
+    "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers", "unflatten_mesh",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +119,14 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     ``mesh``, registered on its root so that ``root[name]`` and ``root.get_group(name)`` find it.
     torch has no public way to name a flattened set of dims (2.13)."""
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``mesh._unflatten(0, sizes, names)``: the 1-D (flattened) DeviceMesh ``mesh`` seen as
+    ``len(sizes)`` dimensions of those sizes (row-major, the last innermost), on the same root mesh
+    (so its dims compose with the root's in a DTensor or ``fully_shard``). torch has no public
+    unflatten (2.13)."""
+    return mesh._unflatten(0, sizes, names)
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
