@@ -157,6 +157,15 @@ def test_attn_implementation_reads_what_set_attn_implementation_set():
     assert compat.attn_implementation(model.config) == "sdpa"
 
 
+def test_set_tp_size_is_what_transformers_and_accelerate_read():
+    from accelerate.utils.other import get_model_tp_size
+
+    model = _tiny_llama()
+    assert model.tp_size is None and get_model_tp_size(model) is None
+    compat.set_tp_size(model, 2)
+    assert model.tp_size == 2 and get_model_tp_size(model) == 2
+
+
 def test_decoder_block_classes_names_the_decoder_layer():
     model = _tiny_llama()
     assert compat.decoder_block_classes(model) == {"LlamaDecoderLayer"}

@@ -32,6 +32,8 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     active_ddp_module                DistributedDataParallel._get_active_ddp_module    integrations/fsdp.py
     fsdp_meshes                      FSDPModule._get_fsdp_state()._fsdp_param_groups   integrations/fsdp.py
     attn_implementation              PretrainedConfig._attn_implementation             integrations/hf.py, zoo
+    set_tp_size                      PreTrainedModel._tp_size (what model.tp_size,     integrations/trainer/
+                                     accelerate's get_model_tp_size and Trainer read)  parallelism.py
     decoder_block_classes            PreTrainedModel._no_split_modules                 integrations/fsdp, memory
     mark_uninitialized               module._is_hf_initialized                         integrations/materialize.py
     init_weights_override            PreTrainedModel._init_weights (shadowed)          integrations/materialize.py
@@ -106,7 +108,8 @@ __all__ = [
     "default_store", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh", "float64_loss_log", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
-    "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers", "unflatten_mesh",
+    "queue_backward_callback", "set_tp_size", "split_prepared_loader", "tested_set", "trl_grpo_gathers",
+    "unflatten_mesh",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +275,14 @@ def fsdp_meshes(module: nn.Module) -> list[Any]:
 # ---------------------------------------------------------------------------------------------
 # transformers
 # ---------------------------------------------------------------------------------------------
+
+
+def set_tp_size(model: nn.Module, tp: int) -> None:
+    """``model._tp_size = tp``: what transformers' ``model.tp_size`` returns, accelerate's
+    ``get_model_tp_size`` reads to accept a tensor-parallel model in its TP path, and the Trainer's
+    ``get_tp_size`` divides the batch count by. transformers sets it when it shards a model itself
+    (``from_pretrained(distributed_config=...)``); there is no public setter (5.25)."""
+    model._tp_size = int(tp)
 
 
 def attn_implementation(config: Any) -> str | None:
