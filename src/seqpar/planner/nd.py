@@ -112,9 +112,10 @@ class NdPlan:
     candidates: tuple[Layout, ...] = field(repr=False)
 
 
-def _bytes(shape: ModelShape, *, seq_len: int, gpus_per_node: int, dtype_bytes: int, dp_replicate: int,
+def layout_bytes(shape: ModelShape, *, seq_len: int, gpus_per_node: int, dtype_bytes: int, dp_replicate: int,
            dp_shard: int, u: int, r: int, tp: int, ep: int, causal: bool) -> tuple[dict[str, int], dict[str, int]]:
-    """``(bytes per layer per dimension, their inter-node part)`` (module doc), forward, per rank."""
+    """``(bytes per layer per dimension, their inter-node part)`` of one layout (module doc), forward,
+    per rank: ``{"sp", "tp", "dp", "ep"}``."""
     b, h, sp = dtype_bytes, shape.hidden_size, u * r
     c = estimate(dp_replicate * dp_shard, u, r, heads=shape.heads // tp, kv_heads=shape.kv_heads // tp,
                  head_dim=shape.head_dim, hidden_size=h, devices_per_node=max(1, gpus_per_node // tp),
@@ -194,7 +195,7 @@ def _candidate(shape: ModelShape, seq_len: int, gpus_per_node: int, gpu_memory: 
         if m.total <= gpu_memory:
             switches, memory = sw, m
             break
-    per, inter = _bytes(shape, seq_len=seq_len, gpus_per_node=gpus_per_node, dtype_bytes=b,
+    per, inter = layout_bytes(shape, seq_len=seq_len, gpus_per_node=gpus_per_node, dtype_bytes=b,
                         dp_replicate=dp_replicate, dp_shard=dp_shard, u=u, r=r, tp=tp, ep=ep, causal=causal)
     seconds = sum((per[k] - inter[k]) / intra_bw + inter[k] / inter_bw for k in per)
     why = () if memory.total <= gpu_memory else (f"{memory.total / 2**30:.1f} GiB > {gpu_memory / 2**30:.1f} GiB "
