@@ -10,7 +10,8 @@ computes in float32 itself, Gemma 2's norms, at float32 precision as in model_pa
                  with TP as its 2-D parameters; plus what is refused, gather_log_probs and
                  save_pretrained of the sharded model.
     make verify  (heavy) init_mesh(dp_shard=2, tp=2, sp=2) and init_mesh(tp=2, ulysses=2, ring=2) on
-                 8 ranks: the same families, hybrid included.
+                 8 ranks: the same families, hybrid included; and dp_replicate=2 x tp2 x sp2 (HSDP
+                 with TP under apply_fsdp, and sync_gradients).
 """
 
 from __future__ import annotations
@@ -232,9 +233,12 @@ HEAVY = [
 ]
 
 
+HSDP = [nd_case("tiny-llama", "padded", 16, fsdp=True), nd_case("tiny-qwen3", "packed", 17, "ring")]
+
+
 def _heavy(rank: int, world: int) -> list:
     return run_nd_parity(rank, world, [{"dp_shard": 2, "tp": 2, "sp": 2}, {"tp": 2, "ulysses": 2, "ring": 2}],
-                         HEAVY)
+                         HEAVY) + run_nd_parity(rank, world, [{"dp_replicate": 2, "tp": 2, "sp": 2}], HSDP)
 
 
 @pytest.mark.distributed
@@ -242,3 +246,12 @@ def _heavy(rank: int, world: int) -> list:
 def test_dp2_tp2_sp2_and_hybrid_equal_the_unsharded_model():
     results = run_distributed(_heavy, 8, timeout=1800)
     _check_rows([{"rows": rows} for rows in results])
+
+
+def test_objectives_refuse_a_vocabulary_parallel_head():
+    from seqpar.batch.tiled_loss import Head
+    from seqpar.objectives.tokens import token_logps_entropy
+
+    head = Head(torch.zeros(8, 4), tp_group=object())  # any group: refused before it is used
+    with pytest.raises(Refused, match="vocabulary-parallel head"):
+        token_logps_entropy(torch.zeros(1, 3, 4), head, torch.zeros(1, 3, dtype=torch.long))
