@@ -136,6 +136,8 @@ def _extras(rank: int, world: int, out_dir: str) -> dict:
     out: dict = {}
     mesh = seqpar.init_mesh(tp=2, sp=2, device_type="cpu")
     out["groups"] = {a: dist.get_process_group_ranks(axis_group(mesh, a)) for a in ("sp", "tp", "dp", "dp_sp")}
+    folded = seqpar.init_mesh(tp=2, sp=2, ep=2, device_type="cpu")  # ep over dp_shard x sp: here the sp ranks
+    out["ep"] = [dist.get_process_group_ranks(axis_group(folded, a)) for a in ("ep", "ep_dp")]
     case = ModelCase(model="tiny-llama", batch="padded", seq=15)
     base = make_model(case)
     batch = case_batch(case, 128)
@@ -179,6 +181,8 @@ def _extras(rank: int, world: int, out_dir: str) -> dict:
 
 def _grid(rank: int, world: int, out_dir: str) -> dict:
     rows = run_nd_parity(rank, world, [{"tp": 2, "sp": 2}], FAST)
+    # the N-D mesh without tp: FSDP2 over its dp_sp view, the same gradients
+    rows += run_nd_parity(rank, world, [{"dp_shard": 2, "sp": 2}], [nd_case("tiny-llama", "packed", 17, fsdp=True)])
     return {"rows": rows, "extras": _extras(rank, world, out_dir)}
 
 
@@ -188,9 +192,9 @@ def tp_sp(tmp_path_factory):
 
 
 def _check_rows(results):
-    rows = [row for r in results for row in r["rows"]]
-    assert rows and len({row["label"] for row in rows}) * len(results) == len(rows)
-    for row in rows:
+    cases = [[(row["label"], row["layout"]) for row in r["rows"]] for r in results]
+    assert cases[0] and all(c == cases[0] for c in cases) and len(set(cases[0])) == len(cases[0])  # every rank, once
+    for row in (row for r in results for row in r["rows"]):
         assert row["ok"], row
         assert row["params"] >= 20, row  # every parameter compared
 
@@ -206,6 +210,7 @@ def test_tp2_sp2_mesh_shards_and_refusals(tp_sp):
         e = r["extras"]
         assert e["groups"]["tp"] == [rank - rank % 2, rank - rank % 2 + 1]  # tp innermost: consecutive ranks
         assert e["groups"]["sp"] == [rank % 2, rank % 2 + 2] and e["groups"]["dp_sp"] == e["groups"]["sp"]
+        assert e["ep"] == [e["groups"]["sp"], [rank]]  # ep = the sp ranks at this tp index; each holds its experts
         assert e["sharded"] == (True, (16, 32), (32, 32))  # q_proj: 2 of 4 heads per tp rank
         assert e["logits"] == (2, 8 if rank < 2 else 7, 64)  # [B, S/sp, V/tp]: never the whole vocabulary
         assert e["log_probs"] < 1e-12
