@@ -6,7 +6,8 @@
                                             # (memory switches: peak, step time, seqpar bench --max-seq),
                                             # a ring step vs SDPA alone, one rank of P (issue 27),
                                             # DPO / GRPO steps' memory at sp=1 vs sp=4 (issue 36),
-                                            # expert parallelism: ep = 1, 2, 4 at sp = 4 (issue 46)
+                                            # expert parallelism: ep = 1, 2, 4 at sp = 4 (issue 46),
+                                            # tp2 x sp2 vs sp4 vs tp4 at 4 ranks (issue 46)
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
 The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
@@ -83,6 +84,7 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_objectives.py"), *(["--seq", "4096"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_ep.py"),
          *(["--seq", "1024", "--repeat", "2"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_nd.py"), *(["--seq", "2048", "--steps", "3"] if args.quick else [])],
     ]
     failed = 0
     for cmd in runs:

@@ -168,6 +168,15 @@ def test_experts_implementation_reads_what_from_config_set():
     assert compat.experts_implementation(object()) is None  # a config without experts
 
 
+def test_set_tp_size_is_what_transformers_and_accelerate_read():
+    from accelerate.utils.other import get_model_tp_size
+
+    model = _tiny_llama()
+    assert model.tp_size is None and get_model_tp_size(model) is None
+    compat.set_tp_size(model, 2)
+    assert model.tp_size == 2 and get_model_tp_size(model) == 2
+
+
 def test_decoder_block_classes_names_the_decoder_layer():
     model = _tiny_llama()
     assert compat.decoder_block_classes(model) == {"LlamaDecoderLayer"}
@@ -264,6 +273,9 @@ def _worker(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
     flat = compat.flatten_mesh(mesh[("a", "b")], "ab")
     out["flat"] = (flat.size(), mesh["ab"].size(), dist.get_process_group_ranks(mesh.get_group("ab")))
+    grid = compat.unflatten_mesh(flat, (world, 1), ("c", "d"))
+    out["unflat"] = (grid.mesh.tolist(), dist.get_process_group_ranks(grid.get_group("c")),
+                     grid._get_root_mesh() is mesh)
 
     seen = []
     model = nn.Linear(2, 2)
@@ -302,6 +314,12 @@ def dist_results():
 def test_flatten_mesh_names_one_group_over_the_dims(dist_results):
     for r in dist_results:
         assert r["flat"] == (2, 2, [0, 1])
+
+
+@pytest.mark.distributed
+def test_unflatten_mesh_splits_a_flat_view_on_the_same_root(dist_results):
+    for r in dist_results:
+        assert r["unflat"] == ([[0], [1]], [0, 1], True)
 
 
 @pytest.mark.distributed

@@ -13,6 +13,7 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     shim                             outside internal                                  used by
     -------------------------------  ------------------------------------------------  -----------------------
     flatten_mesh                     DeviceMesh._flatten                               comm/mesh.py
+    unflatten_mesh                   DeviceMesh._unflatten                             comm/mesh.py (ep_mesh)
     queue_backward_callback          Variable._execution_engine.queue_callback         comm/guard.py, comm/faults.py
     default_store                    distributed_c10d._get_default_store               comm/faults.py
     abort_all_groups                 distributed_c10d._abort_process_group             comm/waits.py
@@ -31,6 +32,8 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     active_ddp_module                DistributedDataParallel._get_active_ddp_module    integrations/fsdp.py
     fsdp_meshes                      FSDPModule._get_fsdp_state()._fsdp_param_groups   integrations/fsdp.py
     attn_implementation              PretrainedConfig._attn_implementation             integrations/hf.py, zoo
+    set_tp_size                      PreTrainedModel._tp_size (what model.tp_size,     integrations/trainer/
+                                     accelerate's get_model_tp_size and Trainer read)  parallelism.py
     decoder_block_classes            PreTrainedModel._no_split_modules                 integrations/fsdp, memory
     experts_implementation           PretrainedConfig._experts_implementation         integrations/moe/families.py
     mark_uninitialized               module._is_hf_initialized                         integrations/materialize.py
@@ -108,8 +111,8 @@ __all__ = [
     "float64_loss_log", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
-    "queue_backward_callback", "split_prepared_loader", "tested_set", "TRL_GATHER_MODULES",
-    "trl_generation_gathers",
+    "queue_backward_callback", "set_tp_size", "split_prepared_loader", "tested_set", "TRL_GATHER_MODULES",
+    "trl_generation_gathers", "unflatten_mesh",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -122,6 +125,14 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     ``mesh``, registered on its root so that ``root[name]`` and ``root.get_group(name)`` find it.
     torch has no public way to name a flattened set of dims (2.13)."""
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """``mesh._unflatten(0, sizes, names)``: the 1-D (flattened) DeviceMesh ``mesh`` seen as
+    ``len(sizes)`` dimensions of those sizes (row-major, the last innermost), on the same root mesh
+    (so its dims compose with the root's in a DTensor or ``fully_shard``). torch has no public
+    unflatten (2.13)."""
+    return mesh._unflatten(0, sizes, names)
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
@@ -267,6 +278,14 @@ def fsdp_meshes(module: nn.Module) -> list[Any]:
 # ---------------------------------------------------------------------------------------------
 # transformers
 # ---------------------------------------------------------------------------------------------
+
+
+def set_tp_size(model: nn.Module, tp: int) -> None:
+    """``model._tp_size = tp``: what transformers' ``model.tp_size`` returns, accelerate's
+    ``get_model_tp_size`` reads to accept a tensor-parallel model in its TP path, and the Trainer's
+    ``get_tp_size`` divides the batch count by. transformers sets it when it shards a model itself
+    (``from_pretrained(distributed_config=...)``); there is no public setter (5.25)."""
+    model._tp_size = int(tp)
 
 
 def attn_implementation(config: Any) -> str | None:

@@ -38,3 +38,6 @@ def test_env_prints_versions_and_features(capsys) -> None:
     assert f"transformers           {importlib.metadata.version('transformers')}" in out
     assert "state passing: Qwen3NextGatedDeltaNet" in out
     assert "features (" in out
+    for dim in ("dp x sp (ulysses, ring, hybrid)", "N-D mesh (dp_replicate x dp_shard x sp x tp)", "tp", "ep (mesh)",
+                "accelerate ParallelismConfig"):
+        assert f"ok  parallelism: {dim}:" in out, dim  # every dimension is available with the tested set

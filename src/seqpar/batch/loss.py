@@ -50,11 +50,12 @@ from ..comm import backward_faults, collectives, faults
 from ..comm.degrees import is_block_of
 from ..comm.gather import gather_seq
 from ..comm.guard import check_failures, pending_failure
-from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis
+from ..comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis, is_nd, tp_size
 from ..errors import Refused
 from . import grad_groups
 from .local_batch import BATCH_KWARG, LocalBatch
 from .targets import IGNORE_INDEX
+from .vocab_parallel import vocab_parallel_log_probs
 
 
 @torch.compiler.disable  # host reads, fault-aware waits: one eager call (one graph break) under torch.compile
@@ -128,10 +129,30 @@ def sp_token_mean(local_sum: Tensor, batch: LocalBatch, group: dist.ProcessGroup
     return _GlobalTokenMean.apply(local_sum, group, float(denominator), grad_scale)
 
 
+def tp_group_of(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The tensor-parallel group of ``mesh`` when it has more than one rank (the logits are then
+    vocabulary-parallel: :mod:`.vocab_parallel`), else None."""
+    return axis_group(mesh, Axis.TP.value) if tp_size(mesh) > 1 else None
+
+
+def token_losses_over(logits: Tensor, targets: Tensor, tp_group: dist.ProcessGroup | None, vocab: int | None,
+                      ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """:func:`token_losses`, or with ``tp_group`` the same from vocabulary-parallel logits
+    (``[B, S, V/tp]`` of a ``vocab``-row head)."""
+    if tp_group is None:
+        return token_losses(logits, targets, ignore_index)
+    if vocab is None:
+        raise ValueError("vocabulary-parallel logits need the vocabulary size (transformers passes vocab_size)")
+    return -vocab_parallel_log_probs(logits, targets, tp_group, int(vocab), ignore_index)
+
+
 def make_loss_function(mesh: DeviceMesh) -> Callable[..., Tensor]:
     """A transformers ``loss_function`` (``model.loss_function = ...``) for batches from
-    :func:`seqpar.shard_batch`: the exact global token-weighted mean on every SP rank."""
+    :func:`seqpar.shard_batch`: the exact global token-weighted mean on every SP rank. On a mesh
+    with tp > 1 the logits are this rank's vocabulary shard and the loss reduces over tp too
+    (:mod:`.vocab_parallel`): the value is the same on every rank."""
     group = axis_group(mesh, Axis.SP.value)
+    tp_group = tp_group_of(mesh)
 
     def seqpar_causal_lm_loss(logits: Tensor, labels: Tensor | None = None, vocab_size: int | None = None,
                               num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
@@ -139,15 +160,15 @@ def make_loss_function(mesh: DeviceMesh) -> Callable[..., Tensor]:
         if torch.compiler.is_compiling():  # dynamo cannot break a graph inside the with-block below (the
             # loss's host read does): a compiled loss does not publish its own exception (a limit, README);
             # attention failures are still checked at the loss's all-reduce
-            return loss(logits, labels, num_items_in_batch, ignore_index, shift_labels, kwargs)
+            return loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, kwargs)
         with faults.publishing("the loss"):  # an exception here is told to every rank
-            return loss(logits, labels, num_items_in_batch, ignore_index, shift_labels, kwargs)
+            return loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, kwargs)
 
-    def loss(logits: Tensor, labels: Tensor | None, num_items_in_batch: Any, ignore_index: int,
-             shift_labels: Tensor | None, kwargs: dict[str, Any]) -> Tensor:
+    def loss(logits: Tensor, labels: Tensor | None, vocab_size: int | None, num_items_in_batch: Any,
+             ignore_index: int, shift_labels: Tensor | None, kwargs: dict[str, Any]) -> Tensor:
         batch, targets, denominator = sharded_loss_inputs(kwargs, labels, shift_labels, num_items_in_batch,
                                                           tuple(logits.shape[:2]))
-        per_token = token_losses(logits, targets, ignore_index)
+        per_token = token_losses_over(logits, targets, tp_group, vocab_size, ignore_index)
         if batch.loss_weights is not None:
             per_token = per_token * batch.loss_weights.to(per_token)
         return sp_token_mean(per_token.sum(), batch, bin_group(mesh, batch, group), denominator)
@@ -188,7 +209,8 @@ def sharded_loss_inputs(kwargs: dict[str, Any], labels: Tensor | None, shift_lab
 
 
 def gather_log_probs(logits: Tensor, labels: Tensor | dict[str, Any], mesh: DeviceMesh, *,
-                     shard: SeqShard | LocalBatch | None = None, ignore_index: int = IGNORE_INDEX) -> Tensor:
+                     shard: SeqShard | LocalBatch | None = None, ignore_index: int = IGNORE_INDEX,
+                     vocab_size: int | None = None) -> Tensor:
     """Per-token log-probabilities of the targets over the whole sequence, on every SP rank.
 
     ``logits [B, S_local, V]``; ``labels``: the shifted local targets ``[B, S_local]`` (the
@@ -198,11 +220,22 @@ def gather_log_probs(logits: Tensor, labels: Tensor | dict[str, Any], mesh: Devi
     (an all-gather whose backward keeps this rank's slice, times the SP size), so *averaging* the
     parameter gradients over the SP ranks (DDP / FSDP2 / :func:`sync_gradients`) gives the exact
     gradient -- over dp x sp, the dp ranks' mean of it. ``shard`` (or a local batch dict) gives uneven lengths and
-    the layout; without it the shards are taken as equal and contiguous.
+    the layout; without it the shards are taken as equal and contiguous. On a mesh with tp > 1,
+    ``logits`` are this rank's vocabulary shard ``[B, S_local, V/tp]`` of a ``vocab_size``-row head
+    (:mod:`.vocab_parallel`; None: the widths summed over tp, one tiny all-reduce).
     """
     labels, shard = labels_and_shard(labels, shard)
     group = axis_group(as_mesh(mesh, "gather_log_probs"), Axis.SP.value)
     check_failures(group)  # no log-probabilities from a failed forward (free when nothing to check)
+    tp_group = tp_group_of(mesh)
+    if tp_group is not None:
+        if vocab_size is None:
+            width = torch.tensor([float(logits.shape[-1])], dtype=torch.float64,
+                                 device=collectives.comm_device(tp_group))
+            collectives.all_reduce(width, group=tp_group)
+            vocab_size = int(width.item())
+        picked = vocab_parallel_log_probs(logits, labels, tp_group, vocab_size, ignore_index)
+        return gather_token_values(picked, group, shard)
     cdtype = torch.promote_types(logits.dtype, torch.float32)
     logp = torch.log_softmax(logits.to(cdtype), dim=-1)
     valid = labels != ignore_index
@@ -255,52 +288,75 @@ def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShar
     return full
 
 
-def _average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+def _average_grads(grads: list[Tensor], group: dist.ProcessGroup) -> None:
     """One all-reduce per dtype of every gradient, flattened into one buffer, divided by the
-    group's size (a SUM and a division: gloo has no ReduceOp.AVG)."""
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for ps in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in ps])
+    group's size (a SUM and a division: gloo has no ReduceOp.AVG); in place."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for gs in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in gs])
         collectives.all_reduce(flat, group=group)
         flat.div_(dist.get_world_size(group))
         offset = 0
-        for p in ps:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        for g in gs:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
 
 
 def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     """Average every parameter's gradient over the sp and dp ranks of ``mesh`` (one all-reduce per
-    axis and dtype), completing the gradient contract of the seqpar loss: what stock DDP over the
-    dp x sp ranks does, for a model without a wrapper. A parameter only some ranks hold (an expert
-    shard, :mod:`seqpar.batch.grad_groups`) is averaged over the ranks that hold the same shard
-    instead. Parameters without a gradient count as zeros (every rank must send the same buffers).
-    Raises ValueError for sharded (DTensor) gradients; an exception here is told to every rank
+    axis and dtype; on an N-D mesh one per dtype over ``"dp_sp"``), completing the gradient contract
+    of the seqpar loss: what stock DDP over the dp x sp ranks does, for a model without a wrapper.
+    Never over tp: a tensor-parallel parameter's gradient (a DTensor on the ``"tp"`` axis) is
+    already whole for its shard on every tp rank (:mod:`seqpar.integrations.distributed.tensor_parallel`),
+    and its local shard is what is averaged. A parameter only some ranks hold (an expert shard,
+    :mod:`seqpar.batch.grad_groups`) is averaged over the ranks that hold the same shard instead.
+    Parameters without a gradient count as zeros (every rank must send the same buffers). Raises
+    ValueError for FSDP-sharded (DTensor) gradients; an exception here is told to every rank
     (:mod:`seqpar.comm.faults`)."""
     with faults.publishing("sync_gradients"):
         _sync_gradients(model, mesh)
 
 
-def _sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
-    as_mesh(mesh, "sync_gradients")
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if type(p).__name__ == "DTensor" or type(p.grad).__name__ == "DTensor":
+def _tp_param(p: Tensor, mesh: DeviceMesh) -> bool:
+    """A DTensor of tensor parallelism: on a 1-D mesh named ``"tp"`` of an N-D seqpar mesh."""
+    names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None)
+    return is_nd(mesh) and tuple(names or ()) == (Axis.TP.value,)
+
+
+def _local_grads(model: nn.Module, mesh: DeviceMesh) -> list[tuple[nn.Parameter, Tensor]]:
+    """Every trainable parameter with its gradient as a plain tensor (a TP DTensor's local shard,
+    whole for its shard), zeros for a parameter without one. Raises ValueError for FSDP's DTensors."""
+    out = []
+    for p in (p for p in model.parameters() if p.requires_grad):
+        dtensor = type(p).__name__ == "DTensor" or type(p.grad).__name__ == "DTensor"
+        if dtensor and not _tp_param(p, mesh):
             raise ValueError("sync_gradients got FSDP-sharded (DTensor) parameters: FSDP reduces gradients "
                              "itself -- shard over every dp x sp rank (seqpar.apply_fsdp(model, mesh)) and "
                              "drop the sync_gradients call")
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if not params:
+        grad = p.grad
+        if dtensor:
+            assert not any(type(q).__name__ == "Partial" for q in grad.placements), "a partial TP gradient"
+            grad = grad.to_local()
+        out.append((p, grad))
+    return out
+
+
+def _sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
+    as_mesh(mesh, "sync_gradients")
+    pairs = _local_grads(model, mesh)
+    if not pairs:
         return
     own = {id(p): s.group for s in grad_groups.sharded_params(model) for p in s.params if p.requires_grad}
-    replicated = [p for p in params if id(p) not in own]
-    for axis in (Axis.SP.value, Axis.DP.value):
+    replicated = [g for p, g in pairs if id(p) not in own]
+    axes = (Axis.DP_SP.value,) if is_nd(mesh) else (Axis.SP.value, Axis.DP.value)
+    for axis in axes:
         if replicated and has_axis(mesh, axis) and axis_size(mesh, axis) > 1:
             _average_grads(replicated, axis_group(mesh, axis))
     for group in dict.fromkeys(own.values()):  # each shard over the ranks that hold it (first-seen order)
         if dist.get_world_size(group) > 1:
-            _average_grads([p for p in params if own.get(id(p)) is group], group)
+            _average_grads([g for p, g in pairs if own.get(id(p)) is group], group)

@@ -73,6 +73,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     ``labels`` are already shifted (``shift_labels`` is the same tensor, so that transformers'
     own loss would not shift them again). Costs one small all-gather.
 
+    On an N-D mesh with tp > 1 (:func:`seqpar.init_mesh`) the tp ranks of an SP group take the same
+    full batch and the same shard (they split the model, not the tokens); the check below spans them.
+
     Raises ValueError on every SP rank if a rank's batch is malformed or already sharded, if the
     ranks' batches differ or are not the same batch number (a rank skipped one), or if the mesh has
     no ``"sp"`` axis; :class:`~seqpar.errors.RankFailed` (without communicating) after another
@@ -86,7 +89,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: DeviceMesh, *, layout: str = "co
     ref = batch.get("input_ids") if batch.get("input_ids") is not None else batch.get("inputs_embeds")
     batch_device = ref.device if isinstance(ref, Tensor) else torch.device("cpu")
     cdev = comm_device(group)  # NCCL with a CPU batch: collectives and the SeqShard on the GPU
-    _, s = check_batch(batch, group, layout, num_items_in_batch, cdev, generation)
+    # with tp > 1 the tp ranks of an sp group hold the same batch too: checked over sp x tp
+    same = axis_group(mesh, Axis.SP_TP.value) if has_axis(mesh, Axis.SP_TP.value) else group
+    _, s = check_batch(batch, same, layout, num_items_in_batch, cdev, generation)
     # the arguments below are now known to agree across the SP ranks: raising is safe
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}: choose one of {list(LAYOUTS)}")

@@ -29,15 +29,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..attention.shard import SeqShard
+from ..comm import collectives
 from ..comm.guard import check_failures
 from ..comm.mesh import Axis, as_mesh, axis_group
 from .local_batch import LocalBatch
 from .loss import gather_token_values, labels_and_shard
 from .targets import IGNORE_INDEX
+from .vocab_parallel import local_targets, vocab_parallel_terms
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,19 @@ class Head:
     """How a model turns its final hidden states into logits, in its own order of operations:
     ``z = hidden @ weight^T (+ bias)``; then ``z * scale`` (Cohere's ``logit_scale``), ``z / divide``
     (Granite's ``logits_scaling``); then ``tanh(z / softcap) * softcap`` (Gemma 2's
-    ``final_logit_softcapping``). ``weight [V, H]``, ``bias [V]`` or None."""
+    ``final_logit_softcapping``). ``weight [V, H]``, ``bias [V]`` or None.
+
+    A vocabulary-parallel head (tensor parallelism) holds rows ``vocab_start ..`` of the head on each
+    rank of ``tp_group`` (``weight [V/tp, H]``): the tiles' log-sum-exp and target logits reduce over
+    it (:mod:`.vocab_parallel`), and the hidden states' gradient, a partial sum, is all-reduced."""
 
     weight: Tensor
     bias: Tensor | None = None
     scale: float | None = None
     divide: float | None = None
     softcap: float | None = None
+    tp_group: dist.ProcessGroup | None = None
+    vocab_start: int = 0
 
     def logits(self, h: Tensor) -> Tensor:
         """``h [T, H] -> z [T, V]`` in the model's dtype, and ``tanh`` of the softcap (or None)."""
@@ -108,20 +117,32 @@ def _tile_terms(head: Head, h: Tensor, target: Tensor, weight: Tensor | None, ig
     z, t = head.logits(h)
     zc = z.to(torch.promote_types(z.dtype, torch.float32))  # token_losses' compute dtype
     valid = target != ignore_index
-    picked = zc.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
-    lse = torch.logsumexp(zc, dim=1)
+    if head.tp_group is not None:  # this rank's vocabulary rows: lse and the target's logit over tp
+        lse, picked, _ = vocab_parallel_terms(zc, torch.where(valid, target, -1), head.vocab_start, head.tp_group)
+    else:
+        picked = zc.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
+        lse = torch.logsumexp(zc, dim=1)
     ce = (lse - picked) * valid
     if weight is not None:
         ce = ce * weight.to(ce.dtype)
     return ce, zc, lse, valid, t
 
 
-def _dlogits(zc: Tensor, lse: Tensor, target: Tensor, row_scale: Tensor) -> Tensor:
+def _dlogits(zc: Tensor, lse: Tensor, target: Tensor, row_scale: Tensor, start: int = 0) -> Tensor:
     """``row_scale * (softmax(z) - onehot(target))`` ``[T, V]``, in place in ``zc`` (its last use):
-    one ``[T, V]`` buffer per tile instead of three."""
+    one ``[T, V]`` buffer per tile instead of three. ``start``: the first vocabulary row ``zc``
+    holds (a vocabulary-parallel shard: the onehot only where the target is one of its rows)."""
     dz = zc.sub_(lse[:, None]).exp_()
-    dz.scatter_add_(1, target.clamp(min=0)[:, None], dz.new_full((dz.shape[0], 1), -1.0))
+    idx, here = local_targets(target, start, dz.shape[1])
+    dz.scatter_add_(1, idx[:, None], -here.to(dz.dtype)[:, None])
     return dz.mul_(row_scale[:, None])
+
+
+def _sum_over_tp(grad_h: Tensor | None, head: Head) -> None:
+    """A vocabulary-parallel head's hidden-state gradient is a partial sum over its tp ranks' rows:
+    all-reduced in place (what the head's column style does for the untiled head)."""
+    if grad_h is not None and head.tp_group is not None:
+        collectives.all_reduce(grad_h, group=head.tp_group)
 
 
 def accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -157,7 +178,7 @@ class _TiledLoss(torch.autograd.Function):
             if not (need_h or need_w or need_b):
                 continue
             scale = valid.to(cdtype) if w is None else valid * w.to(cdtype)
-            dz = _dlogits(zc, lse, targets[a:b], scale)  # [T, V]: d CE / d z = softmax - onehot
+            dz = _dlogits(zc, lse, targets[a:b], scale, head.vocab_start)  # [T, V]: d CE / d z = softmax - onehot
             dz = head.chain(dz, t).to(hidden.dtype)  # the model's dtype, as autograd would
             if need_h:
                 grad_h[a:b] = dz @ weight
@@ -165,6 +186,7 @@ class _TiledLoss(torch.autograd.Function):
                 accumulate_product(grad_w, dz.t(), h)
             if need_b:
                 grad_b += dz.sum(0).to(cdtype)
+        _sum_over_tp(grad_h, head)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         return total
@@ -203,10 +225,25 @@ def tiled_token_stats(hidden: Tensor, head: Head, targets: Tensor, *, tile: int 
     for a, b in token_tiles(flat.shape[0], tile):
         ce, zc, _, valid, _ = _tile_terms(head, flat[a:b], tflat[a:b], None, ignore_index)
         ces.append(ce)
-        hits.append((zc.argmax(1) == tflat[a:b]) & valid)
+        hits.append((_argmax(zc, head) == tflat[a:b]) & valid)
     if not ces:
         return flat.new_zeros(targets.shape), torch.zeros(targets.shape, dtype=torch.bool, device=flat.device)
     return torch.cat(ces).view(targets.shape), torch.cat(hits).view(targets.shape)
+
+
+def _argmax(zc: Tensor, head: Head) -> Tensor:
+    """``zc.argmax(1)`` over the whole vocabulary: for a vocabulary-parallel shard, the lowest
+    global row holding the maximum (argmax's tie rule), by two all-reduces over tp."""
+    if head.tp_group is None:
+        return zc.argmax(1)
+    best = zc.max(1).values if zc.shape[1] else zc.new_full((zc.shape[0],), float("-inf"))
+    top = best.clone()
+    collectives.all_reduce(top, op=dist.ReduceOp.MAX, group=head.tp_group)
+    none = torch.iinfo(torch.long).max
+    first = torch.where(best == top, zc.argmax(1) + head.vocab_start if zc.shape[1] else top.long(),
+                        torch.full_like(top, none, dtype=torch.long))
+    collectives.all_reduce(first, op=dist.ReduceOp.MIN, group=head.tp_group)
+    return first
 
 
 class _TiledLogProbs(torch.autograd.Function):
@@ -236,11 +273,13 @@ class _TiledLogProbs(torch.autograd.Function):
             h = hidden[a:b]
             _, zc, lse, valid, t = _tile_terms(head, h, targets[a:b], None, ctx.ignore_index)
             # d logp / dz = onehot - softmax, times the incoming per-token gradient
-            dz = head.chain(_dlogits(zc, lse, targets[a:b], -grad[a:b].to(cdtype) * valid), t).to(hidden.dtype)
+            dz = head.chain(_dlogits(zc, lse, targets[a:b], -grad[a:b].to(cdtype) * valid, head.vocab_start),
+                            t).to(hidden.dtype)
             grad_h[a:b] = dz @ weight
             accumulate_product(grad_w, dz.t(), h)
             if grad_b is not None:
                 grad_b += dz.sum(0).to(cdtype)
+        _sum_over_tp(grad_h, head)
         return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
                 None, None, None, None)
 

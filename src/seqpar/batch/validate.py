@@ -124,6 +124,6 @@ def check_batch(batch: Mapping[str, Any], group: dist.ProcessGroup, layout: str,
             f"rank {r}: {msg}" for r, msg in enumerate(table.problems) if msg))
     # a malformed batch makes the comparisons meaningless: report only the problem then
     check(table, what="batch for shard_batch", same=[] if any(table.problems) else list(_SAME),
-          describe=lambda n: _SAME[n], hint="every SP rank must get the same full batch: shard the data loader "
-                                            "over the dp ranks only (shard_batch splits the sequence)")
+          describe=lambda n: _SAME[n], hint="every SP (and TP) rank must get the same full batch: shard the data "
+                                            "loader over the dp ranks only (shard_batch splits the sequence)")
     return b, s

@@ -1,6 +1,9 @@
 """``seqpar plan``: choose dp x ulysses x ring for a model, a cluster and a sequence length, and show
 the estimated communication bytes and activation memory of every candidate (no GPUs needed).
 
+With ``--gpus N --gpu-memory 80GB`` it plans at scale instead (:mod:`seqpar.cli.plan_nd`): dp_replicate /
+dp_shard / tp / sp / ep (``--moe``) and the memory switches, so that the whole step fits each GPU.
+
 The model's shape comes from flags, or from ``--model`` (a local transformers checkpoint directory or
 config.json, or a built-in tiny name); flags given explicitly override the model's values."""
 
@@ -61,6 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-ulysses", type=int, default=None, help="cap on the ulysses degree")
     p.add_argument("--no-causal", dest="causal", action="store_false",
                    help="bidirectional attention (no zigzag chunks needed by ring)")
+    n = p.add_argument_group("at scale: dp_replicate x dp_shard x sp x tp (x ep) and the memory switches")
+    n.add_argument("--gpus", type=int, default=None, help="plan N GPUs at scale (with --gpu-memory)")
+    n.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): tp stays inside one")
+    n.add_argument("--gpu-memory", type=parse_size, default=None, help="memory of one GPU, e.g. 80GB or 96GiB")
+    n.add_argument("--moe", action="store_true", help="an MoE model: experts from --model's config, split by ep")
     d = p.add_argument_group("dynamic SP prediction (the cost model's, not a measurement; "
                              "run at the chosen split's sp over dp x sp)")
     d.add_argument("--length-mean", type=parse_size, default=None,
@@ -141,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     kw = _resolve(args)
+    if args.gpus is not None:
+        from seqpar.cli.plan_nd import run_nd
+
+        return run_nd(args, {**kw, "dtype_bytes": DTYPE_BYTES[args.dtype]})
     kw.update(dtype_bytes=DTYPE_BYTES[args.dtype], batch=args.batch, memory_budget_bytes=args.memory_budget,
               max_ulysses=args.max_ulysses, causal=args.causal, checkpointing=args.checkpointing)
     budget = "none" if args.memory_budget is None else format_bytes(args.memory_budget)

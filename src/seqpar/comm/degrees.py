@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import Refused
-from .mesh import Axis, as_mesh, axis_names, axis_size
+from .mesh import Axis, as_mesh, axis_names, axis_size, has_axis
 
 
 def degree_chain(sp: int) -> tuple[int, ...]:
@@ -42,6 +42,10 @@ class DegreeMeshes:
         if {Axis.ULYSSES.value, Axis.RING.value} & set(axis_names(mesh)):
             raise Refused("a dynamic SP schedule runs over a dp x sp mesh (strategy 'ulysses' or 'ring'); the "
                           "hybrid mesh's ulysses x ring split has no sub-degree here: use seqpar.init_mesh(sp=...)")
+        if has_axis(mesh, Axis.TP.value) and axis_size(mesh, Axis.TP.value) > 1:
+            raise Refused(f"a dynamic SP schedule with tensor parallelism (tp={axis_size(mesh, Axis.TP.value)}) is "
+                          "not supported: its bins re-cut the sp ranks, which would split a tp group's batch; use a "
+                          "static schedule, or tp=1")
         self._parent = weakref.ref(mesh)  # the registry keeps this object as long as the mesh lives
         self.sp = axis_size(mesh, Axis.SP.value)
         self.degrees = degree_chain(self.sp)

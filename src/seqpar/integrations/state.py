@@ -69,6 +69,7 @@ class ParallelState:
     kernel: KernelArg | None
     num_heads: int
     num_kv_heads: int
+    tp: int = 1  # tensor-parallel degree (> 1: the weights are split, and cannot be put back)
 
 
 @dataclass

@@ -201,8 +201,14 @@ def token_logps_entropy(hidden: Tensor, head: Head, targets: Tensor, *, temperat
     """``(log p(target) [B, S], entropy [B, S])`` of ``head(hidden) / temperature``, differentiable,
     one tile of ``tile`` tokens at a time (no ``[S, V]`` logits). ``hidden [B, S, H]``, ``targets
     [B, S]`` already shifted; the log-probability is 0 where the target is ignored, the entropy is
-    every position's. In float32 at least. Raises ValueError for a bad tile or temperature."""
+    every position's. In float32 at least. Raises ValueError for a bad tile or temperature; Refused
+    for a vocabulary-parallel head (tensor parallelism), whose log-sum-exp and entropy would need a
+    reduction over tp that these tiles do not make."""
     check_tile(tile, "tile")
+    if head.tp_group is not None:
+        raise Refused("seqpar.objectives' per-token log-probabilities and entropy with a vocabulary-parallel head "
+                      "(tensor parallelism, tp > 1) are not supported: the objectives run at tp=1 (the causal-LM "
+                      "loss and seqpar.gather_log_probs do run at tp > 1)")
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r}: the logits are divided by it; use a positive number")
     flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]

@@ -39,6 +39,24 @@ The gradients count in float32 when ``b`` is narrower: FSDP2 accumulates unsynce
 mixed-precision policy's ``reduce_dtype`` (float32 in ``seqpar train --dtype bfloat16``; torch's
 ``FSDPParam.to_accumulated_grad_if_needed``). Not yet checked against a measured peak.
 
+Tensor parallelism over ``tp`` ranks (:mod:`seqpar.integrations.distributed.tensor_parallel`: the
+model's own plan, heads and MLP columns split, the vocabulary-parallel head) divides what it splits
+and keeps the residual stream whole (replicated over tp)::
+
+    n -> n_split / tp + n_whole        q/k/v/o, the MLP, embeddings and head split; norms whole
+    a -> T*b*(4h + (3q + 2g)/tp) + 4*T*H/tp     m -> 5*T*(I/tp)*b      l -> T*(V/tp)*(b + 4 + 4)
+
+(the vocabulary-parallel loss holds the shard's logits, their float32 copy where ``b < 4``, and one
+float32 buffer: their exponentials, then their gradient in place; a loss tile likewise).
+
+An MoE layer (``experts`` > 0: ``experts`` gated MLPs of width ``expert_intermediate`` and a router,
+``top_k`` experts per token) holds ``experts / ep`` experts per rank (expert parallelism over ``ep``
+ranks of dp x sp) and, on average over a balanced router, the intermediates of ``top_k * T`` tokens::
+
+    n_experts = experts * 3*h*I_e / ep + h*experts (router)     m -> 5*top_k*T*I_e*b + 2*T*experts*4
+
+(the MoE terms are the arithmetic of the layout, not yet checked against a measured peak here).
+
 Peak of a step = weights + optimizer + gradients + gathered + activations: the steady state of training
 (optimizer states exist from the first step on), gradients counted whole at the activation peak
 (an upper bound: they appear while activations are freed). On a CPU rank the offloaded bytes stay
@@ -134,50 +152,85 @@ def parameter_count(*, hidden_size: int, intermediate_size: int, layers: int, he
                     head_dim: int, vocab_size: int, tied: bool = False) -> int:
     """Parameters of a Llama-shaped causal LM (no biases): embeddings, lm_head unless tied, per layer
     q/k/v/o projections, the gated MLP and two RMSNorms, and the final norm."""
+    return sum(parameter_parts(hidden_size=hidden_size, intermediate_size=intermediate_size, layers=layers,
+                               heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab_size, tied=tied))
+
+
+def parameter_parts(*, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int,
+                    head_dim: int, vocab_size: int, tied: bool = False, experts: int = 0,
+                    expert_intermediate: int | None = None) -> tuple[int, int, int]:
+    """``(split by tp, whole on every tp rank, experts)`` parameters of a Llama-shaped causal LM:
+    tensor parallelism splits the projections, the dense MLP, the embeddings and the head; the norms
+    stay whole; an MoE model (``experts`` > 0) has experts (split by ep) and a router (whole) in
+    place of the dense MLP."""
     h, q, g = hidden_size, heads * head_dim, kv_heads * head_dim
-    per_layer = h * q + 2 * h * g + q * h + 3 * h * intermediate_size + 2 * h
-    return vocab_size * h * (1 if tied else 2) + layers * per_layer + h
+    mlp = 3 * h * intermediate_size if not experts else 0
+    split = vocab_size * h * (1 if tied else 2) + layers * (h * q + 2 * h * g + q * h + mlp)
+    whole = layers * (2 * h + (h * experts if experts else 0)) + h
+    expert = layers * experts * 3 * h * (expert_intermediate or intermediate_size) if experts else 0
+    return split, whole, expert
 
 
 def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int,
                 head_dim: int, vocab_size: int, dtype_bytes: int = 4, tied: bool = False,
                 fsdp_shards: int = 1, switches: MemorySwitches = SWITCHES_OFF,
                 loss_tile: int = DEFAULT_LOSS_TILE, mlp_tile: int | None = None,
-                sp_schedule: str = "static") -> StepMemory:
+                sp_schedule: str = "static", tp: int = 1, ep: int = 1, experts: int = 0, top_k: int = 0,
+                expert_intermediate: int | None = None, param_bytes: int | None = None, state_bytes: int = 4,
+                offload_states: bool = False) -> StepMemory:
     """Bytes per rank of one training step with ``tokens`` tokens on this rank (the largest shard:
     :func:`seqpar.planner.cost.largest_shard`; a dynamic schedule's bin: its token budget).
     ``loss_tile`` / ``mlp_tile`` are the tiles the library uses when ``switches`` gives none;
     ``mlp_tile`` None: the library's rule, :func:`seqpar.batch.tiles.mlp_tile_for` of this shard.
     ``sp_schedule="dynamic"`` with ``fsdp_shards > 1``: the parameters and gradients held whole for the
-    step (``gathered``). Raises ValueError for a non-positive size or an unknown schedule."""
+    step (``gathered``). ``tp``: tensor-parallel degree; ``experts`` / ``top_k`` /
+    ``expert_intermediate`` / ``ep``: an MoE model's experts and expert parallelism (module doc).
+    ``param_bytes``: bytes of a stored weight and gradient (default ``dtype_bytes``; 4 for float32
+    master weights under bfloat16 compute, as FSDP2's mixed precision keeps them); ``state_bytes``: of
+    an AdamW state; ``offload_states``: weights, gradients and AdamW states live in host memory
+    (DeepSpeed ZeRO-3 with offloaded parameters and optimizer, FSDP2's CPUOffloadPolicy), the device
+    holding one layer's weights and gradients at a time. Raises ValueError for a non-positive size or
+    an unknown schedule."""
     if sp_schedule not in SP_SCHEDULES:
         raise ValueError(f"sp_schedule={sp_schedule!r}: choose one of {', '.join(SP_SCHEDULES)}")
     sizes = dict(tokens=tokens, hidden_size=hidden_size, intermediate_size=intermediate_size, layers=layers,
                  heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab_size,
-                 dtype_bytes=dtype_bytes, fsdp_shards=fsdp_shards, loss_tile=loss_tile,
+                 dtype_bytes=dtype_bytes, fsdp_shards=fsdp_shards, loss_tile=loss_tile, tp=tp, ep=ep,
                  mlp_tile=mlp_tile_for(tokens, hidden_size, intermediate_size) if mlp_tile is None else mlp_tile)
     for name, v in sizes.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     t, h, i, b, d = tokens, hidden_size, intermediate_size, dtype_bytes, head_dim
     q, g = heads * d, kv_heads * d
-    n = parameter_count(hidden_size=h, intermediate_size=i, layers=layers, heads=heads, kv_heads=kv_heads,
-                        head_dim=d, vocab_size=vocab_size, tied=tied)
-    weights = -(-n // fsdp_shards) * b
-    optimizer = ADAM_STATES * -(-n // fsdp_shards) * 4
+    split, whole, expert = parameter_parts(hidden_size=h, intermediate_size=i, layers=layers, heads=heads,
+                                           kv_heads=kv_heads, head_dim=d, vocab_size=vocab_size, tied=tied,
+                                           experts=experts, expert_intermediate=expert_intermediate)
+    n = -(-split // tp) + whole + -(-expert // ep)  # this rank's parameters
+    pb = b if param_bytes is None else param_bytes
+    weights = -(-n // fsdp_shards) * pb
+    optimizer = ADAM_STATES * -(-n // fsdp_shards) * state_bytes
     gathered = n * (b + max(b, 4)) if sp_schedule == "dynamic" and fsdp_shards > 1 else 0
+    if offload_states:  # one layer's weights (in the compute dtype) and their gradient on the device
+        weights, optimizer, gathered = -(-n // layers) * b, 0, -(-n // layers) * b
 
-    if switches.tiled_loss:
-        logits = TILE_COPIES * min(t, switches.loss_tile or loss_tile) * vocab_size * 4
-    else:
-        logits = LOGIT_COPIES * t * vocab_size * 4
+    vocab = -(-vocab_size // tp)  # the vocabulary-parallel head's rows on this rank
+    rows = min(t, switches.loss_tile or loss_tile) if switches.tiled_loss else t
+    if tp == 1:
+        logits = (TILE_COPIES if switches.tiled_loss else LOGIT_COPIES) * rows * vocab * 4
+    else:  # the shard's logits, their float32 copy (for a narrower dtype), their exponentials or gradient
+        logits = rows * vocab * (b + (4 if b < 4 else 0) + 4)
     mlp_tokens = min(t, switches.mlp_tile or sizes["mlp_tile"]) if switches.tiled_mlp else t
-    mlp_one = MLP_COPIES * mlp_tokens * i * b  # one layer's MLP intermediates
-    rest_one = t * (4 * h + 3 * q + 2 * g) * b + 4 * t * heads  # the rest of one layer; the kernel's fp32 lse
+    if experts:  # the experts' intermediates of the tokens routed here, and the router's fp32 logits / probs
+        mlp_one = MLP_COPIES * top_k * t * (expert_intermediate or i) * b + 2 * t * experts * 4
+    else:
+        mlp_one = MLP_COPIES * mlp_tokens * -(-i // tp) * b  # one layer's MLP intermediates
+    # the rest of one layer (the residual stream whole, the heads' tensors split over tp); the kernel's fp32 lse
+    rest_one = t * (4 * h + (3 * q + 2 * g) // tp) * b + 4 * t * heads // tp
     other = 4 * t * h * b
+    grads = 0 if offload_states else weights  # offloaded: the gathered layer's gradient is in `gathered`
     if switches.checkpoint == "none":
-        return StepMemory(weights, weights, optimizer, logits, layers * mlp_one, layers * rest_one, other, 0, gathered)
+        return StepMemory(weights, grads, optimizer, logits, layers * mlp_one, layers * rest_one, other, 0, gathered)
     inputs = layers * t * h * b  # each layer's input, kept for the recompute
     offloaded = inputs if switches.checkpoint == "offload" else 0
-    return StepMemory(weights, weights, optimizer, logits, mlp_one, rest_one + inputs - offloaded, other, offloaded,
+    return StepMemory(weights, grads, optimizer, logits, mlp_one, rest_one + inputs - offloaded, other, offloaded,
                       gathered)

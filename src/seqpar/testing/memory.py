@@ -93,12 +93,16 @@ class LiveMemory(TorchDispatchMode):
 
 def _tensors(values: tuple | list) -> Iterator[Tensor]:
     """The tensors with a storage of their own among ``values`` and inside their lists and tuples
-    (aten's arguments and results nest one level: ``cat``'s inputs, a collective's buffers); not
-    wrapper subclasses such as DTensor, whose local tensors live in their own dispatch. Faster than
-    pytree, which matters: this runs for every op."""
+    (aten's arguments and results nest one level: ``cat``'s inputs, a collective's buffers); for a
+    wrapper subclass such as DTensor, the tensors it wraps (``__tensor_flatten__``): an op on DTensors
+    reaches this mode once, as the DTensor op, and its local ops run with the mode off, so the local
+    result is counted here, as the DTensor's. Faster than pytree, which matters: this runs for every op."""
     for x in values:
         if isinstance(x, Tensor):
-            if x.layout == torch.strided and x.device.type != "meta" and not is_traceable_wrapper_subclass(x):
+            if is_traceable_wrapper_subclass(x):
+                names, _ = x.__tensor_flatten__()
+                yield from _tensors([getattr(x, n) for n in names])
+            elif x.layout == torch.strided and x.device.type != "meta":
                 yield x
         elif isinstance(x, (tuple, list)):
             yield from _tensors(x)

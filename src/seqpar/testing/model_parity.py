@@ -146,9 +146,11 @@ class ModelCase:
     seed: int = 0
     checkpointing: str | None = None  # "reentrant" / "non-reentrant": the SP model recomputes its layers
     mixer_mode: str | None = None  # hybrid token mixers' run mode (set_mixer_mode); None: seqpar chooses
+    config: tuple[tuple[str, Any], ...] = ()  # more config overrides, e.g. (("tie_word_embeddings", True),)
 
     def label(self) -> str:
         heads = "" if self.heads is None else f" H={self.heads}/{self.kv_heads}"
+        heads += "".join(f" {k}={v}" for k, v in self.config)
         attn = "" if self.attn is None else f" attn={self.attn}"
         ckpt = "" if self.checkpointing is None else f" ckpt={self.checkpointing}"
         mixers = "" if self.mixer_mode is None else f" mixers={self.mixer_mode}"
@@ -189,6 +191,7 @@ def make_model(case: ModelCase) -> nn.Module:
         overrides["hidden_size"] = 8 * case.heads  # transformers wants hidden % heads == 0
     if case.kv_heads is not None:
         overrides["num_key_value_heads"] = case.kv_heads
+    overrides.update(dict(case.config))
     if case.attn == EAGER_FLOAT64:
         register_eager_float64()
     torch.manual_seed(case.seed)

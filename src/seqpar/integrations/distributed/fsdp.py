@@ -10,6 +10,12 @@ exactly the non-parallel model's gradient. Any stock wrapper over those ranks wo
     accelerate's DDP / FSDP2, transformers' Trainer    (over every process)
 
 :func:`apply_fsdp` and :func:`apply_ddp` are shorthands for the first two with ``mesh``'s ranks.
+
+On an N-D mesh (``seqpar.init_mesh(dp_shard=, tp=, ...)``) the ranks gradients are averaged over
+are the ``"dp_sp"`` view at this rank's tp index, never the tp ranks (whose gradients are shards or
+whole copies, :mod:`.tensor_parallel`): :func:`apply_fsdp` shards over ``"dp_sp"`` -- with
+dp_replicate > 1 as HSDP, replicated over ``"dp_replicate"`` and sharded over ``"dp_shard_sp"``
+-- on the same root mesh as the tp axis, so a TP DTensor becomes FSDP2's 2-D (dp, tp) parameter.
 A wrapper that reduces over only part of the ranks (FSDP over the dp axis alone, DDP over the dp
 group) would leave the sp ranks' shares uncombined: :func:`check_gradient_reduction` refuses it at
 the model's first training forward, on every rank, before any gradient exists -- and so it refuses
@@ -29,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ... import compat
 from ...batch import grad_groups
-from ...comm.mesh import as_mesh
+from ...comm.mesh import Axis, as_mesh, axis_group, is_nd, mesh_dims, submesh, tp_size
 from ...errors import Refused
 
 
@@ -38,20 +44,33 @@ def mesh_ranks(mesh: DeviceMesh) -> list[int]:
     return sorted(int(r) for r in mesh.mesh.flatten().tolist())
 
 
+def grad_ranks(mesh: DeviceMesh) -> list[int]:
+    """The global ranks this rank's gradients are averaged with, sorted: every rank of a ``dp x sp``
+    mesh; on an N-D mesh its ``"dp_sp"`` group (this rank's tp index)."""
+    if is_nd(mesh):
+        return sorted(dist.get_process_group_ranks(axis_group(mesh, Axis.DP_SP.value)))
+    return mesh_ranks(mesh)
+
+
 def dp_sp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """One process group over every rank of ``mesh`` (dp x sp, hybrid axes included).
 
     The whole world when the mesh spans it (no new group); otherwise a new group, which, like
     ``dist.new_group``, every rank of the world must create together.
     """
-    ranks = mesh_ranks(as_mesh(mesh, "dp_sp_group"))
+    if is_nd(as_mesh(mesh, "dp_sp_group")):
+        return axis_group(mesh, Axis.DP_SP.value)
+    ranks = mesh_ranks(mesh)
     if ranks == list(range(dist.get_world_size())):
         return dist.group.WORLD
     return dist.new_group(ranks)
 
 
 def dp_sp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """A 1-D DeviceMesh named ``"dp_sp"`` over every rank of ``mesh`` (what FSDP2 shards over)."""
+    """A 1-D DeviceMesh named ``"dp_sp"`` over every rank of ``mesh`` (what FSDP2 shards over); on an
+    N-D mesh its ``"dp_sp"`` view (the same root as its tp axis)."""
+    if is_nd(as_mesh(mesh, "dp_sp_mesh")):
+        return submesh(mesh, Axis.DP_SP.value)
     return DeviceMesh.from_group(dp_sp_group(mesh), mesh.device_type, mesh_dim_names=("dp_sp",))
 
 
@@ -71,7 +90,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
     if sharded:
         raise Refused(_sharded_problem("FSDP2 (fully_shard)", sharded))
 
-    flat = dp_sp_mesh(mesh)
+    flat = fsdp_mesh(mesh)
     blocks = compat.decoder_block_classes(model)
     for module in list(model.modules()):
         if module is not model and type(module).__name__ in blocks:
@@ -80,14 +99,31 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, **fully_shard_kwargs: Any) ->
     return model
 
 
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What :func:`apply_fsdp` shards over: :func:`dp_sp_mesh`, or on an N-D mesh with
+    dp_replicate > 1 the 2-D ``("dp_replicate", "dp_shard_sp")`` mesh (HSDP)."""
+    if is_nd(mesh) and mesh_dims(mesh).dp_replicate > 1:
+        from ... import compat
+
+        flat = submesh(mesh, Axis.DP_SP.value)
+        dims = mesh_dims(mesh)
+        return compat.unflatten_mesh(flat, (dims.dp_replicate, dims.dp_shard * dims.sp),
+                                     ("hsdp_replicate", "hsdp_shard"))
+    return dp_sp_mesh(mesh)
+
+
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, **ddp_kwargs: Any) -> nn.parallel.DistributedDataParallel:
     """Stock DDP over all dp x sp ranks of ``mesh`` (its default averaging). Call after
     :func:`seqpar.parallelize`; returns the DDP wrapper (``ddp(**local)`` works as ``model(**local)``).
     Raises :class:`seqpar.Refused` for a model whose experts are sharded (expert parallelism), before
-    DDP's constructor would broadcast rank 0's experts over every rank's own."""
+    DDP's constructor would broadcast rank 0's experts over every rank's own, and on a mesh with
+    tp > 1 (DDP does not take DTensor parameters: use :func:`apply_fsdp`, or :func:`seqpar.sync_gradients`)."""
     sharded = grad_groups.sharded_params(model)
     if sharded:
         raise Refused(_sharded_problem("DistributedDataParallel", sharded))
+    if tp_size(as_mesh(mesh, "apply_ddp")) > 1:
+        raise Refused("DistributedDataParallel does not take tensor-parallel (DTensor) parameters: use "
+                      "seqpar.apply_fsdp(model, mesh), or no wrapper and seqpar.sync_gradients(model, mesh)")
     return nn.parallel.DistributedDataParallel(model, process_group=dp_sp_group(mesh), **ddp_kwargs)
 
 
@@ -107,7 +143,7 @@ def gradient_reduction_problem(model: nn.Module, mesh: DeviceMesh) -> str | None
     from how this rank was wrapped, which a symmetric setup makes the same on every rank."""
     from torch.distributed.fsdp import FSDPModule
 
-    want = mesh_ranks(mesh)
+    want = grad_ranks(mesh)
     reducers: list[tuple[str, list[int]]] = []
     ddp = compat.active_ddp_module()
     if ddp is not None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ...comm.mesh import is_nd
 from ..moe.expert_parallel import gather_experts
 from ..peft import is_peft_model, unwrap_peft
 
@@ -105,8 +106,9 @@ def save_pretrained(model: nn.Module, save_directory: str, mesh: DeviceMesh | No
     default group, or a single process) must call it: the full state dict is gathered to rank 0
     (CPU), which alone writes. A peft ``PeftModel`` is written with its adapters merged into the
     weights (``lora="merged"``: a plain transformers model) or as peft's adapter files alone
-    (``lora="adapter"``). ``dtype``: cast the floating tensors (default: as trained). Returns the
-    directory on rank 0, None on the others. The model is not changed.
+    (``lora="adapter"``). ``dtype``: cast the floating tensors (default: as trained). Tensor-parallel
+    (DTensor) weights are gathered whole like FSDP2's (every rank of an N-D mesh calls it). Returns
+    the directory on rank 0, None on the others. The model is not changed.
     """
     if lora not in LORA_EXPORTS:  # before the gather: the same error on every rank
         raise ValueError(f"lora={lora!r}: choose one of {list(LORA_EXPORTS)}")
@@ -119,7 +121,7 @@ def save_pretrained(model: nn.Module, save_directory: str, mesh: DeviceMesh | No
         out = write_pretrained(model, state, save_directory, tokenizer=tokenizer, lora=lora, dtype=dtype)
     if distributed:
         group = None
-        if mesh is not None:
+        if mesh is not None and not is_nd(mesh):  # an N-D mesh spans the world: the default group
             from ..distributed.fsdp import dp_sp_group
 
             group = dp_sp_group(mesh)

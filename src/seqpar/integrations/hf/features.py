@@ -6,6 +6,7 @@ per feature that reaches into transformers' internals whether it is available he
       "versions: transformers"                    installed vs checked on
       "state passing: Qwen3NextGatedDeltaNet"     one per recurrent mixer class: the kernels its forward
                                                   reaches (directly or through a helper), or why not
+      "parallelism: tp"                           one per parallel dimension of the N-D mesh
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 from importlib import metadata
 
 from ...compat import CHECKED_ON, FeatureStatus, kernel_route
+from ..distributed.available import parallelism_report
 from ..mixers import HANDLED_MIXERS, STATE
 
 MIXER_MODELING = {"Qwen3NextGatedDeltaNet": "qwen3_next", "Qwen3_5GatedDeltaNet": "qwen3_5",
@@ -68,5 +70,6 @@ def state_passing_report() -> list[FeatureStatus]:
 
 
 def feature_report() -> list[FeatureStatus]:
-    """Every row: :func:`version_report`, then :func:`state_passing_report`."""
-    return [*version_report(), *state_passing_report()]
+    """Every row: :func:`version_report`, :func:`state_passing_report`, then the parallel dimensions
+    (:func:`seqpar.integrations.distributed.available.parallelism_report`)."""
+    return [*version_report(), *state_passing_report(), *parallelism_report()]

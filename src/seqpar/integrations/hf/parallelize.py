@@ -51,10 +51,11 @@ from ...attention.kernels import KernelArg
 from ...batch.local_batch import BATCH_KWARG
 from ...batch.loss import make_loss_function
 from ...comm.agree import check, share
-from ...comm.mesh import Axis, as_mesh, axis_group
+from ...comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis, submesh, tp_size
 from ...errors import Refused
 from ..distributed.fsdp import check_gradient_reduction
-from ..mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
+from ..distributed.tensor_parallel import apply_tp, check_tp
+from ..mixers import check_token_mixers, token_mixers, warn_mode_gaps, wrap_token_mixers
 from ..models import decoder_config
 from ..moe.expert_parallel import apply_ep, remove_ep
 from ..peft import unwrap_peft
@@ -88,12 +89,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     whole sequence), see :mod:`.mixers`, :func:`.mixers.set_mixer_mode` and
     :func:`.mixers.describe_token_mixers`.
 
-    ``ep``: expert parallelism for an MoE model -- a ProcessGroup or 1-D DeviceMesh whose ranks are
-    a subset of ``mesh``'s dp x sp ranks (EP folded over them: :mod:`seqpar.integrations.moe.layout`);
+    ``ep``: expert parallelism for an MoE model (default: the mesh's own ``"ep"`` axis,
+    ``init_mesh(ep=...)``) -- a ProcessGroup or 1-D DeviceMesh whose ranks are a subset of
+    ``mesh``'s dp x sp ranks (EP folded over them: :mod:`seqpar.integrations.moe.layout`);
     each rank then holds a shard of every layer's experts and tokens travel to them and back
     (:func:`seqpar.integrations.moe.expert_parallel.apply_ep`), while every dense layer keeps SP. Every
     rank of the world calls parallelize together then. A model whose experts seqpar cannot shard is
     refused (:class:`seqpar.Refused`), never run without EP.
+
+    Tensor parallelism: on a mesh with ``tp > 1`` (``seqpar.init_mesh(tp=..., sp=...)``) the model
+    is first split over the ``"tp"`` axis by its own plan
+    (:mod:`seqpar.integrations.distributed.tensor_parallel`): each tp rank holds its share of the
+    heads, which the strategy then runs over sp (Ulysses splits them again, ring runs them whole);
+    the head is vocabulary-parallel (``out.logits`` is this rank's ``[B, S/sp, V/tp]`` shard) and the
+    loss reduces over tp. Tensor parallelism cannot be undone in place (:func:`unparallelize`
+    refuses it); a model without a plan, hybrid token mixers and vision-language models are
+    Refused at ``tp > 1``.
 
     Raises ValueError if the model is not a transformers model whose attention goes through
     ``AttentionInterface``, has no attention heads, mixes tokens by other means too (convolutions,
@@ -117,10 +128,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
         raise ValueError("this model is already parallelized: call seqpar.unparallelize(model) first")
     config, sub = decoder_config(model.config)
     check_token_mixers(model)  # a model seqpar cannot make exact is refused, never run on shards
+    tp = tp_size(mesh)
+    if tp > 1:
+        check_tp_model(model, sub, tp)
+    if ep is None and has_axis(mesh, Axis.EP.value) and axis_size(mesh, Axis.EP.value) > 1:
+        ep = axis_group(mesh, Axis.EP.value)  # the mesh's own expert parallelism (init_mesh(ep=...))
+    if ep is not None and tp > 1:
+        raise Refused(f"expert parallelism with tensor parallelism (tp={tp}) is not composed yet: the experts' "
+                      "shards would need splitting over tp too; use tp=1 with ep, or ep=1 with tp")
     # a feature the installed transformers does not allow: one warning (rank 0), the model runs in its fallback
     warn_mode_gaps(model, dist.get_world_size(axis_group(mesh, Axis.SP.value)))
     check_router_losses(model)  # a z-loss over the positions
-    strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads))
+    strategy = resolve_strategy(strategy, mesh, int(config.num_attention_heads) // tp)  # a tp rank's heads
     original = compat.attn_implementation(config)
     if original is not None and original.startswith("seqpar_"):
         raise ValueError(f"the model already uses a seqpar attention ({original!r}): unparallelize it first")
@@ -154,7 +173,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     record.parallel = ParallelState(
         name=name, original=original, sub_config=sub, strategy=strategy, kernel=kernel,
         num_heads=int(config.num_attention_heads),
-        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads), tp=tp)
     try:
         record.push("parallel", f"attention implementation {original!r}",
                     functools.partial(_set_attention, model, original, sub))
@@ -172,10 +191,26 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
             apply_ep(model, ep, mesh=mesh, last_batch=lambda: last.batch)
             record.push("parallel", "the experts' shards", functools.partial(remove_ep, model))
         publish_forward_errors(model, record)  # an exception in the forward is told to every rank
+        if tp > 1:  # last: it cannot be undone, so nothing may fail after it
+            apply_tp(model, submesh(mesh, Axis.TP.value))
     except BaseException:
         undo(model, "parallel")  # nothing half-installed stays behind
         raise
     return outer
+
+
+def check_tp_model(model: nn.Module, sub_config: str | None, tp: int) -> None:
+    """Raise (the same on every rank, before anything changes) unless ``model`` can be split over
+    ``tp`` ranks exactly: its plan (:func:`~seqpar.integrations.distributed.tensor_parallel.check_tp`),
+    no token mixers beside attention (seqpar's wrappers read their weights whole), no vision tower."""
+    if sub_config is not None:
+        raise Refused(f"tensor parallelism (tp={tp}) of a vision-language model ({type(model).__name__}) is not "
+                      "supported: its vision tower and routing run whole on every rank; use tp=1")
+    mixers = {type(m).__name__ for _, m in token_mixers(model)}
+    if mixers:
+        raise Refused(f"tensor parallelism (tp={tp}) with seqpar's token mixers ({', '.join(sorted(mixers))}) is not "
+                      "supported: their sequence-parallel wrappers read the weights whole; use tp=1")
+    check_tp(model, tp)
 
 
 def check_same_strategy(mesh: DeviceMesh, strategy: str) -> None:
@@ -237,6 +272,9 @@ def unparallelize(model: nn.Module) -> nn.Module:
     record = state_of(model)
     if record is None or record.parallel is None:
         raise ValueError("this model is not parallelized by seqpar")
+    if record.parallel.tp > 1:
+        raise Refused(f"this model is split over tp={record.parallel.tp}: its weights are sharded DTensors, which "
+                      "cannot be put back in place; write a plain checkpoint with seqpar.save_pretrained and load it")
     undo(model)  # every step, newest first: reduce_memory's (made after parallelize) before parallelize's
     return outer
 

@@ -19,6 +19,7 @@ from ...batch.local_batch import BATCH_KWARG, LocalBatch
 from ...batch.loss import bin_group, sharded_loss_inputs, sp_token_mean
 from ...batch.targets import IGNORE_INDEX
 from ...batch.tiled_loss import Head, tiled_loss_sum
+from ...batch.vocab_parallel import vocab_range
 from ...comm import faults
 from ...comm.agree import check, share
 from ...comm.mesh import Axis, axis_group
@@ -41,9 +42,30 @@ def output_head(model: nn.Module) -> Head:
     kind = str(getattr(config, "model_type", ""))
     scale = getattr(model, "logit_scale", None) if kind.startswith("cohere") else None
     divide = getattr(config, "logits_scaling", None) if kind.startswith("granite") else None
-    return Head(lin.weight, lin.bias, scale=None if scale is None else float(scale),
+    weight, bias, group, start = vocab_shard(model, lin)
+    return Head(weight, bias, scale=None if scale is None else float(scale),
                 divide=None if divide is None else float(divide),
-                softcap=getattr(config, "final_logit_softcapping", None) or None)
+                softcap=getattr(config, "final_logit_softcapping", None) or None, tp_group=group, vocab_start=start)
+
+
+def vocab_shard(model: nn.Module, lin: nn.Linear) -> tuple[Tensor, Tensor | None, Any, int]:
+    """``(weight, bias, tp group or None, first vocabulary row)`` of the head: a tensor-parallel head
+    (:mod:`seqpar.integrations.distributed.tensor_parallel`: a ``Shard(0)`` DTensor on the ``"tp"``
+    axis) gives its local rows, differentiable (``to_local``), and its group; a plain one itself.
+    Raises Refused for a head sharded any other way."""
+    weight = lin.weight
+    if type(weight).__name__ != "DTensor":
+        return weight, lin.bias, None, 0
+    from torch.distributed.tensor import Shard
+
+    mesh = weight.device_mesh
+    if tuple(mesh.mesh_dim_names or ()) != ("tp",) or tuple(weight.placements) != (Shard(0),):
+        raise Refused(f"tiled_loss: {type(model).__name__}'s head is a DTensor on {mesh.mesh_dim_names} with "
+                      f"{weight.placements}, not seqpar's vocabulary-parallel head: use tiled_loss=False")
+    group = mesh.get_group()
+    start = vocab_range(int(weight.shape[0]), mesh.size(), mesh.get_local_rank())[0]
+    bias = None if lin.bias is None else lin.bias.to_local()
+    return weight.to_local(), bias, group, start
 
 
 def decoder_of(model: nn.Module) -> nn.Module:

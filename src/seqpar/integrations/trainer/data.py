@@ -26,6 +26,7 @@ from ...batch.targets import CU_SEQLENS_KEYS
 from ...batch.validate import BATCH_KEYS, checksum
 from ...batch.visual import ROUTED_KEYS, fingerprint, refused_key_problem
 from ...comm.agree import Table, check, share
+from ...comm.mesh import mesh_dims
 from ...errors import Refused
 
 DERIVED_KEYS = ("max_length_q", "max_length_k", "seq_idx")
@@ -113,6 +114,6 @@ def check_sp_groups(batches: list[Mapping[str, Any]], expected: int, mesh: Devic
 
 
 def sp_groups(mesh: DeviceMesh) -> list[list[int]]:
-    """The global ranks of every SP group of ``mesh`` (the dp axis first, the rest flattened)."""
-    ranks = mesh.mesh
-    return ranks.reshape(ranks.shape[0], -1).tolist()
+    """The global ranks of every group of ``mesh`` that holds one batch: an SP group, with its tp
+    ranks on an N-D mesh (the dp dimensions first, the rest flattened)."""
+    return mesh.mesh.reshape(mesh_dims(mesh).dp, -1).tolist()

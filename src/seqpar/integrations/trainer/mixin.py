@@ -48,6 +48,8 @@ trainer's class ``SeqParTrainerMixin`` over its own. The mixin overrides public 
 accelerate's own context / sequence parallelism (``ParallelismConfig(cp_size=...)``: torch
 context_parallel, which drops the attention mask, so packed documents would attend across their
 boundaries; ``sp_size``: DeepSpeed Ulysses) is refused: it would shard the batch a second time.
+Its ``dp_replicate_size``, ``dp_shard_size`` and ``tp_size`` run with seqpar's sp on one N-D mesh:
+seqpar's sp borrows its ranks from accelerate's dp_shard (:mod:`.parallelism`).
 """
 
 from __future__ import annotations
@@ -62,25 +64,27 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...attention.layout import inverse_permutation
-from ...batch.local_batch import BATCH_KWARG, LocalBatch
+from ...batch.local_batch import BATCH_KWARG
+from ...batch.loss import sync_gradients
 from ...batch.sharding import count_target_tokens, shard_batch
 from ...comm import faults
-from ...comm.gather import gather_seq
-from ...comm.mesh import Axis, as_mesh, axis_group, dp_size, init_mesh
+from ...comm.mesh import Axis, as_mesh, dp_size, init_mesh, mesh_dims, tp_size
 from ...errors import Refused
 from ..hf.parallelize import parallelize
 from ..hf.router_losses import model_setting
 from .data import check_sp_groups, drop_remainder, model_batch, split_loader
+from .parallelism import check_parallelism, full_logits, mark_tensor_parallel, trainer_mesh_kwargs
 
 
 class _State:
-    """The mesh and layout a trainer runs on, and its sizes: world = dp * sp ranks."""
+    """The mesh and layout a trainer runs on, and its sizes: world = dp * sp * tp ranks. ``own_sync``:
+    seqpar averages the gradients itself (tp > 1: accelerate wraps no DDP around a TP model)."""
 
     def __init__(self, mesh: DeviceMesh, layout: str, strategy: str = "ulysses") -> None:
         self.mesh, self.layout, self.strategy = mesh, layout, strategy
         self.world, self.dp = int(mesh.mesh.numel()), dp_size(mesh)
-        self.sp = self.world // self.dp
+        self.sp = mesh_dims(mesh).sp
+        self.own_sync = tp_size(mesh) > 1
         self.dp_rank = mesh.get_local_rank(Axis.DP.value) if self.dp > 1 else 0
 
     def over(self, mesh: DeviceMesh) -> _State:
@@ -146,7 +150,10 @@ class SeqParTrainerMixin:
     def training_step(self, *args: Any, **kwargs: Any):
         """The Trainer's step; an exception in it is told to every rank (:mod:`seqpar.comm.faults`)."""
         with faults.publishing("the Trainer's training step"):
-            return super().training_step(*args, **kwargs)
+            loss = super().training_step(*args, **kwargs)
+            if self._seqpar.own_sync and self.accelerator.sync_gradients:  # the step's last micro-batch: before
+                sync_gradients(self.model, self._seqpar.mesh)  # clipping and the optimizer, over dp x sp only
+            return loss
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None):
@@ -173,7 +180,7 @@ class SeqParTrainerMixin:
         if aux is not None:
             loss = loss + aux
         if return_outputs:
-            outputs.logits = _full_logits(outputs.logits, local[BATCH_KWARG], state.mesh)
+            outputs.logits = full_logits(outputs.logits, local[BATCH_KWARG], state.mesh, _unwrap(model))
             return loss, outputs
         return loss
 
@@ -188,7 +195,7 @@ class SeqParTrainerMixin:
         loss = outputs.loss.detach() if outputs.loss is not None else None
         if prediction_loss_only:
             return loss, None, None
-        return loss, _full_logits(outputs.logits.detach(), local[BATCH_KWARG], self._seqpar.mesh), labels
+        return loss, full_logits(outputs.logits.detach(), local[BATCH_KWARG], self._seqpar.mesh, _unwrap(model)), labels
 
 
 def _model_aux_term(model: nn.Module, outputs: Any) -> Tensor:
@@ -334,20 +341,18 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
            who: str) -> _State:
     """Check the trainer and parallelize its model over ``mesh`` (or ``init_mesh(sp=sp)``)."""
     _check_mesh_or_sp(mesh, sp, who)
-    mesh = init_mesh(sp=sp) if mesh is None else as_mesh(mesh, who)
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    mesh = init_mesh(**trainer_mesh_kwargs(pc, sp)) if mesh is None else as_mesh(mesh, who)
     state = _State(mesh, layout, strategy)
     processes = int(trainer.accelerator.num_processes)
     if state.world != processes:
         raise ValueError(f"the mesh spans {state.world} ranks but the trainer runs {processes} processes: "
                          "build the mesh over every process (seqpar.init_mesh(sp=...))")
-    pc = getattr(trainer.accelerator, "parallelism_config", None)
-    if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)
-                           or getattr(pc, "tp_enabled", False)):
-        raise ValueError("accelerate's parallelism_config enables context / sequence / tensor parallelism, which "
-                         "would shard the batch a second time (and torch context_parallel drops the attention "
-                         "mask): remove cp_size / sp_size / tp_size from TrainingArguments.parallelism_config "
-                         "when seqpar runs the sequence parallelism")
+    check_parallelism(trainer, mesh)  # accelerate's cp / sp refused; its tp must be the mesh's
     entry = _own_loss_entry(trainer)
+    if entry is not None and state.own_sync:
+        raise Refused(f"TRL's {trl_kind(type(trainer))} with tensor parallelism (tp={tp_size(mesh)}) is not "
+                      "supported: its loss reads whole-vocabulary logits; use tp=1")
     if entry is not None:  # TRL's trainers with their own loss (DPO, GRPO...): TRL's loss, sharded
         mixin, setup_trl = entry.mixin, entry.setup
         assert mixin is not None and setup_trl is not None, entry
@@ -364,6 +369,8 @@ def _setup(trainer: Any, mesh: DeviceMesh | None, sp: int | None, strategy: str,
         raise Refused(f"the MoE router aux loss (output_router_logits) under {unverified} with dp > 1 is not yet "
                       f"verified exact (dp={state.dp}): train with sp only (dp=1), or set output_router_logits=False")
     parallelize(_unwrap(trainer.model), mesh, strategy=strategy)
+    if state.own_sync:
+        mark_tensor_parallel(_unwrap(trainer.model), tp_size(mesh))
     return state
 
 
@@ -437,12 +444,3 @@ def _unwrap(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT wrapper (or the model itself)."""
     base = getattr(model, "get_base_model", None)
     return base() if callable(base) else model
-
-
-def _full_logits(logits: Tensor, batch: LocalBatch, mesh: DeviceMesh) -> Tensor:
-    """``[B, S/P, V] -> [B, S, V]`` in the original token order, on every SP rank (no autograd)."""
-    full = gather_seq(logits, dim=1, group=axis_group(mesh, Axis.SP.value), sizes=batch.shard.seq_lens,
-                      grad="slice")
-    if batch.shard.positions is not None:
-        full = full.index_select(1, inverse_permutation(batch.shard.positions).to(full.device))
-    return full
