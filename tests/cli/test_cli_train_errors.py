@@ -54,6 +54,9 @@ def files(tmp_path_factory):
     (d / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                            {"role": "assistant", "content": "yo"}]}) + "\n")
     (d / "data.parquet.txt").write_bytes(b"PAR1\x15\x04\x15\x00\x15\x02")
+    (d / "noprefix.jsonl").write_text(json.dumps({"chosen": "yes", "rejected": "no"}) + "\n")
+    (d / "rollouts.jsonl").write_text("".join(json.dumps({"prompt_ids": [5, 6, 7], "completion_ids": [8] * n,
+                                                          "reward": float(n)}) + "\n" for n in (2, 40)))
     (d / "noweights").mkdir()
     model.config.save_pretrained(d / "noweights")
     (d / "notcausal").mkdir()
@@ -145,6 +148,15 @@ CASES = {
                                 ["--chat-template needs a transformers tokenizer"]),
     "lora targets matching nothing": (lambda d: ["--lora-r", "2", "--lora-targets", "nope"],
                                       ["--lora-targets nope", "not found"]),
+    # issue 49: TRL's formats and RL rollouts
+    "implicit prompt sharing nothing": (lambda d: ["--objective", "dpo", "--data", str(d / "noprefix.jsonl"),
+                                                   "--seq-len", "64"], ["noprefix.jsonl:1", "share no beginning"]),
+    "rollout longer than the row": (lambda d: ["--objective", "grpo", "--data", str(d / "rollouts.jsonl"),
+                                               "--seq-len", "32"], ["rollouts.jsonl:2", "--seq-len 32"]),
+    "ppo on rewards": (lambda d: ["--objective", "ppo", "--data", str(d / "rollouts.jsonl"), "--seq-len", "64"],
+                       ["rollouts.jsonl:1", "per completion token", "--objective grpo"]),
+    "an rl option for dpo": (lambda d: ["--objective", "dpo", "--kl-coef", "0.1"],
+                             ["--kl-coef does nothing for --objective dpo", "--objective grpo / ppo"]),
 }
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from seqpar.objectives import DPO, ORPO, BradleyTerry, CausalLM, SimPO
+from seqpar.objectives import DPO, ORPO, BradleyTerry, CausalLM, PolicyGradient, SimPO
 
 
 def _quantities() -> SimpleNamespace:
@@ -30,3 +30,17 @@ def test_metric_names_are_the_metrics_terms_returns(objective):
 
 def test_a_token_mean_has_no_metrics():
     assert CausalLM.metric_names == ()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_the_policy_loss_declares_its_kl_metric_where_it_has_one(beta):
+    g = torch.Generator().manual_seed(1)
+    q = _quantities()
+    q.token.update(entropy=torch.rand(4, 6, generator=g, dtype=torch.float64),
+                   advantages=torch.randn(4, 6, generator=g, dtype=torch.float64),
+                   ref_logps=-torch.rand(4, 6, generator=g, dtype=torch.float64))
+    q.seqs = SimpleNamespace(count=4)
+    objective = PolicyGradient(loss_type="grpo", beta=beta)
+    assert list(objective.terms(q).metrics) == sorted(objective.metric_names, key=["kl", "clip_ratio",
+                                                                                    "entropy"].index)
+    assert ("kl" in objective.metric_names) == (beta != 0)

@@ -224,3 +224,44 @@ def test_step1_loss_equals_trls_grpo_loss_on_the_same_rows(tmp_path):
     for rank, got in enumerate(results):
         for case, loss in want.items():
             assert abs(got[case] - loss) <= LOSS_TOL, f"rank {rank} {case}: {got[case]!r} vs TRL's {loss!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# seqpar train --objective grpo|ppo on a rollouts file: the job's step-1 loss is TRL's
+# ---------------------------------------------------------------------------------------------
+
+TRAIN_OPTIONS = {  # seqpar train's options for each case of CASES
+    "grpo-kl": dict(objective="grpo", rl_loss="grpo", kl_coef=0.04),
+    "dapo-kl": dict(objective="grpo", rl_loss="dapo", kl_coef=0.1, clip_epsilon_high=0.28),
+    "dr_grpo": dict(objective="grpo", rl_loss="dr_grpo", max_completion_length=7),
+    "bnpo-kl-per-token": dict(objective="ppo", kl_coef=0.04),
+}
+
+
+def _train_step1(tmp_path, state: dict, rows: list[dict], options: dict) -> float:
+    """``seqpar train`` (2 local ranks, sp=2, float32) on ``rows`` written as a JSONL file, every row in
+    its one step, from a checkpoint of the model TRL's side ran; its step-1 loss."""
+    from seqpar.train import TrainConfig, train
+
+    ckpt = tmp_path / "ckpt"
+    if not ckpt.exists():
+        model = tiny_lm(seed=0)
+        model.load_state_dict(state)
+        model.save_pretrained(ckpt)
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = train(TrainConfig(model=str(ckpt), data=[str(path)], seq_len=16, sp=2, micro_batch=len(rows), steps=1,
+                                eval_rows=0, dtype="float32", progress=False, plot=False, warmup=1, lr=1e-3,
+                                save_dir=str(tmp_path / options["objective"]), overwrite=True, **options))
+    return summary.losses[0][1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", [pytest.param("grpo-kl"), *(pytest.param(c, marks=pytest.mark.heavy)
+                                                             for c in TRAIN_OPTIONS if c != "grpo-kl")])
+def test_seqpar_train_step1_loss_equals_trls_on_a_rollouts_file(tmp_path, case):
+    """The whole job -- the file read, tokens and advantages per group, the units, the sharded step --
+    gives TRL's GRPOTrainer loss on the same rows (float32, LOSS_TOL)."""
+    state, rows_by_case, want = _trl_side(str(tmp_path))
+    got = _train_step1(tmp_path, state, rows_by_case[case], TRAIN_OPTIONS[case])
+    assert abs(want[case]) > 1e-3 and abs(got - want[case]) <= LOSS_TOL, (case, got, want[case])

@@ -41,6 +41,12 @@ def _chat_pairs():
     return out
 
 
+def _implicit(pairs):
+    """The same pairs in TRL's implicit-prompt format (Anthropic HH's): no "prompt", each side starting
+    with it."""
+    return [{"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"]} for p in pairs]
+
+
 def _first_step(cfg, world):
     trainer = start_run(prepare_job(cfg, world))
     batch = trainer.steps.micro_batches(0)[0]  # dp = 1: every rank reads the whole step
@@ -66,12 +72,15 @@ def env(tmp_path_factory):
     text = write_jsonl(tmp / "pairs.jsonl", TEXT_PAIRS)
     many = write_jsonl(tmp / "many.jsonl", TEXT_PAIRS * 4)  # a tenth held out: 2 pairs
     chat = write_jsonl(tmp / "chat_pairs.jsonl", _chat_pairs())
+    implicit = write_jsonl(tmp / "implicit_pairs.jsonl", _implicit(TEXT_PAIRS))
+    implicit_chat = write_jsonl(tmp / "implicit_chat_pairs.jsonl", _implicit(_chat_pairs()))
     base = TrainConfig(model=ckpt, data=[text], seq_len=48, sp=2, micro_batch=N, dtype="float32", progress=False,
                        plot=False, loss_tile=16, mlp_tile=16, save_dir=str(tmp / "unused"))
     # "sft" beside "sigmoid": at step 1 the policy is its reference, so the sigmoid loss alone is log 2
     # whatever the tokens; the chosen completions' NLL makes the step-1 loss depend on every log-prob
     dpo = base.replace(objective="dpo", dpo_loss="sigmoid,sft")
     cases = {"dpo": dpo, "dpo_chat": dpo.replace(data=[chat]),
+             "dpo_implicit": dpo.replace(data=[implicit]), "dpo_chat_implicit": dpo.replace(data=[implicit_chat]),
              "dpo_packed": dpo.replace(packing=True, seq_len=256, micro_batch=1),  # every pair in one row
              "dpo64": dpo.replace(dtype="float64"),
              "dpo_lora": dpo.replace(lora_r=4, lora_alpha=8.0),  # the reference: the adapters off
@@ -121,9 +130,10 @@ def _trl_sequences(dataset):
     return sorted(out)
 
 
-@pytest.mark.parametrize("name", ["dpo", "dpo_chat"])
+@pytest.mark.parametrize("name", ["dpo", "dpo_chat", "dpo_implicit", "dpo_chat_implicit"])
 def test_dpo_tokens_and_step_1_loss_equal_trl(env, name):
-    """Text and conversational pairs: every sequence of step 1 (its tokens and completion mask) is one
+    """Text and conversational pairs, with an explicit prompt or an implicit one (the two sides' shared
+    beginning, which TRL extracts): every sequence of step 1 (its tokens and completion mask) is one
     of TRL's, all of them are there, and the step-1 loss (sp=2, tiled head and MLP, layer
     checkpoints) equals DPOTrainer's on the same pairs within 1e-6 (float32)."""
     cfg = env["cases"][name]

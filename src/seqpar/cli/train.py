@@ -95,15 +95,17 @@ def format_summary(s: RunSummary) -> str:
         (s0, l0), (s1, l1) = s.losses[0], s.losses[-1]
         lines.append(f"  loss        {l0:.4f} (step {s0}) -> {l1:.4f} (step {s1})")
     ev, first = s.final_eval, s.first_eval
-    if ev:
+    if ev and ev.accuracy is not None:
         acc = f"{100 * ev.accuracy:.1f}%"
         answers = s.accuracy_of == "answers"  # the task's answers, else the preference accuracy: the chosen won
         if s.chance:
             acc += f" vs chance {100 * s.chance:.1f}%" + (f" ({ev.accuracy / s.chance:.0f}x)" if answers else "")
-        if first:
+        if first and first.accuracy is not None:
             acc += f"; before training {100 * first.accuracy:.1f}%"
-        what = s.accuracy_of
-        lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} {what}; loss {ev.loss:.4f}")
+        lines.append(f"  held-out    accuracy {acc} over {ev.targets:,} {s.accuracy_of}; loss {ev.loss:.4f}")
+    elif ev:
+        before = f"; before training {first.loss:.4f}" if first else ""
+        lines.append(f"  held-out    loss {ev.loss:.4f} over {ev.targets:,} units{before}")
     if s.evals and len(s.evals) > 1:
         losses = ", ".join(f"step {step}: {e.loss:.4f}" for step, e in s.evals)
         lines.append(f"  evaluations {losses} (held-out loss)")

@@ -20,7 +20,7 @@ and their tokens (:mod:`.trl_formats`).
 """
 
 from .causal_lm import CausalLM
-from .preference import DPO, DPO_LOSSES, KTO, ORPO, SimPO
+from .preference import DPO, DPO_LOSSES, KTO, KTOKL, ORPO, SimPO
 from .reference import ADAPTERS_OFF
 from .reward import BradleyTerry, SequenceClassification, ValueLoss
 from .rl import AGGREGATIONS, PolicyGradient
@@ -33,6 +33,7 @@ __all__ = [
     "DPO",
     "DPO_LOSSES",
     "KTO",
+    "KTOKL",
     "ORPO",
     "BradleyTerry",
     "CausalLM",

@@ -213,3 +213,22 @@ class KTO(Objective):
         return Terms(losses.sum(), good.numel(), {"rewards/desirable": rewards[good].sum() / max(int(good.sum()), 1),
                                                    "rewards/undesirable": rewards[~good].sum()
                                                    / max(int((~good).sum()), 1)})
+
+
+@dataclass
+class KTOKL(Objective):
+    """KTO's KL estimate (TRL 1.16 ``KTOTrainer``) on its mismatched rows (each prompt with another
+    row's completion, :func:`seqpar.objectives.trl_formats.kl_completions`): the metric ``"kl"``, the
+    mean over sequences of the policy's minus the reference's summed completion log-prob. Run it
+    under ``torch.no_grad()``; its loss is 0. KTO's ``kl`` input is its mean over the dp ranks,
+    clamped at 0, as TRL gathers it."""
+
+    name = "kto_kl"
+    needs = Needs(reference=True)
+    takes = Takes(per_token=("logps",))
+    unit = "sequence"
+    metric_names = ("kl",)
+
+    def terms(self, q: Quantities) -> Terms:
+        gap = q.sums(q.token["logps"]) - q.row["ref_logps"].to(q.token["logps"].dtype)  # [N]
+        return Terms(gap.sum() * 0.0, q.seqs.count, {"kl": gap.mean()})

@@ -50,6 +50,7 @@ class PolicyGradient(Objective):
     needs = Needs(optional=("advantages", "old_logps"), reference=False)
     takes = Takes(per_token=("logps", "entropy"))
     unit = "token"
+    metric_names = ("clip_ratio", "entropy")
 
     def __post_init__(self) -> None:
         if self.loss_type not in AGGREGATIONS:
@@ -58,6 +59,8 @@ class PolicyGradient(Objective):
             raise ValueError("loss_type='dr_grpo' divides by max_completion_length: set it")
         self.unit = "sequence" if self.loss_type in ("grpo", "dr_grpo") else "token"
         self.needs = Needs(per_row=(), optional=("advantages", "old_logps"), reference=self.beta != 0.0)
+        if self.beta != 0.0:  # per instance: the KL term's metric where there is one
+            self.metric_names = ("kl", "clip_ratio", "entropy")
 
     def terms(self, q: Quantities) -> Terms:
         logp = q.token["logps"]  # [B, S_local]

@@ -24,7 +24,7 @@ from .config import (
     model_overrides,
 )
 from .data import OVERFLOW
-from .objectives import DATA_KINDS, OBJECTIVES, dpo_losses, objective_of
+from .objectives import DATA_KINDS, OBJECTIVE_OPTIONS, OBJECTIVES, dpo_losses, objective_of
 from .tokenizer import TRAIN_ON
 
 EXTRAS = {"peft": "lora", "tensorboard": "logging", "wandb": "logging"}
@@ -100,13 +100,13 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
 def check_objective(cfg: TrainConfig) -> None:
     """--objective and its options (the registry, :mod:`seqpar.train.objectives`)."""
     spec = objective_of(cfg.objective)
-    given = [n for n in ("beta", "dpo_loss") if getattr(cfg, n) != FIELDS[n].default]
+    given = [n for n in OBJECTIVE_OPTIONS if getattr(cfg, n) != FIELDS[n].default]
     extra = [n for n in given if n not in spec.options]
     if extra:
         takers = [o.name for o in OBJECTIVES.values() if set(extra) <= set(o.options)]
         flags = ", ".join(f"--{n.replace('_', '-')}" for n in extra)
-        raise ValueError(f"{flags} does nothing for --objective {cfg.objective}: leave it out, or use --objective "
-                         + " / ".join(takers))
+        raise ValueError(f"{flags} does nothing for --objective {cfg.objective}: leave it out"
+                         + (", or use --objective " + " / ".join(takers) if takers else ""))
     # an option the data kind's reader does not read (pairs: completions only, each sequence cut to
     # --seq-len keeping its start, as TRL)
     read = {n for kind in DATA_KINDS.values() for n in kind.options}
@@ -119,6 +119,12 @@ def check_objective(cfg: TrainConfig) -> None:
     if not cfg.beta > 0:
         raise ValueError(f"--beta must be > 0, got {cfg.beta}")
     dpo_losses(cfg)
+    if cfg.kl_coef < 0 or not cfg.clip_epsilon > 0 or (cfg.clip_epsilon_high is not None and
+                                                        not cfg.clip_epsilon_high > 0):
+        raise ValueError("--kl-coef must be >= 0, --clip-epsilon and --clip-epsilon-high > 0")
+    if cfg.rl_loss == "dr_grpo" and cfg.objective == "grpo" and not cfg.max_completion_length:
+        raise ValueError("--rl-loss dr_grpo divides each completion's token sum by --max-completion-length: set it "
+                         "(TRL's max_completion_length, the generation's limit)")
     if spec.scores and cfg.lora_r:
         raise ValueError(f"--objective {cfg.objective} trains a new score head, which --lora-r would leave frozen "
                          "(LoRA adapts the linear layers of the body): leave out --lora-r")

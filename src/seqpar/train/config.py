@@ -20,12 +20,14 @@ from seqpar.attention.dispatch import STRATEGIES
 from seqpar.batch.tiles import DEFAULT_LOSS_TILE, MAX_MLP_TILE, MIN_TILE
 from seqpar.integrations.memory.switches import CHECKPOINT_MODES
 from seqpar.integrations.models import BUILTIN_MODELS
-from seqpar.objectives import DPO_LOSSES
+from seqpar.objectives import AGGREGATIONS, DPO_LOSSES
+from seqpar.objectives.advantages import SCALE_REWARDS
 from seqpar.planner.bins import SP_SCHEDULES
 
 from .data import OVERFLOW
 from .formats import FORMATS_HELP
 from .objectives import OBJECTIVES
+from .rollout_data import ADVANTAGE_ESTIMATORS
 from .tokenizer import TRAIN_ON
 
 REPORT_TO = ("none", "tensorboard", "wandb")
@@ -169,7 +171,29 @@ class TrainConfig:
     objective: str = _opt("sft", "what the run trains: " + "; ".join(f"{o.name} ({o.summary})" for o in
                           OBJECTIVES.values()) + "; the preference objectives train on --data with prompt / chosen / "
                           "rejected, and without --data learn the embedded preference demo", choices=tuple(OBJECTIVES))
-    beta: float = _opt(0.1, "--objective dpo / simpo / orpo: the beta of the loss (TRL's)", shown="0.1 (TRL's DPO)")
+    beta: float = _opt(0.1, "--objective dpo / simpo / orpo / kto: the beta of the loss (TRL's)",
+                       shown="0.1 (TRL's DPO and KTO)")
+    kto_loss: str = _opt("kto", "--objective kto: the loss type, TRL's: kto (with the KL term) or apo_zero_unpaired",
+                         choices=("kto", "apo_zero_unpaired"))
+    # --- RL on rollouts (--objective grpo / ppo: seqpar.train.rollout_data) ---
+    rl_loss: str = _opt("dapo", "--objective grpo: how the clipped per-token losses add up (TRL's loss_type): grpo "
+                        "(each completion's token mean, then the mean over completions), dr_grpo (token sums over "
+                        "completions x --max-completion-length), bnpo (the token mean of each micro-batch), dapo (the "
+                        "token mean over the whole step)", choices=tuple(AGGREGATIONS))
+    kl_coef: float = _opt(0.0, "--objective grpo / ppo: the KL-to-the-reference term's coefficient (TRL's beta; k3 "
+                          "estimator); the reference log-probs come from the rollouts' ref_logps, or else a frozen "
+                          "copy of the initial model (the model with its adapters off with --lora-r)")
+    clip_epsilon: float = _opt(0.2, "--objective grpo / ppo: the ratio's clip range below 1 (and above, unless "
+                               "--clip-epsilon-high)")
+    clip_epsilon_high: float | None = _opt(None, "--objective grpo / ppo: the ratio's clip range above 1 (DAPO's "
+                                           "clip-higher)", shown="--clip-epsilon")
+    max_completion_length: int | None = _opt(None, "--rl-loss dr_grpo: the constant each completion's token sum is "
+                                             "divided by (TRL's max_completion_length)",
+                                             shown="none (needed by dr_grpo)")
+    advantages: str = _opt("grpo", "--objective grpo on rewards: the advantage estimator per prompt group: grpo (the "
+                           "group's mean and std) or rloo (leave-one-out)", choices=ADVANTAGE_ESTIMATORS)
+    scale_rewards: str = _opt("group", "--advantages grpo: divide by the std of the group, of the batch, or none "
+                              "(Dr. GRPO)", choices=SCALE_REWARDS)
     dpo_loss: str = _opt("sigmoid", f"--objective dpo: the loss type, TRL's ({', '.join(DPO_LOSSES)}); several joined "
                          "by commas add up")
 
@@ -182,7 +206,8 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 OPTIONAL_KINDS: dict[str, type] = {"data": list, "dp": int, "nproc": int, "timeout": float, "lora_alpha": float,
-                                   "lora_targets": list, "token_budget": int, "mlp_tile": int}
+                                   "lora_targets": list, "token_budget": int, "mlp_tile": int,
+                                   "clip_epsilon_high": float, "max_completion_length": int}
 """The type of each option whose default is None (the others: their default's type)."""
 
 

@@ -27,8 +27,11 @@ import torch
 from torch import Tensor
 
 from seqpar.batch.targets import IGNORE_INDEX
+from seqpar.objectives.advantages import group_advantages
+from seqpar.objectives.rollouts import Rollout
 
-from .preference_data import pair_units
+from .preference_data import kto_unit, pair_units
+from .rollout_data import rollout_unit
 from .sources import TRAIN, TaskSource
 from .tokenizer import Document
 
@@ -170,3 +173,50 @@ def preference_demo(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -
         least = 2 * 2 + 2
         raise ValueError(f"--seq-len {seq_len} is too short for the preference demo: use --seq-len >= {least}")
     return PreferenceDemo(task, eval_rows)
+
+
+@dataclass
+class RolloutDemo(TaskSource):
+    """The preference demo as RL rollouts (``--objective grpo|ppo`` without ``--data``): unit ``index``
+    is one prompt's group of two completions, the counting-up one with reward 1 and the other with
+    reward 0, their GRPO advantages (group mean / std; for ppo the same on every completion token), as
+    two padded rows ``[2, S]``."""
+
+    task: CountingPreference
+    chance = None
+    rows_per_unit = 2
+
+    def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
+        p, c, r = self.task.pair(index, split)
+        adv = group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), [0, 0]).tolist()
+        rows = [rollout_unit([Rollout("demo", tuple(p + x), tuple([False] * len(p) + [True] * len(x)), 0,
+                                      advantage=a)], self.task.seq_len, PAD) for x, a in ((c, adv[0]), (r, adv[1]))]
+        return {k: torch.stack([row[k] for row in rows]) for k in rows[0]}
+
+
+def rollout_demo(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -> RolloutDemo:
+    """The RL demo's data (the preference demo's task); ValueError for options it cannot take."""
+    return RolloutDemo(preference_demo(seq_len, seed, eval_rows, packing=packing).task, eval_rows)
+
+
+@dataclass
+class UnpairedDemo(TaskSource):
+    """The preference demo as KTO's unpaired rows (``--objective kto`` without ``--data``): unit
+    ``index`` is pair ``index // 2``'s chosen completion (desirable) or rejected one (not), by parity,
+    with its KL row: the prompt with the pair's other completion."""
+
+    task: CountingPreference
+    chance = None
+    rows_per_unit = 2
+
+    def row(self, index: int, split: int = TRAIN) -> dict[str, Tensor]:
+        p, c, r = self.task.pair(index // 2, split)
+        mine, other = (c, r) if index % 2 == 0 else (r, c)
+        unit = kto_unit(p, mine, other, index % 2 == 0, self.task.seq_len, PAD)
+        assert unit is not None  # the prompt is half the row
+        return unit
+
+
+def unpaired_demo(seq_len: int, seed: int, eval_rows: int, *, packing: bool) -> UnpairedDemo:
+    """KTO's demo data (the preference demo's task); ValueError for options it cannot take."""
+    return UnpairedDemo(preference_demo(seq_len, seed, eval_rows, packing=packing).task, eval_rows)

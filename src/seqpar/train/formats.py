@@ -15,6 +15,8 @@ An object or row is a record by its fields, in this order:
     "prompt" and "completion" (strings, or messages)  prompt / completion
     "prompt", "chosen" and "rejected" (strings, or    a preference pair (TRL's standard and conversational
     messages)                                         preference formats, explicit prompt)
+    "chosen" and "rejected" only                      a preference pair with an implicit prompt: their
+                                                      shared beginning, extracted as TRL does
     --text-field (default "text"): a string          plain text (a list of messages there: chat)
 
 Everything here is pure (no processes, no tokenizer): the parent reads the files before any worker
@@ -28,6 +30,8 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from seqpar.objectives.trl_formats import with_prompt
 
 JSON_EXTS = (".jsonl", ".json")
 DATASETS_EXTS = (".parquet", ".arrow")
@@ -107,10 +111,9 @@ def to_record(obj: Any, where: str, text_field: str) -> Record:
 
 
 def _preference(obj: dict[str, Any], where: str) -> Record:
-    """A prompt / chosen / rejected record: all strings, or all lists of messages."""
-    if "prompt" not in obj:
-        raise ValueError(f"{where}: a preference pair needs a 'prompt' field beside 'chosen' and 'rejected' (TRL's "
-                         "explicit-prompt format): split the shared beginning of the two into 'prompt'")
+    """A prompt / chosen / rejected record: all strings, or all lists of messages. Without "prompt"
+    (TRL's implicit-prompt format) the prompt is the two sides' shared beginning, as TRL extracts it."""
+    obj = with_prompt(obj, where)  # ValueError naming the row when the two share no beginning
     parts = {k: obj[k] for k in ("prompt", "chosen", "rejected")}
     if all(isinstance(v, str) for v in parts.values()):
         return Record(PREFERENCE, where, **parts)
@@ -134,14 +137,15 @@ def _text_file(path: str) -> str:
         raise ValueError(f"--data {path!r} is not UTF-8 text (byte {e.start}): {hint}") from None
 
 
-def _json_records(path: str, content: str, text_field: str) -> Iterator[Record]:
+def _json_objects(path: str, content: str) -> Iterator[tuple[str, Any]]:
+    """``(where, object)`` of a *.jsonl / *.json file's content."""
     if path.lower().endswith(".json") and content.lstrip().startswith("["):  # one JSON array of objects
         try:
             items = json.loads(content)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         for i, obj in enumerate(items):
-            yield to_record(obj, f"{path}[{i}]", text_field)
+            yield f"{path}[{i}]", obj
         return
     for lineno, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
@@ -150,7 +154,7 @@ def _json_records(path: str, content: str, text_field: str) -> Iterator[Record]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-        yield to_record(obj, f"{path}:{lineno}", text_field)
+        yield f"{path}:{lineno}", obj
 
 
 def is_saved_dataset(path: str) -> bool:
@@ -197,16 +201,42 @@ def _dataset(path: str) -> Any:
             ds_logging.enable_progress_bar()
 
 
-def _dataset_records(path: str, text_field: str) -> Iterator[Record]:
+def _dataset_rows(path: str, columns_for: str = "", text_field: str = "text") -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` of a parquet / arrow file or save_to_disk directory. ``columns_for="records"``:
+    refuse a dataset none of whose columns makes a record (before reading a row)."""
     ds = _dataset(path)
     columns = list(ds.column_names)
-    if ("messages" not in columns and not {"prompt", "completion"} <= set(columns)
-            and not {"chosen", "rejected"} <= set(columns) and text_field not in columns):
+    if columns_for == "records" and ("messages" not in columns and not {"prompt", "completion"} <= set(columns)
+                                     and not {"chosen", "rejected"} <= set(columns) and text_field not in columns):
         raise ValueError(f"--data {path!r} has no {text_field!r} column (columns: {columns}); set --text-field to the "
                          "column that holds the text, or give 'messages' (chat), 'prompt' and 'completion', or "
                          "'prompt', 'chosen' and 'rejected' (preference pairs)")
     for i, row in enumerate(ds):
-        yield to_record(row, f"{path}[{i}]", text_field)
+        yield f"{path}[{i}]", row
+
+
+def read_rows(paths: Sequence[str]) -> list[tuple[str, Any]]:
+    """``(where, object)`` of every JSON object (*.jsonl / *.json) or dataset row (parquet, arrow,
+    save_to_disk) of ``paths``, in order, before any reading as records: for data whose rows are not
+    documents (RL rollouts). ValueError naming the file at fault (plain-text files too)."""
+    if not paths:
+        raise ValueError("--data needs at least one file")
+    out: list[tuple[str, Any]] = []
+    for path in paths:
+        if not os.path.exists(path):
+            raise ValueError(f"--data {path!r}: no such file")
+        if is_saved_dataset(path) or path.lower().endswith(DATASETS_EXTS):
+            rows = list(_dataset_rows(path))
+        elif path.lower().endswith(JSON_EXTS):
+            content = _text_file(path)
+            rows = list(_json_objects(path, content))
+        else:
+            raise ValueError(f"--data {path!r}: rows are read from *.jsonl / *.json objects or parquet / arrow / "
+                             "save_to_disk datasets, not from plain text")
+        if not rows:
+            raise ValueError(f"--data {path!r} holds no rows")
+        out += rows
+    return out
 
 
 def read_file(path: str, text_field: str = "text") -> list[Record]:
@@ -215,18 +245,18 @@ def read_file(path: str, text_field: str = "text") -> list[Record]:
     if not os.path.exists(path):
         raise ValueError(f"--data {path!r}: no such file")
     if is_saved_dataset(path):
-        records = list(_dataset_records(path, text_field))
+        records = [to_record(row, where, text_field) for where, row in _dataset_rows(path, "records", text_field)]
     elif os.path.isdir(path):
         raise ValueError(f"--data {path!r} is a directory: give the files in it (e.g. {path}/*.jsonl), or a "
                          "datasets.save_to_disk directory")
     elif path.lower().endswith(DATASETS_EXTS):
-        records = list(_dataset_records(path, text_field))
+        records = [to_record(row, where, text_field) for where, row in _dataset_rows(path, "records", text_field)]
     else:
         content = _text_file(path)
         if not content.strip():
             raise ValueError(f"--data {path!r} is empty")
         if path.lower().endswith(JSON_EXTS):
-            records = list(_json_records(path, content, text_field))
+            records = [to_record(obj, where, text_field) for where, obj in _json_objects(path, content)]
         else:
             records = [Record(TEXT, path, text=content)]
     if not records:

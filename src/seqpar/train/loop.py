@@ -164,7 +164,7 @@ def start_run(job: Job) -> Run:
     ctx = RunContext(job=job, mesh=mesh, device=device, rank=dist.get_rank(),
                      dp_rank=dist.get_rank(axis_group(mesh, "dp")),
                      sp_rank=dist.get_rank(axis_group(mesh, "sp")),  # hybrid: the flattened ring x ulysses axis
-                     model=built.model, policy=built.policy, reference=make_reference(job.cfg, built),
+                     model=built.model, policy=built.policy, reference=make_reference(job, built),
                      use_fsdp=built.use_fsdp)
     objective = ObjectiveStep(ctx)
     optimization = Optimization(job.cfg, built.model)

@@ -165,11 +165,14 @@ def _meta_or_loaded(job: Job, spec: TrainObjective, param_dtype: torch.dtype, de
     return model, state
 
 
-def make_reference(cfg: TrainConfig, built: RankModel) -> nn.Module | str | None:
-    """A preference objective's reference (see the module doc), built after the model has its
-    initial weights; None for an objective without one. ValueError under FSDP2 without LoRA."""
-    spec = objective_of(cfg.objective)
-    if not spec.cls.needs.reference:
+def make_reference(job: Job, built: RankModel) -> nn.Module | str | None:
+    """The objective's reference (see the module doc), built after the model has its initial weights;
+    None for an objective without one, or data that brings its reference log-probs (RL rollouts'
+    ``ref_logps``). ValueError under FSDP2 without LoRA."""
+    cfg = job.cfg
+    if not objective_of(cfg.objective).make(cfg).needs.reference:
+        return None
+    if job.data is not None and "ref_logps" in job.data.row(0):
         return None
     if built.peft is not None:
         return ADAPTERS_OFF

@@ -21,6 +21,12 @@ An entry says what the CLI and the job need to know, derived where the seam alre
     simpo    SimPO (--beta), reference-free
     orpo     ORPO (--beta), reference-free
     reward   Bradley-Terry on chosen / rejected scores of a sequence-classification head (num_labels=1)
+    grpo     GRPO / DAPO / Dr. GRPO on RL rollouts (:mod:`.rollout_data`): the clipped policy loss
+             (--rl-loss, --clip-epsilon[-high]) with advantages per prompt group from the rewards
+             (--advantages, --scale-rewards), a KL to the reference with --kl-coef
+    ppo      PPO's clipped policy loss (token mean) on rollouts with an advantage per token (GAE)
+    kto      KTO (--kto-loss, --beta) on unpaired rows (prompt, completion, label), or pairs unpaired
+             as TRL does, against a reference; its KL term from each unit's KL row (``kl_rows``)
 
 Pairs come as :mod:`.preference_data` units: sequences c0 r0 c1 r1 ..., the "interleaved" pairing.
 A new objective is one entry here (and its data kind, if new).
@@ -36,11 +42,22 @@ from torch import Tensor
 
 from seqpar.batch.sharding import count_target_tokens
 from seqpar.integrations.trl.dynamic import BATCH_COUPLED
-from seqpar.objectives import DPO, DPO_LOSSES, ORPO, BradleyTerry, CausalLM, Objective, SimPO
+from seqpar.objectives import (
+    DPO,
+    DPO_LOSSES,
+    KTO,
+    ORPO,
+    BradleyTerry,
+    CausalLM,
+    Objective,
+    PolicyGradient,
+    SimPO,
+)
 
 from .data import load_text_data
-from .demo_data import copy_task_source, preference_demo
-from .preference_data import load_preference_data
+from .demo_data import copy_task_source, preference_demo, rollout_demo, unpaired_demo
+from .preference_data import load_preference_data, load_unpaired
+from .rollout_data import load_rollouts
 from .sources import DataSource
 from .tokenizer import make_tokenizer
 
@@ -70,10 +87,35 @@ def _pairs(cfg: Options, hf_tokenizer: Any) -> DataSource:
                                 seed=cfg.seed, eval_rows=cfg.eval_rows)
 
 
+def _rollouts(per_token: bool) -> Callable[[Options, Any], DataSource]:
+    def load(cfg: Options, hf_tokenizer: Any) -> DataSource:
+        return load_rollouts(cfg.data, make_tokenizer(hf_tokenizer), seq_len=cfg.seq_len, packing=cfg.packing,
+                             seed=cfg.seed, eval_rows=cfg.eval_rows, estimator=cfg.advantages,
+                             scale_rewards=cfg.scale_rewards, per_token_advantages=per_token)
+    return load
+
+
+def _unpaired(cfg: Options, hf_tokenizer: Any) -> DataSource:
+    if cfg.packing:
+        raise ValueError("--packing: KTO's units keep one sequence per row beside its KL row: leave it out")
+    return load_unpaired(cfg.data, make_tokenizer(hf_tokenizer), seq_len=cfg.seq_len, micro_batch=cfg.micro_batch,
+                         seed=cfg.seed, eval_rows=cfg.eval_rows)
+
+
+def _rollout_demo(cfg: Options) -> DataSource:
+    return rollout_demo(cfg.seq_len, cfg.seed, cfg.eval_rows, packing=cfg.packing)
+
+
 DATA_KINDS: dict[str, DataKind] = {
     "sequences": DataKind("sequences", lambda c: copy_task_source(c.seq_len, c.seed, c.eval_rows, packing=c.packing),
                           _text, options=("text_field", "train_on", "overflow")),
     "pairs": DataKind("pairs", lambda c: preference_demo(c.seq_len, c.seed, c.eval_rows, packing=c.packing), _pairs),
+    "rollouts": DataKind("rollouts", _rollout_demo, _rollouts(per_token=False)),
+    # PPO's: an advantage per completion token (GAE), no rewards to normalise
+    "rollouts with token advantages": DataKind("rollouts with token advantages", _rollout_demo,
+                                               _rollouts(per_token=True)),
+    "unpaired": DataKind("unpaired", lambda c: unpaired_demo(c.seq_len, c.seed, c.eval_rows, packing=c.packing),
+                         _unpaired),
 }
 
 
@@ -97,11 +139,12 @@ class TrainObjective:
     cls: type[Objective]
     make: Callable[[Options], Objective]
     data: str
-    accuracy: str
+    accuracy: str | None  # None: the held-out evaluation reports the loss alone
     accuracy_of: str  # what the held-out accuracy counts, in words
     options: tuple[str, ...] = ()
     evaluation: Callable[[Options], Objective] | None = None  # default: make
     dynamic_problem: Callable[[Options], str | None] = field(default=lambda cfg: None)
+    kl_rows: bool = False  # each unit's second row is its KL row (KTO): a no-grad estimate, the "kl" input
 
     @property
     def scores(self) -> bool:
@@ -120,6 +163,19 @@ def _dpo_dynamic(cfg: Options) -> str | None:
     return (f"--dpo-loss {coupled[0]} {BATCH_COUPLED[coupled[0]]}, which a dynamic schedule's bins (other pairs than "
             f"the micro-batch's) would change: use --sp-schedule static or another --dpo-loss (not "
             f"{', '.join(BATCH_COUPLED)})")
+
+
+def _no_bins(cfg: Options) -> str:
+    return (f"--objective {cfg.objective} carries its inputs (advantages, log-probs, labels, KL rows) beside the "
+            "rows, which a dynamic schedule's bins do not carry yet: use --sp-schedule static")
+
+
+RL_OPTIONS = ("kl_coef", "clip_epsilon", "clip_epsilon_high")
+
+
+def _policy_gradient(cfg: Options, loss_type: str) -> Objective:
+    return PolicyGradient(loss_type=loss_type, epsilon=cfg.clip_epsilon, epsilon_high=cfg.clip_epsilon_high,
+                          beta=cfg.kl_coef, max_completion_length=cfg.max_completion_length)
 
 
 OBJECTIVES: dict[str, TrainObjective] = {o.name: o for o in (
@@ -142,7 +198,21 @@ OBJECTIVES: dict[str, TrainObjective] = {o.name: o for o in (
     TrainObjective("reward", "a reward model: Bradley-Terry on chosen / rejected, a sequence-classification head",
                    BradleyTerry, lambda c: BradleyTerry(pairing="interleaved"), data="pairs", accuracy="accuracy",
                    accuracy_of="pairs (the chosen one preferred)"),
+    TrainObjective("grpo", "GRPO / DAPO / Dr. GRPO on RL rollouts: advantages per prompt group, a KL with "
+                   "--kl-coef", PolicyGradient, lambda c: _policy_gradient(c, c.rl_loss), data="rollouts",
+                   accuracy=None, accuracy_of="", options=("rl_loss", *RL_OPTIONS, "max_completion_length",
+                                                          "advantages", "scale_rewards"),
+                   dynamic_problem=_no_bins),
+    TrainObjective("ppo", "PPO's clipped policy loss on rollouts with an advantage per token", PolicyGradient,
+                   lambda c: _policy_gradient(c, "bnpo"), data="rollouts with token advantages", accuracy=None,
+                   accuracy_of="", options=RL_OPTIONS, dynamic_problem=_no_bins),
+    TrainObjective("kto", "KTO on unpaired rows (prompt, completion, label) against a reference", KTO,
+                   lambda c: KTO(beta=c.beta, loss_type=c.kto_loss), data="unpaired", accuracy=None, accuracy_of="",
+                   options=("beta", "kto_loss"), kl_rows=True, dynamic_problem=_no_bins),
 )}
+
+OBJECTIVE_OPTIONS = tuple(dict.fromkeys(n for o in OBJECTIVES.values() for n in o.options))
+"""Every option only some objectives read: given to another objective, it is refused by name."""
 
 
 def objective_of(name: str) -> TrainObjective:

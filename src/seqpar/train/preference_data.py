@@ -29,10 +29,18 @@ import torch
 from torch import Tensor
 
 from seqpar.batch.targets import IGNORE_INDEX
+from seqpar.objectives.trl_formats import kl_completions, unpaired_rows
 
 from .data import TextData, row_tensors
-from .formats import PREFERENCE, Record, read_records
-from .tokenizer import ByteTokenizer, Document, HFTokenizer, check_chat_support, common_prefix
+from .formats import PREFERENCE, Record, read_records, read_rows
+from .tokenizer import (
+    ByteTokenizer,
+    Document,
+    HFTokenizer,
+    check_chat_support,
+    common_prefix,
+    prompt_completion_tokenizer,
+)
 
 Pair = tuple[Document, Document]
 
@@ -120,3 +128,53 @@ def load_preference_data(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer,
     data = TextData(units, seed=seed, eval_rows=eval_rows, vocab_size=tok.vocab_size, describe=what)
     data.chance = 0.5
     return data
+
+
+# --------------------------------------------------------------------------------------------
+# KTO's unpaired rows
+# --------------------------------------------------------------------------------------------
+
+def kto_unit(prompt: list[int], completion: list[int], kl_completion: list[int], desirable: bool, seq_len: int,
+             pad_id: int) -> dict[str, Tensor] | None:
+    """One KTO unit ``[2, S]``: the row (prompt, completion: its targets) and its KL row (the prompt with
+    another row's completion, :func:`seqpar.objectives.trl_formats.kl_completions`), each cut to
+    ``seq_len`` keeping the start (as TRL); ``desirable`` the row's label on every token. None when the
+    prompt alone fills the row (nothing to learn)."""
+    if len(prompt) >= seq_len:
+        return None
+    docs = [_cut(Document(prompt + c, [False] * len(prompt) + [True] * len(c)), seq_len)
+            for c in (completion, kl_completion)]
+    rows = [row_tensors(d.ids, d.targets, list(range(len(d.ids))), seq_len, pad_id) for d in docs]
+    unit = {k: torch.stack([row[k] for row in rows]) for k in rows[0]}
+    unit["desirable"] = torch.full((2, seq_len), float(desirable), dtype=torch.float64)
+    return unit
+
+
+def load_unpaired(paths: Sequence[str], tok: ByteTokenizer | HFTokenizer, *, seq_len: int, micro_batch: int,
+                  seed: int, eval_rows: int) -> TextData:
+    """KTO's data (TRL 1.16's ``KTOTrainer`` formats): unpaired rows (prompt, completion, label), or
+    preference pairs unpaired in TRL's order (explicit or implicit prompt), tokenized as TRL's KTO
+    tokenizes them, each unit carrying its KL row (TRL's rotation of the completions within blocks of
+    ``micro_batch`` rows in file order) -- see :func:`kto_unit`. ValueError naming the row at fault."""
+    rows = read_rows(paths)
+    kto_rows = unpaired_rows([r for _, r in rows], [w for w, _ in rows])
+    where = [w for w, _ in rows] if len(kto_rows) == len(rows) else [f"{w} (unpaired)" for w, _ in rows] * 2
+    tokenize = prompt_completion_tokenizer(tok)
+    split = []
+    for row, w in zip(kto_rows, where, strict=False):
+        if not isinstance(row.get("prompt"), (str, list)) or not isinstance(row.get("completion"), (str, list)):
+            raise ValueError(f"{w}: 'prompt' and 'completion' must be strings or lists of chat messages")
+        ids, mask = tokenize(row["prompt"], row["completion"])
+        n = mask.index(True) if True in mask else len(ids)
+        split.append((list(ids[:n]), list(ids[n:]), bool(row["label"])))
+    kl = kl_completions([c for _, c, _ in split], micro_batch)
+    units = [u for (p, c, good), other in zip(split, kl, strict=True)
+             if (u := kto_unit(p, c, other, good, seq_len, tok.pad_id)) is not None]
+    good = sum(g for _, _, g in split)
+    name = getattr(tok, "name", "tokenizer")
+    what = (f"{len(split)} unpaired rows ({good} desirable, {len(split) - good} not; {name}) with their KL rows "
+            f"(completions rotated within blocks of --micro-batch {micro_batch}), loss on the "
+            "completions")
+    if len(units) < len(split):
+        what += f"; {len(split) - len(units)} left out: the prompt alone fills --seq-len {seq_len}"
+    return TextData(units, seed=seed, eval_rows=eval_rows, vocab_size=tok.vocab_size, describe=what)

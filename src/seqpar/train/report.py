@@ -23,10 +23,11 @@ from typing import Any
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Held-out loss per target, greedy accuracy of the targets (the task's answers), and their count."""
+    """Held-out loss per unit, the objective's accuracy (the task's answers, the preferred one of a
+    pair; None for an objective without one: RL rollouts), and the units' count."""
 
     loss: float
-    accuracy: float
+    accuracy: float | None
     targets: int
 
 METRICS_FILE, SUMMARY_FILE, PLOT_FILE = "metrics.jsonl", "summary.json", "loss.png"
@@ -109,7 +110,8 @@ class MetricsLog:
         self.file.write(json.dumps({"step": step, "eval_loss": result.loss, "eval_accuracy": result.accuracy,
                                     "eval_targets": result.targets}) + "\n")
         self.file.flush()
-        self._scalars(step, {"eval/loss": result.loss, "eval/accuracy": result.accuracy})
+        self._scalars(step, {"eval/loss": result.loss,
+                             **({"eval/accuracy": result.accuracy} if result.accuracy is not None else {})})
 
     def close(self) -> None:
         self.file.close()

@@ -25,6 +25,10 @@ from torch import Tensor
 TRAIN, EVAL = 0, 1
 """The two splits of every source."""
 
+MODEL_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+"""A unit's columns the model reads (through :func:`seqpar.shard_batch`); any other column is an input
+of the objective (RL rollouts' advantages and log-probs, KTO's labels)."""
+
 
 class DataSource(Protocol):
     """The interface every ``seqpar train`` data source implements (see the module doc)."""

@@ -20,6 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from seqpar.objectives.trl_formats import HFTokenizer as TrlHFTokenizer
+from seqpar.objectives.trl_formats import common_prefix, tokenize_prompt_completion
+
 from .formats import CHAT, PREFERENCE, PROMPT_COMPLETION, TEXT, Record
 
 TRAIN_ON = ("responses", "all")
@@ -110,6 +113,29 @@ def make_tokenizer(hf_tokenizer: Any | None) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(hf_tokenizer) if hf_tokenizer is not None else ByteTokenizer()
 
 
+def prompt_completion_tokenizer(tok: ByteTokenizer | HFTokenizer) -> Any:
+    """``tokenize(prompt, completion) -> (ids, completion mask)`` with the run's tokenizer, as TRL
+    tokenizes a prompt and its completion over a transformers tokenizer (KTO's and SFT's rule:
+    :func:`seqpar.objectives.trl_formats.tokenize_prompt_completion`); over bytes, the prompt's bytes
+    after BOS, then the completion's and EOS (text only)."""
+    if isinstance(tok, HFTokenizer):
+        trl_tok = TrlHFTokenizer(tok.tok)
+
+        def tokenize(prompt: Any, completion: Any) -> tuple[list[int], list[bool]]:
+            p, c = tokenize_prompt_completion({"prompt": prompt, "completion": completion}, trl_tok, "a row")
+            return p + c, [False] * len(p) + [True] * len(c)
+        return tokenize
+
+    def tokenize_bytes(prompt: Any, completion: Any) -> tuple[list[int], list[bool]]:
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            raise ValueError("a chat prompt / completion needs a transformers tokenizer with a chat template (a "
+                             "built-in model reads bytes): give --tokenizer DIR (or, for RL rollouts, the token ids: "
+                             "prompt_ids and completion_ids)")
+        p, c = tok.encode(prompt, eos=False), tok.encode(completion)[1:]  # one BOS, the completion's EOS
+        return p + c, [False] * len(p) + [True] * len(c)
+    return tokenize_bytes
+
+
 def check_chat_support(records: Sequence[Record], tok: ByteTokenizer | HFTokenizer, train_on: str) -> None:
     """ValueError (naming the option to change) when the records need a chat template the
     tokenizer lacks, or assistant masks its template cannot give."""
@@ -130,15 +156,6 @@ def check_chat_support(records: Sequence[Record], tok: ByteTokenizer | HFTokeniz
                          "chat template's {% generation %} ... {% endgeneration %} markers, and this template has "
                          "none: give a template with them (--chat-template FILE), or --train-on all (loss on every "
                          "token)")
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def encode_record(record: Record, tok: ByteTokenizer | HFTokenizer, train_on: str) -> Document:
