@@ -18,7 +18,7 @@ INTERNALS_TESTS := tests/test_compat.py tests/integrations/test_state_passing.py
 	tests/integrations/test_trl_registry.py
 LATEST_VENV ?= .venv-latest
 
-.PHONY: install train test lint bench verify gpu-check test-latest lock
+.PHONY: install train test lint bench verify gpu-check test-latest lock docs
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test: install
 	$(VENV)/bin/ruff check src tests $(wildcard benchmarks)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -p no:cacheprovider --durations=25
+
+# The docs site (mkdocs.yml; docs/ and the API reference from the docstrings) into site/. --strict: a broken
+# link, a page missing from the nav or a reference that does not resolve fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: install
 	$(PY) benchmarks/run_all.py

@@ -1,6 +1,7 @@
 """The package's shape, read from its source (pure AST, nothing imported): no import circle between
 modules, no private name (``_x``) taken from another module, a sorted ``__all__`` whose names all
-resolve, and every dotted ``seqpar.x.y`` name that a docstring or the README mentions resolves.
+resolve, and every dotted ``seqpar.x.y`` name that a docstring, the README, the changelog or a docs page
+mentions resolves.
 
 Import-linter's layer contract (``lint-imports``) keeps the arrows between layers pointing down; it
 cannot see a circle inside one layer (integrations' hf <-> memory) or a private name, hence this."""
@@ -236,21 +237,29 @@ def _resolves(dotted: str) -> bool:
     return False
 
 
+def prose_pages() -> list[Path]:
+    """The README, the changelog and every page of the docs site (docs/**/*.md)."""
+    return [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 def dotted_mentions() -> list[tuple[str, str]]:
-    """``(where, seqpar.x.y)`` for every dotted name in a docstring under src/seqpar and in the README
-    (a trailing sentence dot is not part of the name; ``seqpar.x.py`` is not a name either)."""
+    """``(where, seqpar.x.y)`` for every dotted name in a docstring under src/seqpar and in the prose
+    pages (a trailing sentence dot is not part of the name; ``seqpar.x.py`` is not a name either)."""
     found = []
     for name in modules():
         for line, doc in _docstrings(name):
             found += [(f"{name}:{line}", m.group(0)) for m in _DOTTED.finditer(doc)]
-    readme = (ROOT / "README.md").read_text()
-    found += [("README.md", m.group(0)) for m in _DOTTED.finditer(readme)]
+    for page in prose_pages():
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            found += [(f"{page.relative_to(ROOT)}:{number}", m.group(0)) for m in _DOTTED.finditer(line)]
     return [(w, d) for w, d in found if not d.endswith(".py")]
 
 
-def test_every_dotted_seqpar_name_in_docstrings_and_the_readme_resolves():
+def test_every_dotted_seqpar_name_in_docstrings_and_the_docs_resolves():
     mentions = dotted_mentions()
-    assert len(mentions) > 50  # the reader found them (the README alone has dozens)
+    pages = {where.split(":")[0] for where, _ in mentions if where.endswith(".md") or ".md:" in where}
+    assert len(mentions) > 50  # the reader found them (the docs alone have dozens)
+    assert {"README.md", "CHANGELOG.md", "docs/guides/dynamic-sp.md", "docs/reference/objectives.md"} <= pages
     stale = sorted({f"{where}: {dotted}" for where, dotted in mentions if not _resolves(dotted)})
     assert not stale, "names that do not resolve:\n" + "\n".join(stale)
 

@@ -158,8 +158,8 @@ def make_loss_function(mesh: DeviceMesh) -> Callable[..., Tensor]:
                               num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
                               shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
         if torch.compiler.is_compiling():  # dynamo cannot break a graph inside the with-block below (the
-            # loss's host read does): a compiled loss does not publish its own exception (a limit, README);
-            # attention failures are still checked at the loss's all-reduce
+            # loss's host read does): a compiled loss does not publish its own exception (a limit,
+            # docs/guides/attention.md); attention failures are still checked at the loss's all-reduce
             return loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, kwargs)
         with faults.publishing("the loss"):  # an exception here is told to every rank
             return loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, kwargs)

@@ -166,8 +166,9 @@ def _tell_targets_left_out(batch: Mapping[str, Any], key_keep: Tensor | None, ig
                       "row, which only the padding position before it could predict. seqpar (its loss and every "
                       "seqpar.objectives objective) gives a padding position no target; transformers' own loss counts "
                       "them with sdpa (NaN with eager), so its loss differs by these tokens. Give that token "
-                      f"ignore_index ({ignore_index}) or pad on the right to make this go away (README: 'Which "
-                      "positions have a target'). Said once per process, on rank 0.", TargetsLeftOut, stacklevel=3)
+                      f"ignore_index ({ignore_index}) or pad on the right to make this go away (docs/guides/"
+                      "training-loop.md: 'Which positions have a target'). Said once per process, on rank 0.",
+                      TargetsLeftOut, stacklevel=3)
 
 
 def count_target_tokens(batches_or_labels: Mapping[str, Any] | Tensor | Sequence[Mapping[str, Any] | Tensor],

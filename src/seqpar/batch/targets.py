@@ -21,7 +21,8 @@ transformers' own causal-LM loss keeps that label with ``sdpa`` (the padding pos
 nothing, yet its logits predict "a") and gets NaN with ``eager``. Every seqpar objective follows
 this rule (their per-token quantities are counted where the target is kept);
 :func:`targets_after_padding` counts the labels it leaves out, and :func:`seqpar.shard_batch` says
-so once (:class:`seqpar.errors.TargetsLeftOut`). README: "Which positions have a target".
+so once (:class:`seqpar.errors.TargetsLeftOut`). docs/guides/training-loop.md: "Which positions
+have a target".
 """
 
 from __future__ import annotations

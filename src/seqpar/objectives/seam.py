@@ -28,7 +28,7 @@ How it reduces, the same for every objective::
 Token rule (every objective): the target of position i is token i + 1 of the same document
 (:mod:`seqpar.batch.targets`); a position whose target is ignored, padding, or in another document
 contributes nothing -- in a left-padded row the padding position before the first real token too.
-README: "Which positions have a target".
+docs/guides/training-loop.md: "Which positions have a target".
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
             agreed.append(True)
         # a step that will have gradients: are they reduced over every rank? (Eager calls only: the
         # check reads process groups and wrapper state, which would break a compiled graph at its
-        # first line; so a forward traced by torch.compile skips it: a known limit, README)
+        # first line; so a forward traced by torch.compile skips it: a known limit, docs/guides/attention.md)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             check_gradient_reduction(model, mesh)
 

@@ -2,7 +2,7 @@
 
 seqpar runs a family's images only when every one of its mechanisms is in :data:`SUPPORTED`;
 otherwise the first mechanism it cannot run exactly yet is named in the refusal (not the
-family). The table is the outcome of reading each modeling file (docs/vlm_mechanisms.md); a
+family). The table is the outcome of reading each modeling file (docs/guides/vlm-mechanisms.md); a
 family missing from it (a newer transformers) is refused until someone classifies it.
 Text-only rows of every family run as before (they are causal LMs).
 """
