@@ -33,6 +33,22 @@ GIVEN = {
     "loader": ("import torch\n"
                "_ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(0))\n"
                "loader = [{'input_ids': _ids, 'labels': _ids.clone()}]\n"),
+    # the N-D guide's tensor-parallel loop: a tiny Llama (KV heads 2 < tp x sp) and one batch of two rows
+    "llama": ("import torch\n"
+              "from seqpar.integrations.models import build_model\n"
+              "torch.manual_seed(0)\n"
+              "model, _ = build_model('tiny-llama')\n"
+              "_ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(0))\n"
+              "batch = {'input_ids': _ids, 'labels': _ids.clone()}\n"),
+    # the expert-parallelism guide's loop: a tiny Qwen3-MoE (4 experts, eager experts) and one batch
+    "moe": ("import torch, transformers\n"
+            "torch.manual_seed(0)\n"
+            "model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(\n"
+            "    vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,\n"
+            "    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,\n"
+            "    experts_implementation='eager'))\n"
+            "_ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(0))\n"
+            "batch = {'input_ids': _ids, 'labels': _ids.clone()}\n"),
 }
 """Code a block marked ``given=NAME`` runs after (what the page leaves to the reader, e.g. a loader)."""
 
