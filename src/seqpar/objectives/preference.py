@@ -121,8 +121,21 @@ def _log1mexp(x: Tensor) -> Tensor:
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
+class ReferenceFreePairs(Objective):
+    """What SimPO and ORPO share: pairs of sequences, each completion's token log-probs, no reference,
+    a loss over pairs."""
+
+    needs = Needs(rows="pairs")
+    takes = Takes(per_token=("logps",))
+    unit = "pair"
+
+    def mean_logps(self, q: Quantities) -> tuple[Tensor, Tensor]:
+        """``(chosen, rejected)`` mean token log-probs of each pair's completions ``[pairs]``."""
+        return self.pairs(q.sums(q.token["logps"]) / q.counts.clamp(min=1.0))
+
+
 @dataclass
-class SimPO(Objective):
+class SimPO(ReferenceFreePairs):
     """SimPO (TRL 1.16 ``CPOTrainer``, ``loss_type="simpo"``, ``cpo_alpha=0``): reference-free, on the
     *mean* token log-prob of each completion, ``-logsigmoid(beta * (mean_c - mean_r - gamma / beta))``
     (with ``label_smoothing`` as CPO's). Loss: the mean over pairs."""
@@ -133,14 +146,10 @@ class SimPO(Objective):
     pairing: str = "halves"
 
     name = "simpo"
-    needs = Needs(rows="pairs")
-    takes = Takes(per_token=("logps",))
-    unit = "pair"
     metric_names = ("logps/chosen", "logps/rejected", "rewards/accuracies")
 
     def terms(self, q: Quantities) -> Terms:
-        mean = q.sums(q.token["logps"]) / q.counts.clamp(min=1.0)
-        c, r = self.pairs(mean)
+        c, r = self.mean_logps(q)
         z = self.beta * (c - r - self.gamma / self.beta)
         losses = -F.logsigmoid(z) * (1 - self.label_smoothing) - F.logsigmoid(-z) * self.label_smoothing
         return Terms(losses.sum(), c.shape[0], {"logps/chosen": c.mean(), "logps/rejected": r.mean(),
@@ -148,7 +157,7 @@ class SimPO(Objective):
 
 
 @dataclass
-class ORPO(Objective):
+class ORPO(ReferenceFreePairs):
     """ORPO (TRL 1.16 ``ORPOTrainer``): the chosen completions' token-mean NLL minus ``beta`` times the
     mean log-sigmoid of the log odds ratio of the mean token log-probs. Reference-free. Loss: per pair
     ``nll - beta * logsigmoid(log_odds)``, the NLL a batch-level token mean (as ORPO's)."""
@@ -157,17 +166,13 @@ class ORPO(Objective):
     pairing: str = "halves"
 
     name = "orpo"
-    needs = Needs(rows="pairs")
-    takes = Takes(per_token=("logps",))
-    unit = "pair"
     # nll_loss is the batch's token mean, not a pair mean: weighed by pairs, it is exact for equal batches
     metric_names = ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/accuracies")
 
     def terms(self, q: Quantities) -> Terms:
-        sums = q.sums(q.token["logps"])
-        c_sum, _ = self.pairs(sums)
+        c_sum, _ = self.pairs(q.sums(q.token["logps"]))
         n_c, _ = self.pairs(q.counts)
-        c, r = self.pairs(sums / q.counts.clamp(min=1.0))
+        c, r = self.mean_logps(q)
         nll = -c_sum.sum() / n_c.sum().clamp(min=1.0)
         log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
         ratio = F.logsigmoid(log_odds)

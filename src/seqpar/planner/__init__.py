@@ -45,38 +45,27 @@ without each of :func:`seqpar.reduce_memory`'s switches -- is :func:`seqpar.plan
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .cost import Candidate, divisors, estimate
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The chosen split, why, and every candidate considered (see :func:`plan`)."""
+class Plan(Candidate):
+    """The chosen split -- a :class:`~seqpar.planner.cost.Candidate`: ``dp``, ``ulysses``, ``ring``,
+    ``sp``, ``strategy`` and its estimates --, why, and every candidate considered (see :func:`plan`)."""
 
-    chosen: Candidate
-    reason: str
-    candidates: tuple[Candidate, ...] = field(repr=False)
+    reason: str = ""
+    candidates: tuple[Candidate, ...] = field(default=(), repr=False)
 
-    @property
-    def dp(self) -> int:
-        return self.chosen.dp
-
-    @property
-    def ulysses(self) -> int:
-        return self.chosen.ulysses
+    @classmethod
+    def of(cls, chosen: Candidate, reason: str, candidates: tuple[Candidate, ...]) -> Plan:
+        return cls(**{f.name: getattr(chosen, f.name) for f in fields(Candidate)}, reason=reason,
+                   candidates=candidates)
 
     @property
-    def ring(self) -> int:
-        return self.chosen.ring
-
-    @property
-    def sp(self) -> int:
-        return self.chosen.sp
-
-    @property
-    def strategy(self) -> str:
-        return self.chosen.strategy
+    def chosen(self) -> Candidate:
+        return Candidate(**{f.name: getattr(self, f.name) for f in fields(Candidate)})
 
     def mesh_kwargs(self) -> dict[str, int]:
         """Keyword arguments for :func:`seqpar.init_mesh` that build this split."""
@@ -158,7 +147,7 @@ def plan(*, heads: int, kv_heads: int, head_dim: int, hidden_size: int, world_si
     sps = sorted({c.sp for c in ok})
     sp = sps[0] if memory_budget_bytes is not None else sps[-1]
     best = min((c for c in ok if c.sp == sp), key=_preference)
-    return Plan(best, _reason(best, cands, heads, devices_per_node, world_size, memory_budget_bytes), cands)
+    return Plan.of(best, _reason(best, cands, heads, devices_per_node, world_size, memory_budget_bytes), cands)
 
 
 def _check_args(**kw: int | None) -> None:
