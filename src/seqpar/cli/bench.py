@@ -151,20 +151,22 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     name = "bench_packing" if args.packing else "bench"
     csv_path, png_path = os.path.join(args.out, f"{name}.csv"), os.path.join(args.out, f"{name}.png")
+    # plain rows against 1 rank, or --packing: packed against plain rows (ratios, fields, table, title, legend)
     if args.packing:
-        bench.add_packing_ratios(rows)
-        write_csv(rows, csv_path, PACKING_CSV_FIELDS)
-        plot(rows, png_path, f"seqpar bench --packing {args.packing}: {args.model} {args.dtype}, one training step")
-        print(format_packing_table(rows))
-        print(f"\nmemory = peak per rank above what existed before the step ({rows[0]['measure']}); packed = "
-              f"{args.packing}-token documents per row; x2 = memory at S / memory at S/2 (2: linear, 4: quadratic)")
+        ratios, fields, table, title = bench.add_packing_ratios, PACKING_CSV_FIELDS, format_packing_table, \
+            f"seqpar bench --packing {args.packing}: {args.model} {args.dtype}, one training step"
+        legend = (f"memory = peak per rank above what existed before the step ({rows[0]['measure']}); packed = "
+                  f"{args.packing}-token documents per row; x2 = memory at S / memory at S/2 (2: linear, 4: quadratic)")
     else:
-        bench.add_ratios(rows)
-        write_csv(rows, csv_path, CSV_FIELDS)
-        plot(rows, png_path, f"seqpar bench: {args.model} {args.dtype}, one training step per row")
-        print(format_table(rows))
-        print(f"\nmemory = peak per rank above an idle baseline ({rows[0]['measure']}); ratio = P ranks / 1 rank "
-              f"at the same length")
+        ratios, fields, table, title = bench.add_ratios, CSV_FIELDS, format_table, \
+            f"seqpar bench: {args.model} {args.dtype}, one training step per row"
+        legend = (f"memory = peak per rank above an idle baseline ({rows[0]['measure']}); ratio = P ranks / 1 rank "
+                  "at the same length")
+    ratios(rows)
+    write_csv(rows, csv_path, fields)
+    plot(rows, png_path, title)
+    print(table(rows))
+    print(f"\n{legend}")
     for reason in skipped:
         print(f"skipped {reason}")
     print(f"wrote {os.path.abspath(csv_path)} and {os.path.abspath(png_path)}")

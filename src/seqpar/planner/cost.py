@@ -11,8 +11,32 @@ from ..attention.heads import head_ranges, kv_index
 from ..comm.collectives import split_sizes
 
 
+class SplitShape:
+    """What a planned split says of its SP degrees, in one place: ``sp`` (ulysses x ring), the
+    ``strategy`` they make and whether it is ``feasible`` (no ``why_not``)."""
+
+    ulysses: int
+    ring: int
+    why_not: tuple[str, ...]
+
+    @property
+    def sp(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def feasible(self) -> bool:
+        return not self.why_not
+
+    @property
+    def strategy(self) -> str:
+        """``"hybrid"``, ``"ring"`` or ``"ulysses"`` (also for ``sp == 1``, where it is the identity)."""
+        if self.ring > 1:
+            return "hybrid" if self.ulysses > 1 else "ring"
+        return "ulysses"
+
+
 @dataclass(frozen=True)
-class Candidate:
+class Candidate(SplitShape):
     """One ``dp x ulysses x ring`` split with its estimates (bytes per rank, forward, per layer)."""
 
     dp: int
@@ -29,23 +53,8 @@ class Candidate:
     why_not: tuple[str, ...] = ()
 
     @property
-    def sp(self) -> int:
-        return self.ulysses * self.ring
-
-    @property
     def comm_bytes(self) -> int:
         return self.ulysses_bytes + self.ring_bytes
-
-    @property
-    def feasible(self) -> bool:
-        return not self.why_not
-
-    @property
-    def strategy(self) -> str:
-        """``"hybrid"``, ``"ring"`` or ``"ulysses"`` (also for ``sp == 1``, where it is the identity)."""
-        if self.ring > 1:
-            return "hybrid" if self.ulysses > 1 else "ring"
-        return "ulysses"
 
     @property
     def label(self) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cost import divisors, estimate, largest_shard
+from .cost import SplitShape, divisors, estimate, largest_shard
 from .memory import MemorySwitches, StepMemory, parameter_parts, step_memory
 
 SWITCH_LADDER: tuple[MemorySwitches, ...] = (
@@ -59,7 +59,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(SplitShape):
     """One N-D candidate, its memory, its bytes per layer per dimension, and why it is out."""
 
     dp_replicate: int
@@ -74,18 +74,6 @@ class Layout:
     inter_node: dict[str, int]  # the part of each that crosses node links
     seconds_per_layer: float
     why_not: tuple[str, ...] = ()
-
-    @property
-    def sp(self) -> int:
-        return self.ulysses * self.ring
-
-    @property
-    def strategy(self) -> str:
-        return ("hybrid" if self.ulysses > 1 else "ring") if self.ring > 1 else "ulysses"
-
-    @property
-    def feasible(self) -> bool:
-        return not self.why_not
 
     def mesh_kwargs(self) -> dict[str, int]:
         """Keyword arguments of :func:`seqpar.init_mesh` for this layout."""
