@@ -268,3 +268,29 @@ def test_every_dotted_seqpar_name_in_docstrings_and_the_docs_resolves():
                                         ("seqpar.ring_comm", False), ("seqpar.comm.mesh.nothing", False)])
 def test_the_resolver(dotted, ok):
     assert _resolves(dotted) is ok
+
+
+_RELATIVE_ROLE = re.compile(r":(?:mod|func|class|meth|data|attr|exc):`~?(\.[\w.]+)`")
+
+
+def relative_role_targets() -> list[tuple[str, str]]:
+    """``(where, absolute name)`` for every Sphinx role with a relative target (``:mod:`.x```) in a
+    module's source, resolved against the module's package as Python resolves ``from .x import``."""
+    found = []
+    for name, path in modules().items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        text = path.read_text()
+        for m in _RELATIVE_ROLE.finditer(text):
+            ref = m.group(1)
+            dots = len(ref) - len(ref.lstrip("."))
+            target = ".".join(package[:len(package) - dots + 1] + [ref.lstrip(".")])
+            found.append((f"{name}:{text[:m.start()].count(chr(10)) + 1}", target))
+    return found
+
+
+def test_every_relative_role_in_a_docstring_resolves():
+    """A module moved into a subpackage leaves its ``:mod:`.sibling``` references pointing nowhere."""
+    found = relative_role_targets()
+    assert len(found) > 50
+    stale = sorted(f"{where}: {target}" for where, target in found if not _resolves(target))
+    assert not stale, "relative references that do not resolve:\n" + "\n".join(stale)

@@ -1,6 +1,7 @@
 """What the installed versions allow: the versions against :data:`seqpar.compat.CHECKED_ON`, and
 per feature that reaches into transformers' internals whether it is available here, how, or why not
-(what ``seqpar env`` prints; ``parallelize`` warns about a model's own gaps: :mod:`.mixers.availability`)::
+(what ``seqpar env`` prints; ``parallelize`` warns about a model's own gaps:
+:mod:`~seqpar.integrations.mixers.availability`)::
 
     feature_report() -> [FeatureStatus(feature, available, detail), ...]
       "versions: transformers"                    installed vs checked on

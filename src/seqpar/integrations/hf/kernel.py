@@ -1,4 +1,5 @@
-"""The model's own attention function as seqpar's local kernel under Ulysses (see :mod:`.hf`)."""
+"""The model's own attention function as seqpar's local kernel under Ulysses (see
+:mod:`~seqpar.integrations.hf.parallelize`)."""
 
 from __future__ import annotations
 

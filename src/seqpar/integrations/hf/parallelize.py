@@ -2,14 +2,14 @@
 
 ``parallelize(model, mesh)`` registers a seqpar attention function with
 ``transformers.AttentionInterface`` under a fresh name, bound to the mesh once (the function and
-its named pieces: :mod:`.hf_attention`), and switches the model's decoder (``config`` or
+its named pieces: :mod:`~seqpar.integrations.hf.attention`), and switches the model's decoder (``config`` or
 ``config.text_config``) to it with ``model.set_attn_implementation``.
 The name is not registered with ``AttentionMaskInterface``, so transformers builds no mask at all
 (its masks would describe the local shard); seqpar's masks come from the batch's SeqShard, built
 once by :func:`seqpar.shard_batch` and carried to every layer in ``model(**local)`` keywords (and
 caught by a forward pre-hook on the model, for decoder layers that drop them). What the suppressed
 masks would have said per layer -- a window, a chunk -- and the layer's sinks are read by
-:mod:`.layer_spec`::
+:mod:`~seqpar.integrations.hf.layer_spec`::
 
     model(**local)                           local = shard_batch(batch, mesh)
       decoder layer
@@ -82,12 +82,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     kernel :func:`seqpar.sp_attention` accepts. Returns the model.
 
     Hybrid models: the Mamba, Mamba2, Gated DeltaNet, Kimi and LFM2 short-convolution layers of
-    :data:`.mixers.HANDLED_MIXERS` are exact too. LFM2's short convolutions take a halo of the
+    :data:`~seqpar.integrations.mixers.HANDLED_MIXERS` are exact too. LFM2's short convolutions take a halo of the
     previous rank's last inputs; the recurrent layers run *state passing* (each rank its own
     tokens, the scan's state across ranks: compute and memory O(S/P), communication independent
     of S) or, where measured faster, split by heads (each rank its share of the heads on the
-    whole sequence), see :mod:`.mixers`, :func:`.mixers.set_mixer_mode` and
-    :func:`.mixers.describe_token_mixers`.
+    whole sequence), see :mod:`~seqpar.integrations.mixers`, :func:`~seqpar.integrations.mixers.set_mixer_mode` and
+    :func:`~seqpar.integrations.mixers.describe_token_mixers`.
 
     ``ep``: expert parallelism for an MoE model (default: the mesh's own ``"ep"`` axis,
     ``init_mesh(ep=...)``) -- a ProcessGroup or 1-D DeviceMesh whose ranks are a subset of
@@ -109,7 +109,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     Raises ValueError if the model is not a transformers model whose attention goes through
     ``AttentionInterface``, has no attention heads, mixes tokens by other means too (convolutions,
     linear attention, recurrences, indexed attention) or numbers tokens in a way seqpar cannot feed
-    global positions to (:mod:`.mixers`), is already parallelized, if the strategy is unknown or the
+    global positions to (:mod:`~seqpar.integrations.mixers`), is already parallelized, if the strategy is unknown or the
     mesh has no ``"sp"`` axis -- the same on every rank, before any collective.
     """
     check_strategy(strategy)

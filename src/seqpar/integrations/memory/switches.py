@@ -2,7 +2,7 @@
 
 Three switches, each exact (float64 parity with the plain model), each undone by
 :func:`restore_memory` (and by :func:`seqpar.unparallelize`): every change is an undo step on the
-model's record (:mod:`.state`)::
+model's record (:mod:`~seqpar.integrations.state`)::
 
     model(**local)                      forward pre-hook: the batch's shard lengths; logits_to_keep=1 with labels
       decoder                           forward hook: its last hidden state  # [B, S_local, H]

@@ -9,7 +9,7 @@ model is refused with the module and the reason instead. Pure: reads the model's
 modules, no communication::
 
     config.layer_types     "full_attention", "sliding_attention", "chunked_attention": handled
-                           (:mod:`.layer_spec`); "mlp", "moe": per token; any other kind
+                           (:mod:`~seqpar.integrations.hf.layer_spec`); "mlp", "moe": per token; any other kind
                            ("linear_attention", "conv", "mamba", "hybrid", "indexed_attention", ...):
                            handled only where that decoder layer holds a handled token mixer
     decoder modules        an nn.Conv1d or recurrent nn.RNN / nn.LSTM / nn.GRU outside a handled

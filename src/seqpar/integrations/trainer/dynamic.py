@@ -28,8 +28,8 @@ sub-groups of the ``dp x sp`` ranks (:class:`~seqpar.planner.bins.DynamicSP`; a 
 
 accelerate's FSDP1 and DeepSpeed are refused: their collectives run inside each backward, which
 ranks running different bins cannot match. TRL's DPO and reward trainers: whole pairs per bin,
-:mod:`.trl_dynamic`.
-This module imports nothing of :mod:`.trainer`: ``parallelize_trainer`` puts
+:mod:`~seqpar.integrations.trl.dynamic`.
+This module imports nothing of :mod:`~seqpar.integrations.trainer.mixin`: ``parallelize_trainer`` puts
 :class:`DynamicTrainerMethods` before ``SeqParTrainerMixin`` in the trainer's class.
 """
 

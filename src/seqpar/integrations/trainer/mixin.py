@@ -298,12 +298,13 @@ def parallelize_trainer(trainer: Any, mesh: DeviceMesh | None = None, *, sp: int
     ``GRPOTrainer`` and ``RLOOTrainer`` keep their own loss, exact (:mod:`seqpar.integrations.trl`);
     what of them seqpar cannot make exact is Refused by its option name; every other TRL trainer is
     Refused by name with the reason (:mod:`seqpar.integrations.trl.registry`). A MoE router aux loss
-    is exact (the model's ``coef * aux_loss`` over the whole batch, :mod:`.router_losses`; with TRL's
-    SFTTrainer weighted as TRL weights it: its ``router_aux_loss_coef``, over the accumulation steps, averaged over dp;
+    is exact (the model's ``coef * aux_loss`` over the whole batch,
+    :mod:`~seqpar.integrations.hf.router_losses`; with TRL's SFTTrainer weighted as TRL weights it: its
+    ``router_aux_loss_coef``, over the accumulation steps, averaged over dp;
     at dp > 1 each dp rank's own, as under DDP without seqpar). Another TRL trainer adding a router
     aux loss at dp > 1 is Refused (not yet held against DDP).
     ``schedule``: a dynamic SP schedule over ``mesh`` (``seqpar.planner.bins.DynamicSP``): each
-    micro-batch's rows binned, each bin at the degree it needs (:mod:`.trainer_dynamic`; TRL's DPO
+    micro-batch's rows binned, each bin at the degree it needs (:mod:`~seqpar.integrations.trainer.dynamic`; TRL's DPO
     and reward trainers: whole pairs per bin, :mod:`seqpar.integrations.trl.dynamic`; the others are refused).
     """
     dynamic: tuple[type, ...] = ()

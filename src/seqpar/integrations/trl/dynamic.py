@@ -1,7 +1,7 @@
 """TRL's ``DPOTrainer`` and ``RewardTrainer`` under a dynamic SP schedule
 (``parallelize_trainer(trainer, mesh, schedule=DynamicSP(...))``): whole pairs per bin, TRL's loss.
 
-Per micro-batch, on every rank (every rank reads every batch, as under :mod:`.trainer_dynamic`)::
+Per micro-batch, on every rank (every rank reads every batch, as under :mod:`~seqpar.integrations.trainer.dynamic`)::
 
     TRL's batch      input_ids [2B, S]: B chosen rows, then their B rejected rows (and DPO's
                      completion_mask, ref_*_logps [B], the reward trainer's margin [B])

@@ -6,8 +6,8 @@
 
     positions     M-RoPE models: the model's own get_rope_index on the whole rows, this rank's
                   slice -> position_ids [3, B, S_local] (what the unsharded model computes)
-    encode        this rank's share of the units (:mod:`.vision`: images, video frames; balanced by
-                  pixels) through the model's own get_image_features / get_video_features
+    encode        this rank's share of the units (:mod:`~seqpar.integrations.vlm.routing`: images, video
+                  frames; balanced by pixels) through the model's own get_image_features / get_video_features
     agree         one small all-gather: every rank's feature-row counts, and any rank's failure
     route         one all-to-all with autograd (:func:`seqpar.comm.route.route_rows`): each feature
                   row to the rank whose shard holds its placeholder token
@@ -19,9 +19,9 @@ Gradients of the vision tower flow back through the all-to-all to the rank that 
 image; summing parameter gradients over the SP ranks (sync_gradients, FSDP2) completes them.
 
 Bidirectional spans (Gemma 3's images, PaliGemma's prefix) come from the batch's whole-row
-``token_type_ids`` (:mod:`.vlm_spans`), put in the batch's SeqShard by the same hook before the
+``token_type_ids`` (:mod:`~seqpar.integrations.vlm.spans`), put in the batch's SeqShard by the same hook before the
 first layer. Never silently wrong, never a hang: which families run is declared by mechanism in
-:mod:`.vlm_families`; a family with a mechanism seqpar cannot run exactly (Gemma 4's per-layer
+:mod:`~seqpar.integrations.vlm.families`; a family with a mechanism seqpar cannot run exactly (Gemma 4's per-layer
 image masks, cross-attention, encoder-decoders...) is refused by that mechanism's name; pixels or other
 multimodal inputs passed to the model directly (not through shard_batch) are a ValueError. All of
 it raised before the hook's first collective, from facts every rank shares (the checked batch).
@@ -80,7 +80,7 @@ def direct_input_problem(model: nn.Module, kwargs: dict[str, Any]) -> tuple[str,
 def _encode_share(model: nn.Module, visual: VisualBatch, p: int, me: int, device: torch.device,
                   dtype: torch.dtype) -> tuple[dict[str, Tensor], dict[str, FeatureLayout]]:
     """This rank's share of the units, encoded: ``({modality: rows [n, W]}, {modality: how the
-    rows map back to the model's encoder output})`` (:mod:`.vlm_features`: W is the main features'
+    rows map back to the model's encoder output})`` (:mod:`~seqpar.integrations.vlm.features`: W is the main features'
     width plus the deepstack layers').
 
     Every rank calls the encoder exactly once per modality the batch has: a rank whose share holds
@@ -156,7 +156,7 @@ def _check_rows(masks: dict[str, Tensor], rows: list[dict[str, int]]) -> None:
 def _merge(routed: Tensor, plan: RoutePlan, masks: dict[str, Tensor],
            layouts: dict[str, FeatureLayout]) -> dict[str, Any]:
     """The model's ``mm_encoder_outputs`` for this rank: each modality's rows in placeholder order,
-    in the family's own encoder output (:func:`.vlm_features.encoder_output`)."""
+    in the family's own encoder output (:func:`~seqpar.integrations.vlm.features.encoder_output`)."""
     if plan.order is not None:
         routed = routed.index_select(0, plan.order.to(routed.device))
     out, start = {}, 0

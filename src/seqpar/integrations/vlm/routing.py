@@ -1,7 +1,7 @@
 """Vision work divided over the SP group: units, their owners, and where each feature row goes.
 
 Pure functions (no communication, no model): every SP rank holds the same whole batch, so every
-rank derives the same plan. :mod:`.vlm` runs it::
+rank derives the same plan. :mod:`~seqpar.integrations.vlm.encoder` runs it::
 
     units       the batch's images, one unit each; a video one unit per frame where the model's
                 tower encodes frames apart (Qwen2-VL's convention: attention inside each frame);
