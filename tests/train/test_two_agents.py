@@ -48,8 +48,10 @@ import json, os, sys, time
 
 out = os.environ["SEQPAR_TEST_DIR"]
 keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
-with open(os.path.join(out, "rank%s.json" % os.environ["RANK"]), "w") as f:
+path = os.path.join(out, "rank%s.json" % os.environ["RANK"])
+with open(path + ".tmp", "w") as f:
     json.dump({**{k: int(os.environ[k]) for k in keys}, "pid": os.getpid(), "agent_pid": os.getppid()}, f)
+os.replace(path + ".tmp", path)  # the test reads it while the job runs: whole or not at all
 stall = os.environ.get("SEQPAR_TEST_STALL_GROUP")
 if stall is not None and os.environ["GROUP_RANK"] == stall:
     from seqpar.train.step import StaticSteps
