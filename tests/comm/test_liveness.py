@@ -86,6 +86,7 @@ def test_a_store_that_is_gone_names_the_agent_that_served_it():
         # what a SIGTERM from torchrun's agent finds (no process group here: no channel to read)
         cause = liveness.stop_cause(live)
         assert cause is not None and cause.lost == (0, 1)
+        assert cause.describe().endswith("rank 2 noticed when its torchrun agent stopped it (SIGTERM)")
     finally:
         live.stop()
 

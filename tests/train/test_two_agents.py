@@ -53,7 +53,7 @@ with open(path + ".tmp", "w") as f:
     json.dump({**{k: int(os.environ[k]) for k in keys}, "pid": os.getpid(), "agent_pid": os.getppid()}, f)
 os.replace(path + ".tmp", path)  # the test reads it while the job runs: whole or not at all
 stall = os.environ.get("SEQPAR_TEST_STALL_GROUP")
-if stall is not None and os.environ["GROUP_RANK"] == stall:
+if stall == "all" or stall == os.environ["GROUP_RANK"]:
     from seqpar.train.step import StaticSteps
     real = StaticSteps.forward_backward
 
@@ -256,17 +256,18 @@ def test_two_agents_train_as_one(jobs):
     _same_run(two.save_dir, one.save_dir)
 
 
-def _kill_when_stalled(job, group):
-    """Wait until the ranks of torchrun group ``group`` stall, then SIGKILL that agent's process group
-    (its workers die with it); returns (the victim's ranks, the surviving agent, the kill's time)."""
+def _kill_when_stalled(job, group, stalled="one"):
+    """Wait until the ranks of torchrun group ``group`` stall (``stalled="all"``: every rank), then
+    SIGKILL that agent's process group (its workers die with it); returns (the victim's ranks, the
+    surviving agent, the kill's time)."""
     ranks = None
     deadline = time.monotonic() + JOB_S
     while ranks is None:
         assert all(a.poll() is None for a in job.agents) and time.monotonic() < deadline, \
             [job.output(i) for i in range(2)]
         found = job.ranks()
-        stalled = [r for r, v in found.items() if v["GROUP_RANK"] == group]
-        if len(found) == 4 and all((job.dir / f"stalled{r}").exists() for r in stalled):
+        waiting = [r for r, v in found.items() if stalled == "all" or v["GROUP_RANK"] == group]
+        if len(found) == 4 and all((job.dir / f"stalled{r}").exists() for r in waiting):
             ranks = found
         time.sleep(0.2)
     job.track()
@@ -303,7 +304,7 @@ def test_a_lost_agent_stops_the_other_and_the_run_resumes(jobs):
 
     killed = jobs("killed")
     killed.start_two(env={"SEQPAR_TEST_STALL_GROUP": "1", "SEQPAR_TEST_STALL_AT": str(STALL_AT)})
-    lost, survivor, killed_at = _kill_when_stalled(killed, group=1)
+    lost, survivor, killed_at = _kill_when_stalled(killed, 1)
     said, err = _stopped_promptly(killed, survivor, killed_at)
     assert f"seqpar: ranks {lost[0]}, {lost[1]} (torchrun agent 1 on host" in said, said
     assert "are gone: their processes stopped beating in the job's store" in said, said
@@ -321,14 +322,21 @@ def test_a_lost_agent_stops_the_other_and_the_run_resumes(jobs):
 @pytest.mark.heavy
 @pytest.mark.distributed
 @needs_torchrun
-def test_losing_the_store_host_stops_the_other_with_a_clear_message(jobs):
+@pytest.mark.parametrize("stalled", ["one", "all"])
+def test_losing_the_store_host_stops_the_other_with_a_clear_message(jobs, stalled):
+    """``one``: the survivors wait in a collective for the lost ranks and meet the transport error
+    first. ``all``: every rank sleeps, outside any collective, so only the surviving agent notices
+    (its rendezvous store is gone) and stops its workers with SIGTERM -- which says the cause."""
     job = jobs("store")
-    job.start_two(env={"SEQPAR_TEST_STALL_GROUP": "0", "SEQPAR_TEST_STALL_AT": str(STALL_AT)})
-    lost, survivor, killed_at = _kill_when_stalled(job, group=0)  # rank 0's agent serves the workers' store
+    job.start_two(env={"SEQPAR_TEST_STALL_GROUP": "0" if stalled == "one" else "all",
+                       "SEQPAR_TEST_STALL_AT": str(STALL_AT)})
+    lost, survivor, killed_at = _kill_when_stalled(job, 0, stalled)  # rank 0's agent serves the workers' store
     assert lost == [0, 1]
     said, _ = _stopped_promptly(job, survivor, killed_at)
     assert "the job's store does not answer" in said, said
     assert "so the torchrun agent that served it is gone, with ranks 0, 1 (torchrun agent 0 on host" in said, said
+    if stalled == "all":
+        assert "noticed when its torchrun agent stopped it (SIGTERM)" in said, said
 
 
 # ------------------------------------------------------------------------------------------------

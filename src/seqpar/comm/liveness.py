@@ -191,11 +191,13 @@ class Liveness:
     def store_gone_fault(self, rank: int, where: str, why: str, batch: tuple[tuple[int, ...], int],
                          error: BaseException) -> Fault:
         """The fault of a rank that cannot reach the job's store: the torchrun agent that served it
-        (rank 0's) is gone, with its ranks. Never published: there is no store to publish to."""
+        (rank 0's) is gone, with its ranks. It noticed ``where`` (``why``: the error it met there;
+        empty: ``where`` says how). Never published: there is no store to publish to."""
         host = self.store_host()
+        how = f"in {where}: {first_line(why)}" if why else where
         message = (f"the job's store does not answer ({first_line(str(error))}), so the torchrun agent that served "
                    f"it is gone, with {describe_ranks(host, self.roster)} (killed, crashed, or the host went down); "
-                   f"rank {rank} noticed in {where}: {first_line(why)}")
+                   f"rank {rank} noticed {how}")
         return Fault(host[0], where, "", message, "", batch[1], kind=LOST, ranks=batch[0], lost=host)
 
 
@@ -236,10 +238,11 @@ def stop_cause(live: Liveness) -> Fault | None:
     rendezvous store or a local worker went away): the store is gone, or the channel holds
     another rank's unresolved fault; None for an ordinary stop. Reads the beats' store first: it
     answers within its short timeout."""
-    st = faults.STATE
-    if not live.answers():
-        return live.store_gone_fault(st.rank, "its work", "its torchrun agent stopped it", st.current,
-                                     StoreGone("no answer"))
+    try:
+        live.counters()
+    except StoreGone as e:
+        return live.store_gone_fault(live.rank, "when its torchrun agent stopped it (SIGTERM)", "",
+                                     faults.STATE.current, e)
     try:
         return faults.other_cause()
     except Exception:
