@@ -87,6 +87,16 @@ def test_a_store_that_is_gone_names_the_agent_that_served_it():
         cause = liveness.stop_cause(live)
         assert cause is not None and cause.lost == (0, 1)
         assert cause.describe().endswith("rank 2 noticed when its torchrun agent stopped it (SIGTERM)")
+        # what a transport error then raises (faults.stop calls this hook first): RankFailed, and the
+        # process is marked as stopped (its collectives are left pending)
+        saved = faults.STATE.stopped
+        try:
+            with pytest.raises(RankFailed, match=r"ranks 0, 1 \(torchrun agent 0 on host h0\).*rank 2 noticed in "
+                                                 r"an all-reduce: RuntimeError: Connection reset by peer"):
+                liveness.on_transport(live, "an all-reduce", "RuntimeError: Connection reset by peer")
+            assert faults.STATE.stopped is not None and faults.STATE.stopped.lost == (0, 1)
+        finally:
+            faults.STATE.stopped = saved
     finally:
         live.stop()
 

@@ -12,13 +12,14 @@
   said once, within seconds (the collective timeout is 120 s) -- and ``--resume auto`` on both
   agents continues from the last complete checkpoint and ends as the uninterrupted run ends.
 - The agent that serves the job's store (rank 0's) lost: the other agent's ranks cannot read the
-  store; they stop and say that the store's agent, with its ranks, is gone.
+  store; they stop and say that the store's agent, with its ranks, is gone -- from the transport
+  error they meet, or, when no rank is in a collective, from the SIGTERM their own agent sends.
 
 The kill lands at a known point: a small launcher (written to the test's directory) makes the
 ranks of one agent (by its torchrun group rank) wait at the start of a step, so the others wait for
 them inside that step's collectives when the test kills that agent. The three runs are heavy (each
 torchrun job starts 2 agents and 4 interpreters with torch and transformers: 40-60 s here under
-load, about 6 minutes in all): ``make verify``. The launcher's pure rules at the end of this file
+load, 4-7 minutes in all): ``make verify``. The launcher's pure rules at the end of this file
 and the liveness rules (tests/comm/test_liveness.py) run in ``make test``.
 """
 

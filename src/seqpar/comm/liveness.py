@@ -222,12 +222,13 @@ def on_transport(live: Liveness, where: str, why: str) -> None:
     fault (the cause), read the beats and publish the ranks that are gone as a "lost" record,
     which every rank then raises. Raises RankFailed when the store itself is gone."""
     st = faults.STATE
-    if faults.other_cause() is not None:
-        return
     try:
-        fault = live.lost_fault(st.rank, where, why, st.current)
+        live.counters()  # the store first, through the client that gives up within STORE_TIMEOUT_S
+        if faults.other_cause() is not None:
+            return
+        fault = live.lost_fault(live.rank, where, why, st.current)
     except StoreGone as e:
-        st.stopped = live.store_gone_fault(st.rank, where, why, st.current, e)
+        st.stopped = live.store_gone_fault(live.rank, where, why, st.current, e)
         raise faults.rank_failed(st.stopped) from None
     if fault is not None:  # None: every rank beats (a hang or a timeout, not a death)
         faults.publish_record(fault)
