@@ -155,6 +155,20 @@ def describe_start(job: Job) -> str:
     return line
 
 
+def _say(text: str) -> None:
+    print(f"seqpar train: {text}", file=sys.stderr, flush=True)
+
+
+def _say_rank_failed(error: Exception, cfg: TrainConfig) -> None:
+    """A rank of a torchrun job stops because another failed or was lost: once per agent."""
+    from seqpar.train.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(cfg.save_dir)
+    where = (f"last complete checkpoint: {os.path.abspath(last)} (--resume auto continues from it)" if last
+             else "no checkpoint was completed")
+    _say(f"error: {error}\n  {where}")
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -164,9 +178,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if under_torchrun():
+        from seqpar.errors import RankFailed
+
         rank = int(os.environ.get("RANK", 0))
         try:
-            summary = run_torchrun(cfg)
+            summary = run_torchrun(cfg, say=_say, report=lambda e: _say_rank_failed(e, cfg))
         except ValueError as e:  # the same on every rank: say it once
             if rank == 0:
                 print(f"seqpar train: error: {e}", file=sys.stderr, flush=True)
@@ -180,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 os._exit(2)
             return 2
+        except RankFailed:  # said once per agent by run_torchrun; the collectives it left pending
+            sys.stdout.flush()  # would make the interpreter's teardown wait for them
+            sys.stderr.flush()
+            os._exit(1)
         if summary is not None:
             print(format_summary(summary), flush=True)
         return 0

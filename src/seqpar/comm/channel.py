@@ -9,8 +9,9 @@ The layout, under the prefix ``seqpar/faults/``::
     f1, f2..  record n: a JSON :class:`Fault` -- rank, where, exception type, message, traceback,
               the batch (generation) it happened in, and its kind
 
-A record is "raised" (an exception on that rank) or "abandoned" (that rank left a collective
-pending when it stopped, so the process group cannot be used again). Reading is one atomic add of 0
+A record is "raised" (an exception on that rank), "abandoned" (that rank left a collective
+pending when it stopped, so the process group cannot be used again) or "lost" (ranks whose
+processes are gone, found by a survivor from their beats: :mod:`.liveness`). Reading is one atomic add of 0
 (the count) and, only when it grew, the new records.
 
 **Resolved or not.** When *every* rank of the job raised in the same batch (a deterministic error:
@@ -20,6 +21,7 @@ and every rank stops with the first unresolved raised record, the same on every 
 
     raised by ranks {0, 1, 2, 3} at batch 7, world 4, nothing abandoned  -> resolved
     raised by rank 1 at batch 7                                           -> unresolved: everyone stops
+    ranks 2, 3 lost                                                       -> unresolved: everyone stops
     any "abandoned" record                                                -> nothing is resolved any more
 """
 
@@ -33,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 PREFIX = "seqpar/faults/"
-RAISED, ABANDONED = "raised", "abandoned"
+RAISED, ABANDONED, LOST = "raised", "abandoned", "lost"
 _TEXT_LIMIT = 4000  # characters of a message or traceback kept in a record (a store value stays small)
 
 
@@ -41,8 +43,10 @@ _TEXT_LIMIT = 4000  # characters of a message or traceback kept in a record (a s
 class Fault:
     """One record of the channel: ``rank`` (global) failed in ``where`` during batch ``generation``
     (the number of batches it had sharded) with ``error_type: message``; ``traceback`` is its
-    Python traceback. ``kind``: ``"raised"`` or ``"abandoned"`` (the rank left a collective pending);
-    ``bad_input``: the error was a ValueError. ``seq``: its number in the channel (1 = first)."""
+    Python traceback. ``kind``: ``"raised"``, ``"abandoned"`` (the rank left a collective pending)
+    or ``"lost"`` (``lost``: the ranks whose processes are gone; ``rank``: the first of them;
+    ``message`` says who noticed it where); ``bad_input``: the error was a ValueError. ``seq``: its
+    number in the channel (1 = first)."""
 
     rank: int
     where: str
@@ -54,9 +58,12 @@ class Fault:
     bad_input: bool = False
     seq: int = 0
     ranks: tuple[int, ...] = ()  # the ranks that run the batch (its mesh); empty: every rank of the job
+    lost: tuple[int, ...] = ()  # kind "lost": the ranks that are gone
 
     def describe(self) -> str:
         """``rank 1 failed in the forward (batch 7): RuntimeError: boom``, the same on every rank."""
+        if self.kind == LOST:
+            return self.message
         if self.kind == ABANDONED:
             return f"rank {self.rank} stopped waiting in {self.where} (batch {self.generation}): {self.message}"
         if not self.error_type:  # no exception: a step this rank did not take ("did not start ...")
@@ -71,6 +78,7 @@ class Fault:
         data = json.loads(text)
         data["seq"] = seq
         data["ranks"] = tuple(data.get("ranks", ()))
+        data["lost"] = tuple(data.get("lost", ()))
         return Fault(**data)
 
 
@@ -119,8 +127,9 @@ class Channel:
 
 def first_unresolved(records: list[Fault], world: int) -> Fault | None:
     """The first raised record that is not resolved (every rank that runs its batch -- ``ranks``, or
-    all ``world`` -- raised in that batch, and nothing was abandoned); an abandoned record when that
-    is all there is; None when every record is resolved. Pure: the rule itself, tested without a store."""
+    all ``world`` -- raised in that batch, and nothing was abandoned) or lost record (never
+    resolved); an abandoned record when that is all there is; None when every record is resolved.
+    Pure: the rule itself, tested without a store."""
     if not records:
         return None
     abandoned = any(f.kind == ABANDONED for f in records)
@@ -129,6 +138,8 @@ def first_unresolved(records: list[Fault], world: int) -> Fault | None:
         if f.kind == RAISED:
             raised_by.setdefault((f.ranks, f.generation), set()).add(f.rank)
     for f in records:
+        if f.kind == LOST:
+            return f
         if f.kind == RAISED and (abandoned or not set(f.ranks or range(world)) <= raised_by[f.ranks, f.generation]):
             return f
     return next((f for f in records if f.kind == ABANDONED), None)

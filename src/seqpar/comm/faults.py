@@ -82,6 +82,7 @@ class _Process:
         self.stopped: Fault | None = None  # this process left a collective pending: the group is unusable
         self.involved = False  # this process published or met a fault: resolve it before the next batch
         self.flagged: Fault | None = None  # set by the NCCL watchdog: a fault to raise at the next host read
+        self.on_transport: Any = None  # (where, why) -> None, before a transport error is handled (.liveness)
         self.previous_hook: Any = None
 
     def reset(self, group: Any) -> None:
@@ -174,7 +175,10 @@ def stop(error: BaseException, where: str, *, batch: Batch | None = None) -> Non
     if not isinstance(error, Exception) or isinstance(error, RankFailed):
         return
     if is_transport(error):
-        cause = _abandon(where, f"{type(error).__name__}: {clip(str(error))}")
+        why = f"{type(error).__name__}: {clip(str(error))}"
+        if STATE.on_transport is not None:  # publishes the ranks that are gone (raises: the store is)
+            STATE.on_transport(where, why)
+        cause = _abandon(where, why)
         if cause is not None and cause.rank != STATE.rank:
             raise rank_failed(cause) from error
     publish(error, where, batch=batch)
@@ -212,6 +216,13 @@ def rank_failed(fault: Fault) -> RankFailed:
 # --------------------------------------------------------------------------------------------
 # meeting a fault
 # --------------------------------------------------------------------------------------------
+
+def other_cause() -> Fault | None:
+    """The channel's first unresolved raised or lost record from another rank, if any."""
+    ch = channel()
+    cause = first_cause(ch) if ch is not None else None
+    return None if cause is None or cause.kind == ABANDONED or cause.rank == STATE.rank else cause
+
 
 def check_peers(where: str) -> None:
     """Called between the slices of a wait in ``where``: raise RankFailed if the channel holds an
@@ -319,17 +330,21 @@ def _missing_backward(batch: Batch, number: int) -> None:
     """Publish that this rank never started the backward of ``batch`` (it starts batch ``number``):
     its peers may wait in that backward. Every rank skipping the same backward resolves it."""
     STATE.awaiting = None
-    ch = channel()
-    if ch is None:
-        return
     fault = Fault(STATE.rank, "the backward", "", f"did not start the backward of batch {batch[1]} (it started batch "
                   f"{number} instead: an exception between the loss and backward() that the program caught?)",
                   "", batch[1], ranks=batch[0])
+    publish_record(fault)
+
+
+def publish_record(fault: Fault) -> None:
+    """Add ``fault`` to the channel as it is (this process then met a fault); never raises."""
     try:
         with STATE.lock:
-            ch.publish(fault)
-            STATE.involved = True
-    except Exception:  # the store is gone: the transport will say it
+            ch = channel()
+            if ch is not None:
+                ch.publish(fault)
+                STATE.involved = True
+    except Exception:  # the store is gone: the transport (or the next reader) will say it
         pass
 
 

@@ -370,7 +370,7 @@ def local_worker(rank: int, world: int, job: bytes, stop_after: int | None = Non
     """Entry point of a local (gloo) worker started by :func:`seqpar.comm.launch.run_distributed`:
     ``job`` is the parent's prepared :class:`~.job.Job`, pickled (its data too: read once). A
     ValueError propagates: the launcher turns it into one message."""
-    _die_with_parent()
+    die_with_parent()
     import threading
 
     from tqdm import tqdm
@@ -383,15 +383,18 @@ def local_worker(rank: int, world: int, job: bytes, stop_after: int | None = Non
     return run_training(pickle.loads(job), stop_after=stop_after)
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent (the forkserver) goes away, so a killed launcher never
-    leaves workers behind."""
+def die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent (the forkserver, torchrun's agent) goes away, so a killed
+    launcher never leaves workers behind."""
     if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
         import signal
 
+        parent = os.getppid()
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it went away before the call: the signal will not come
+            os.kill(os.getpid(), signal.SIGKILL)
     except Exception:
         pass
