@@ -2,11 +2,14 @@
 from any layout, --plan auto (issue 46).
 
     make test    (4 gloo ranks, one start; and one single process) float64: --tp 2 --sp 2 trains to the
-                 losses, gradient norms and held-out loss of --sp 4 and of --sp 1 on one process; a
+                 losses, gradient norms and held-out loss of --sp 4 and of --sp 1 on one process (and
+                 under FSDP2: 2-D DTensors); a
                  checkpoint written at --tp 2 --sp 2 resumes at --sp 4 and at --sp 2 (dp 2, the same rows
                  per step) to the uninterrupted run's losses; --ep 2 (tiny-qwen3-moe) trains to --ep 1's
                  losses and resumes exactly; the refusals by name (pure).
-    make verify  (heavy) the same in float32 (to rounding) and under FSDP2 (2-D DTensors); an --ep 2
+    make verify  (heavy) the same in float32 (to rounding), tp with dp 2, FSDP2 resumed without it; --objective
+                 dpo (its reference a copy of the TP model), reward (a score head) and kto at tp2 x sp2
+                 against sp4 (the objectives' vocabulary-parallel log-probs); an --ep 2
                  checkpoint resumed at --ep 1 and an --ep 1 one at --ep 2; seqpar export of a tp and an
                  ep checkpoint (whole experts, the same weights as the other layouts'); --plan auto runs
                  and chooses what seqpar plan prints for the same inputs.
@@ -64,6 +67,7 @@ def _jobs(root, base, cases):
 
 FAST = [("tp2sp2", dict(tp=2, sp=2), None, None),
         ("sp4", dict(sp=4), None, None),
+        ("tp2sp2_fsdp", dict(tp=2, sp=2, fsdp="on"), None, None),  # FSDP2's 2-D (_StridedShard, Shard) DTensors
         ("tp2sp2_part", dict(tp=2, sp=2), 2, None),
         ("at_sp4", dict(sp=4), None, "tp2sp2_part"),
         ("at_sp2dp2", dict(sp=2, micro_batch=1), None, "tp2sp2_part")]  # dp 2 x 1 row: the same 2 rows a step
@@ -89,11 +93,12 @@ def _close(a, b, rel):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("other", ["sp4", "sp1"])
-def test_tp2_sp2_trains_to_the_losses_of_sp4_and_of_one_process(fast, other):
+@pytest.mark.parametrize("name, other", [("tp2sp2", "sp4"), ("tp2sp2", "sp1"), ("tp2sp2_fsdp", "sp4")])
+def test_tp2_sp2_trains_to_the_losses_of_sp4_and_of_one_process(fast, name, other):
     """float64: the same rows, the same losses step by step (the loss counted once per dp group, not
-    per tp rank), the same clipped gradient norms (tp shards summed over tp), the same held-out loss."""
-    tp, ref = fast["tp2sp2"], fast[other]
+    per tp rank), the same clipped gradient norms (tp shards summed over tp; under FSDP2 over dp x sp
+    too), the same held-out loss."""
+    tp, ref = fast[name], fast[other]
     _close(tp["losses"], ref["losses"], 1e-12)
     _close(tp["norms"], ref["norms"], 1e-10)
     assert tp["losses"][-1] < tp["losses"][0]  # it trains
@@ -153,6 +158,28 @@ def test_what_cannot_run_is_refused_by_name(options, needle, tmp_path):
     assert needle in str(e.value), str(e.value)
 
 
+def test_the_options_from_the_command_line_and_config_files(tmp_path):
+    import argparse
+
+    from seqpar.cli.train import add_parser, config_from_args
+    from seqpar.train.config import load_config_file
+
+    (tmp_path / "a.yaml").write_text("tp: 2\nsp: 2\nep: 1\nplan: none\n")
+    (tmp_path / "b.toml").write_text('ep = 2\nplan = "auto"\ngpu-memory = "80GB"\n')
+    assert load_config_file(str(tmp_path / "a.yaml")) == {"tp": 2, "sp": 2, "ep": 1, "plan": "none"}
+    assert load_config_file(str(tmp_path / "b.toml")) == {"ep": 2, "plan": "auto", "gpu_memory": "80GB"}
+    with pytest.raises(ValueError, match="tp = '2' should be int"):
+        (tmp_path / "c.yaml").write_text("tp: '2'\n")
+        load_config_file(str(tmp_path / "c.yaml"))
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train", "--config", str(tmp_path / "a.yaml"), "--tp", "4", "--ep", "2"])
+    cfg = config_from_args(args)
+    assert (cfg.tp, cfg.sp, cfg.ep, cfg.plan) == (4, 2, 2, "none")  # the command line wins
+    auto = config_from_args(parser.parse_args(["train", "--plan", "auto", "--gpu-memory", "80GB"]))
+    assert (auto.plan, auto.gpu_memory) == ("auto", "80GB")
+
+
 def test_the_dcp_split_of_the_experts():
     from seqpar.train.expert_state import checkpoint_split_problem
 
@@ -194,3 +221,159 @@ def test_clipping_scales_dtensor_and_plain_gradients_alike():
     opt.apply(norm)
     total = torch.cat([g.flatten() for g in grads]).norm()
     assert abs(float(total) - 0.5) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# --plan auto: the layout seqpar plan prints for the same inputs (pure), and it runs (heavy)
+# ---------------------------------------------------------------------------------------------
+
+PLANS = {"llama": BASE.replace(seq_len=64, dtype="float32", plan="auto", nproc=4, gpu_memory="64MB"),
+         "moe": MOE.replace(seq_len=64, dtype="float32", plan="auto", nproc=4, gpu_memory="600KB", tiled_mlp=True)}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_plan_auto_takes_what_seqpar_plan_prints(name, tmp_path, capsys):
+    from seqpar.cli.main import main
+    from seqpar.integrations.models import builtin_config
+    from seqpar.train.config import builtin_fields
+
+    cfg = PLANS[name].replace(save_dir=str(tmp_path / "run"))
+    job = prepare_job(cfg)
+    builtin_config(cfg.model, **builtin_fields(cfg, job.data.vocab_size)).save_pretrained(tmp_path / "model")
+    assert main(["plan", "--model", str(tmp_path / "model"), "--gpus", "4", "--gpus-per-node", "4", "--gpu-memory",
+                 cfg.gpu_memory, "--seq-len", str(cfg.seq_len), "--dtype", "fp32", *(["--moe"] if name == "moe" else [])
+                 ]) == 0
+    chosen = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("chosen: "))
+    label, switches = chosen[len("chosen: "):].split("; memory switches: ")
+    assert job.plan_reason.startswith(f"--plan auto: {label}, memory switches {switches}, "), (chosen, job.plan_reason)
+    c = job.cfg  # the options it runs with are the plan's
+    assert f"sp={c.sp} tp={c.tp}" in label and (f"ep={c.ep}" in label) == (c.ep > 1) and f"({c.strategy})" in label
+    assert (c.tp, c.sp, c.ep) == ((2, 2, 1) if name == "llama" else (1, 4, 4)), label  # what this case exercises
+    assert c.fsdp == ("on" if c.ep == 1 else "off") and job.mesh_kwargs.get("tp", 1) == c.tp
+
+
+def test_plan_auto_maps_a_large_plan_onto_the_options():
+    """A 8B-like shape on 16 GPUs of 80 GB at 128k tokens: the options and the mesh are the plan's."""
+    from transformers import LlamaConfig
+
+    from seqpar.train.layout import auto_layout
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256)
+    cfg = TrainConfig(plan="auto", seq_len=131072, dtype="bfloat16", gpu_memory="80GB")
+    planned, kwargs, words, p = auto_layout(cfg, 16, config, device_type="cuda", local_ranks=8)
+    c = p.chosen
+    assert (planned.sp, planned.tp, planned.ep, planned.dp) == (c.sp, c.tp, c.ep, c.dp_replicate * c.dp_shard)
+    assert (planned.tiled_loss, planned.tiled_mlp, planned.checkpoint) == (c.switches.tiled_loss, c.switches.tiled_mlp,
+                                                                          c.switches.checkpoint)
+    assert planned.strategy == c.strategy and c.label in words and p.reason in words
+    assert kwargs == (c.mesh_kwargs() if c.dp_replicate > 1 or c.tp > 1 or c.ep > 1 else kwargs)
+    assert c.sp * c.tp * c.dp_replicate * c.dp_shard == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# heavy: float32, FSDP2, tp with dp, ep across layouts, tp on an MoE, export, --plan auto's runs
+# ---------------------------------------------------------------------------------------------
+
+HEAVY = [("tp2sp2", dict(tp=2, sp=2, export_hf=True), None, None),
+         ("sp4", dict(sp=4, export_hf=True), None, None),
+         ("tp2dp2", dict(tp=2, sp=1, micro_batch=1), None, None),  # a tp group per dp rank: its own rows
+         ("tp2sp2_fsdp", dict(tp=2, sp=2, fsdp="on"), None, None),
+         ("tp2sp2_fsdp_part", dict(tp=2, sp=2, fsdp="on"), 2, None),
+         ("fsdp_at_sp4", dict(sp=4), None, "tp2sp2_fsdp_part"),
+         ("tp2sp2_f32", dict(tp=2, sp=2, dtype="float32"), None, None),
+         ("sp4_f32", dict(sp=4, dtype="float32"), None, None)]
+HEAVY_MOE = [("ep2", dict(sp=2, ep=2), None, None),
+             ("ep1", dict(sp=2), None, None),
+             ("ep2_part", dict(sp=2, ep=2), 2, None),
+             ("ep2_at_ep1", dict(sp=2), None, "ep2_part"),
+             ("ep2_at_ep4", dict(sp=4, ep=4, micro_batch=2), None, "ep2_part"),
+             ("ep1_part", dict(sp=2), 2, None),
+             ("ep1_at_ep2", dict(sp=2, ep=2), None, "ep1_part"),
+             ("moe_tp2", dict(tp=2, sp=2, micro_batch=2), None, None)]  # the experts whole on each tp rank
+
+
+OBJECTIVES_AT_TP = ("dpo", "reward", "kto")  # the embedded demos: a reference copy under TP, a score head, KL rows
+HEAVY_OBJ = [(f"{o}_{name}", dict(objective=o, **kw), None, None) for o in OBJECTIVES_AT_TP
+             for name, kw in (("tp2sp2", dict(tp=2, sp=2)), ("sp4", dict(sp=4)))]
+
+
+@pytest.fixture(scope="module")
+def heavy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nd_heavy")
+    plans = [(f"plan_{n}", cfg.replace(save_dir=str(root / f"plan_{n}")), None, None) for n, cfg in PLANS.items()]
+    jobs = (_jobs(root, BASE, HEAVY) + _jobs(root, MOE, HEAVY_MOE) + plans
+            + _jobs(root, BASE.replace(seq_len=64, save_every=0), HEAVY_OBJ))
+    out = run_distributed(_train, 4, jobs, timeout=1800)[0]
+    return root, out
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, ref, rel", [("tp2sp2_f32", "sp4_f32", 1e-5), ("tp2dp2", "sp4", 1e-12),
+                                            ("ep2", "ep1", 1e-12),
+                                            ("moe_tp2", "ep1", 1e-12),
+                                            *((f"{o}_tp2sp2", f"{o}_sp4", 1e-12) for o in OBJECTIVES_AT_TP)])
+def test_heavy_layouts_train_to_the_same_losses(heavy, name, ref, rel):
+    _, out = heavy
+    _close(out[name]["losses"], out[ref]["losses"], rel)
+    _close(out[name]["norms"], out[ref]["norms"], 100 * rel)
+    assert abs(out[name]["eval"].loss - out[ref]["eval"].loss) <= rel * out[ref]["eval"].loss
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("resumed, straight", [("fsdp_at_sp4", "tp2sp2_fsdp"), ("ep2_at_ep1", "ep2"),
+                                               ("ep2_at_ep4", "ep2"), ("ep1_at_ep2", "ep1")])
+def test_heavy_checkpoints_resume_at_another_layout(heavy, resumed, straight):
+    _, out = heavy
+    assert out[resumed]["resumed"] == 2
+    _close(out[resumed]["losses"], out[straight]["losses"][2:], 1e-12)
+    assert abs(out[resumed]["eval"].loss - out[straight]["eval"].loss) <= 1e-12
+
+
+def _exported(root, name, tmp_path, capsys, tag=""):
+    from safetensors.torch import load_file
+
+    from seqpar.cli.main import main
+
+    out = tmp_path / f"export_{name}{tag}"
+    assert main(["export", str(root / name), "--out", str(out)]) == 0
+    capsys.readouterr()
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+def test_heavy_export_writes_whole_tensors_from_any_layout(heavy, tmp_path, capsys):
+    """seqpar export of a tp2 x sp2 checkpoint (TP DTensors) and of an ep2 one (expert shards): a plain
+    transformers checkpoint whose every tensor equals the other layout's export (float64), the experts
+    whole; the tp run's own --export-hf (save_pretrained, DTensors gathered) writes the same."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root, _ = heavy
+    for name, ref in (("tp2sp2", "sp4"), ("ep2", "ep1")):
+        got, want = _exported(root, name, tmp_path, capsys), _exported(root, ref, tmp_path, capsys)
+        assert set(got) == set(want) and got
+        for k in want:
+            assert got[k].shape == want[k].shape, k
+            assert float((got[k] - want[k]).abs().max()) <= 1e-12, k
+        if name == "ep2":  # transformers writes Qwen3-MoE's stacked experts one by one: all 4 of each layer
+            for layer in (0, 1):
+                held = {k.split(".experts.")[1].split(".")[0] for k in got if f"layers.{layer}.mlp.experts." in k}
+                assert held == {"0", "1", "2", "3"}, (layer, held)
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / f"export_{name}"))  # a plain transformers checkpoint
+    hf = load_file(str(root / "tp2sp2" / "hf" / "model.safetensors"))
+    exported = _exported(root, "tp2sp2", tmp_path, capsys, tag="_again")
+    assert set(hf) == set(exported) and all(torch.equal(hf[k], exported[k]) for k in hf)
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(PLANS))
+def test_heavy_plan_auto_runs(heavy, name):
+    _, out = heavy
+    got = out[f"plan_{name}"]
+    assert len(got["losses"]) == BASE.steps and all(torch.isfinite(torch.tensor(got["losses"])))
+    assert got["losses"][-1] < got["losses"][0]

@@ -339,7 +339,7 @@ def test_encode_pair_and_units_by_hand(tmp_path):
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(objective="kto"), "--objective"),
+    (dict(objective="nope"), "--objective"),
     (dict(objective="sft", beta=0.2), "--beta does nothing"),
     (dict(objective="dpo", dpo_loss="sigmoid,nope"), "--dpo-loss"),
     (dict(objective="reward", lora_r=4), "--lora-r"),

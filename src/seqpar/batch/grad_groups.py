@@ -109,8 +109,9 @@ def dtensor_norm_part(grads: list[Tensor], norm_type: float, device: torch.devic
     total = torch.zeros((), dtype=torch.float64, device=device)
     groups: dict[tuple[int, tuple[int, ...]], tuple[list[Tensor], object]] = {}
     for g in grads:
-        assert not any(type(p).__name__ == "Partial" for p in g.placements), "a partial DTensor gradient"
-        dims = tuple(i for i, p in enumerate(g.placements) if p.is_shard())
+        assert not any(p.is_partial() for p in g.placements), "a partial DTensor gradient"
+        # sharded: Shard, and FSDP2's _StridedShard over a TP shard (which is not a Shard to is_shard())
+        dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
         groups.setdefault((id(g.device_mesh), dims), ([], g.device_mesh))[0].append(g.to_local())
     for (_, dims), (local, mesh) in groups.items():
         part = _norm_part(local, norm_type, local[0].device)

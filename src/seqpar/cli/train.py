@@ -73,9 +73,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def layout_words(sp: int, dp: int, tp: int = 1, ep: int = 1) -> str:
-    """``"sp=2 x dp=2"``, ``"tp=2 x sp=2 x dp=1"``, ``"sp=2 x dp=2, ep=2"``: the ranks' layout in words."""
-    return (f"tp={tp} x " if tp > 1 else "") + f"sp={sp} x dp={dp}" + (f", ep={ep}" if ep > 1 else "")
+def layout_words(sp: int, dp: int, tp: int | None = 1, ep: int | None = 1) -> str:
+    """``"sp=2 x dp=2"``, ``"tp=2 x sp=2 x dp=1"``, ``"sp=2 x dp=2, ep=2"``: the ranks' layout in words
+    (tp, ep None or 1: not said)."""
+    return (f"tp={tp} x " if (tp or 1) > 1 else "") + f"sp={sp} x dp={dp}" + (f", ep={ep}" if (ep or 1) > 1 else "")
 
 
 def _duration(s: float) -> str:

@@ -91,8 +91,8 @@ class RunSummary:
     sp_unit: str = "rows"  # what sp_degrees counts: rows, or documents (--packing: packed rows binned apart)
     sp_cost: str = ""  # --sp-schedule dynamic: the cost model it balanced with (measured: its constants, the seconds)
     objective: str = "sft"  # --objective
-    tp: int = 1  # --tp
-    ep: int = 1  # --ep
+    tp: int = 1  # --tp, and --ep
+    ep: int = 1
     plan: str = ""  # --plan auto: what it chose and why
     accuracy_of: str = "answers"  # what the held-out accuracy counts, in words (the objective's)
 
@@ -177,12 +177,10 @@ def start_run(job: Job) -> Run:
 
 
 def _gather_stats(ctx: RunContext, loss_share: float) -> tuple[float, list[float], list[float]]:
-    """One all-gather: the step's global loss (sum of the dp ranks' shares: one rank of each dp
-    group's sp x tp ranks, which hold the same loss) and every rank's peak memory, allocated and
-    reserved (:func:`peak_memory_mib`)."""
+    """One all-gather: the step's global loss (sum of the dp ranks' shares, each from one of its sp x tp
+    ranks) and every rank's peak memory, allocated and reserved (:func:`peak_memory_mib`)."""
     world = ctx.job.world
-    holds = ctx.sp_rank == 0 and ctx.tp_rank == 0
-    row = torch.tensor([loss_share if holds else 0.0, *peak_memory_mib(ctx.device)],
+    row = torch.tensor([loss_share if ctx.sp_rank == ctx.tp_rank == 0 else 0.0, *peak_memory_mib(ctx.device)],
                        dtype=torch.float64, device=ctx.device)
     table = torch.empty(world * 3, dtype=torch.float64, device=ctx.device)
     collectives.all_gather_flat(table, row)
@@ -272,8 +270,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             t0 = time.perf_counter()
             with faults.publishing("seqpar train's step"):  # what the places inside did not publish
                 share, n_units = run.steps.forward_backward(opt.step)
-                lr = opt.lr
-                norm = opt.grad_norm()
+                lr, norm = opt.lr, opt.grad_norm()
                 # the step's loss before its update: a NaN / Inf is seen at the step it appears
                 loss, mem, reserved = _gather_stats(ctx, share)
             finite = math.isfinite(loss) and math.isfinite(norm[1])  # the same on every rank
