@@ -252,11 +252,3 @@ def test_dp2_tp2_sp2_and_hybrid_equal_the_unsharded_model():
     results = run_distributed(_heavy, 8, timeout=1800)
     _check_rows([{"rows": rows} for rows in results])
 
-
-def test_objectives_refuse_a_vocabulary_parallel_head():
-    from seqpar.batch.tiled_loss import Head
-    from seqpar.objectives.tokens import token_logps_entropy
-
-    head = Head(torch.zeros(8, 4), tp_group=object())  # any group: refused before it is used
-    with pytest.raises(Refused, match="vocabulary-parallel head"):
-        token_logps_entropy(torch.zeros(1, 3, 4), head, torch.zeros(1, 3, dtype=torch.long))

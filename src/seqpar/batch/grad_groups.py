@@ -20,6 +20,9 @@ The norm a step clips with must count every shard once: after :func:`seqpar.sync
 replicated parameter's gradient is whole on every rank, but a rank holds only its own experts', so
 their squares are summed over the ranks that hold the others (``peers``) -- the local norm alone
 undercounts them, and differs from rank to rank (Megatron-LM#5916's undercount, with EP and TP).
+A DTensor gradient (tensor parallelism, FSDP2, both) says itself where its other parts are: its
+local squares are summed over every mesh dimension it is sharded on, and over none it is
+replicated on (:func:`dtensor_norm_part`).
 """
 
 from __future__ import annotations
@@ -71,7 +74,11 @@ def total_grad_norm(model: nn.Module, norm_type: float = 2.0) -> Tensor:
     sharded = sharded_params(model)
     own = {id(p) for s in sharded for p in s.params}
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in own]
-    total = _norm_part(grads, norm_type, grads[0].device if grads else torch.device("cpu"))
+    plain = [g for g in grads if not _is_dtensor(g)]
+    device = plain[0].device if plain else grads[0].to_local().device if grads else torch.device("cpu")
+    total = _norm_part(plain, norm_type, device)
+    part = dtensor_norm_part([g for g in grads if _is_dtensor(g)], norm_type, device)
+    total = torch.maximum(total, part) if inf else total + part
     for s in sharded:  # this rank's shards, then every peer's
         part = _norm_part([p.grad for p in s.params if p.grad is not None], norm_type, collectives.comm_device(s.peers))
         collectives.all_reduce(part, group=s.peers, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
@@ -86,3 +93,30 @@ def _norm_part(grads: list[Tensor], norm_type: float, device: torch.device) -> T
         return torch.zeros((), dtype=torch.float64, device=device)
     norms = torch.stack([torch.linalg.vector_norm(g.detach().double(), norm_type).to(device) for g in grads])
     return norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def dtensor_norm_part(grads: list[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """``max |g|`` or ``sum |g| ** p`` over DTensor gradients ``grads`` (float64, 0-d, the same on
+    every rank): each one's local part, reduced over the mesh dimensions it is sharded on (the other
+    ranks there hold the other parts) and over none it is replicated on (they hold the same). One
+    all-reduce per (mesh, sharded dimension). Raises AssertionError for a ``Partial`` gradient (a
+    sum not made yet: an internal error of what produced it)."""
+    inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict[tuple[int, tuple[int, ...]], tuple[list[Tensor], object]] = {}
+    for g in grads:
+        assert not any(p.is_partial() for p in g.placements), "a partial DTensor gradient"
+        # sharded: Shard, and FSDP2's _StridedShard over a TP shard (which is not a Shard to is_shard())
+        dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())
+        groups.setdefault((id(g.device_mesh), dims), ([], g.device_mesh))[0].append(g.to_local())
+    for (_, dims), (local, mesh) in groups.items():
+        part = _norm_part(local, norm_type, local[0].device)
+        for dim in dims:
+            collectives.all_reduce(part, group=mesh.get_group(dim), op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        part = part.to(device)
+        total = torch.maximum(total, part) if inf else total + part
+    return total

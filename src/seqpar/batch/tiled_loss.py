@@ -138,7 +138,7 @@ def _dlogits(zc: Tensor, lse: Tensor, target: Tensor, row_scale: Tensor, start: 
     return dz.mul_(row_scale[:, None])
 
 
-def _sum_over_tp(grad_h: Tensor | None, head: Head) -> None:
+def sum_over_tp(grad_h: Tensor | None, head: Head) -> None:
     """A vocabulary-parallel head's hidden-state gradient is a partial sum over its tp ranks' rows:
     all-reduced in place (what the head's column style does for the untiled head)."""
     if grad_h is not None and head.tp_group is not None:
@@ -186,7 +186,7 @@ class _TiledLoss(torch.autograd.Function):
                 accumulate_product(grad_w, dz.t(), h)
             if need_b:
                 grad_b += dz.sum(0).to(cdtype)
-        _sum_over_tp(grad_h, head)
+        sum_over_tp(grad_h, head)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         return total
@@ -279,7 +279,7 @@ class _TiledLogProbs(torch.autograd.Function):
             accumulate_product(grad_w, dz.t(), h)
             if grad_b is not None:
                 grad_b += dz.sum(0).to(cdtype)
-        _sum_over_tp(grad_h, head)
+        sum_over_tp(grad_h, head)
         return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
                 None, None, None, None)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,8 +25,6 @@ if TYPE_CHECKING:
 DEFAULTS = dict(heads=32, kv_heads=None, head_dim=None, hidden_size=None, layers=32, intermediate_size=None,
                 vocab_size=32000, world_size=8, devices_per_node=8, seq_len=131072)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
-          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
 # transformers config keys for each planner argument (first match wins)
 _CONFIG_KEYS = {"heads": ("num_attention_heads", "n_head"), "kv_heads": ("num_key_value_heads",),
                 "head_dim": ("head_dim",), "hidden_size": ("hidden_size", "n_embd"),
@@ -86,11 +83,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_size(text: str) -> int:
-    """``"80GiB"`` -> bytes, ``"1M"`` -> 1048576; binary for bare K/M/G/T, decimal for KB/MB/GB/TB."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 131072, 1M, 80GiB or 40GB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """``"80GiB"`` -> bytes, ``"1M"`` -> 1048576 (:func:`seqpar.planner.parse_size`), as argparse wants its error."""
+    from seqpar.planner import parse_size as parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def model_shape(name_or_path: str) -> dict[str, int]:

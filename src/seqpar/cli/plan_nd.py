@@ -9,16 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-# a MoE config's expert count, experts per token and expert width, by transformers' key names
-_MOE_KEYS = {"experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-             "top_k": ("num_experts_per_tok", "moe_topk", "top_k"),
-             "expert_intermediate": ("moe_intermediate_size", "expert_intermediate_size")}
-
 
 def moe_shape(name_or_path: str | None) -> dict[str, int]:
     """``{experts, top_k, expert_intermediate}`` from a local MoE config (``--moe``). Raises
     ValueError when there is no config or it names no experts."""
     from seqpar.integrations.models import BUILTIN_MODELS, builtin_config, decoder_config
+    from seqpar.planner.nd import MOE_KEYS, moe_fields
 
     if name_or_path is None:
         raise ValueError("--moe reads the experts from --model's config: give --model CONFIG")
@@ -29,10 +25,10 @@ def moe_shape(name_or_path: str | None) -> dict[str, int]:
     cfg = json.loads(path.read_text()) if path.is_file() else builtin_config(name_or_path).to_dict()
     if "text_config" in cfg:
         cfg = decoder_config(cfg)[0]
-    out = {k: next((int(cfg[n]) for n in names if cfg.get(n)), 0) for k, names in _MOE_KEYS.items()}
+    out = moe_fields(cfg)
     if not out["experts"] or not out["top_k"]:
-        raise ValueError(f"--moe: {name_or_path}'s config names no experts ({', '.join(_MOE_KEYS['experts'])}) or "
-                         f"experts per token ({', '.join(_MOE_KEYS['top_k'])})")
+        raise ValueError(f"--moe: {name_or_path}'s config names no experts ({', '.join(MOE_KEYS['experts'])}) or "
+                         f"experts per token ({', '.join(MOE_KEYS['top_k'])})")
     return out
 
 

@@ -73,6 +73,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def layout_words(sp: int, dp: int, tp: int | None = 1, ep: int | None = 1) -> str:
+    """``"sp=2 x dp=2"``, ``"tp=2 x sp=2 x dp=1"``, ``"sp=2 x dp=2, ep=2"``: the ranks' layout in words
+    (tp, ep None or 1: not said)."""
+    return (f"tp={tp} x " if (tp or 1) > 1 else "") + f"sp={sp} x dp={dp}" + (f", ep={ep}" if (ep or 1) > 1 else "")
+
+
 def _duration(s: float) -> str:
     return f"{int(s // 60)}m{s % 60:04.1f}s" if s >= 60 else f"{s:.1f}s"
 
@@ -81,7 +87,7 @@ def format_summary(s: RunSummary) -> str:
     """The closing report of a run (rank 0's summary)."""
     this_run = f" ({len(s.losses)} in this run)" if s.resumed_from else ""
     lines = [f"seqpar train: {s.steps} steps{this_run} in {_duration(s.train_time_s)} "
-             f"(+{s.setup_s:.0f}s setup, {s.eval_s:.0f}s eval) -- sp={s.sp} x dp={s.dp} "
+             f"(+{s.setup_s:.0f}s setup, {s.eval_s:.0f}s eval) -- {layout_words(s.sp, s.dp, s.tp, s.ep)} "
              f"({s.strategy}, {s.world} ranks on {s.device.split(':')[0]}{', FSDP2' if s.fsdp else ''}, {s.dtype}), "
              f"{s.tokens_per_step:,} tokens per step, {s.params:,} parameters"
              f"{f' ({s.trainable:,} trained: {s.lora})' if s.lora else ''}"]
@@ -139,9 +145,12 @@ def format_summary(s: RunSummary) -> str:
 def describe_start(job: Job) -> str:
     """The run's first line: where it runs, what it continues or replaces."""
     cfg = job.cfg
-    line = (f"seqpar train: {job.world} local workers on the CPU (gloo, 1 thread each), sp={job.sp} x dp={job.dp}, "
+    line = (f"seqpar train: {job.world} local workers on the CPU (gloo, 1 thread each), "
+            f"{layout_words(job.sp, job.dp, job.tp, job.ep)}, "
             f"{job.strategy}{' (auto: ' + job.reason + ')' if job.reason else ''}, --seq-len {cfg.seq_len}, "
             f"{cfg.steps} steps -> {os.path.abspath(cfg.save_dir)}; memory: {describe_memory(cfg)}")
+    if job.plan_reason:
+        line += f"\nseqpar train: {job.plan_reason}"
     if job.resume_from:
         line += f"\nseqpar train: resuming from step {job.resume_step} ({os.path.abspath(job.resume_from)})"
         line += "".join(f"\nseqpar train: {note}" for note in job.resume_notes)

@@ -4,8 +4,10 @@ The built-in configs are small enough for CPU tests (hidden 32, 2 layers) and ea
 attention feature: ``tiny-llama`` (GQA), ``tiny-qwen3`` (q/k norm), ``tiny-mistral`` (sliding
 window shorter than the test sequences), ``tiny-gemma2`` (attention-logit softcap, alternating
 sliding / full layers, final-logit softcap; eager attention, as transformers needs for softcap).
-``small-llama3`` has a realistic shape for memory work (Llama 3 proportions: vocabulary 32x the
-hidden size, MLP 3.5x, GQA 4:1; hidden 256, 4 layers, 8,192-token vocabulary, about 6.5M parameters).
+``tiny-qwen3-moe`` is a Qwen3-MoE (4 experts, top 2, every layer sparse; eager experts, no router
+logits output) for expert parallelism. ``small-llama3`` has a realistic shape for memory work (Llama 3
+proportions: vocabulary 32x the hidden size, MLP 3.5x, GQA 4:1; hidden 256, 4 layers, 8,192-token
+vocabulary, about 6.5M parameters).
 
 :func:`decoder_config` is the one place that finds the decoder's config inside a model's config
 (``config`` itself, or ``config.text_config`` for a multimodal model).
@@ -26,6 +28,10 @@ BUILTIN_MODELS = ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "sm
 # hybrids (issue 13): a Gated DeltaNet layer then an attention layer (Qwen3-Next, dense MLPs), and a
 # Mamba2 layer then an attention layer (Bamba)
 BUILTIN_MODELS += ["tiny-qwen3-next", "tiny-bamba"]
+# an MoE (issue 46): Qwen3-MoE, every layer's MLP 4 experts of which each token takes 2
+BUILTIN_MODELS += ["tiny-qwen3-moe"]
+_MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                            mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False)
 
 _COMMON: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -56,6 +62,8 @@ def builtin_config(name: str, **overrides: Any) -> Any:
         return tf.LlamaConfig(**{**_SMALL_LLAMA3, **overrides})
     if name in ("tiny-qwen3-next", "tiny-bamba"):
         return _hybrid_config(name, **overrides)
+    if name == "tiny-qwen3-moe":
+        return tf.Qwen3MoeConfig(**{**_COMMON, **_MOE, **overrides})
     raise ValueError(f"unknown built-in model {name!r}: choose one of {BUILTIN_MODELS} or a local checkpoint path")
 
 
@@ -105,7 +113,9 @@ def build_model(name_or_path: str, *, dtype: torch.dtype = torch.float32, attn_i
     if name_or_path in BUILTIN_MODELS:
         impl = attn_implementation or _default_attention(name_or_path)
         config = builtin_config(name_or_path, **config_overrides)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+        # an MoE's experts as a loop over its experts (any dtype; the grouped matmul has no float64)
+        moe = {"experts_implementation": "eager"} if name_or_path == "tiny-qwen3-moe" else {}
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, **moe)
         return model.to(dtype), None
     check_model_name(name_or_path)
     extra: dict[str, Any] = {"experts_implementation": "eager"} if dtype == torch.float64 else {}

@@ -16,6 +16,17 @@ many as keep the tile's ``[T, V]`` buffer within half of what the shard's own hi
 the shard (sp), between :data:`~seqpar.batch.tiles.MIN_TILE` and the model's ``loss_tile``
 (:func:`seqpar.reduce_memory`; 1024 without it).
 
+A vocabulary-parallel head (tensor parallelism: each tp rank holds rows ``vocab_start ..`` of the
+head, ``z [T, V/tp]``) makes the same tiles on its own rows and reduces over tp what spans the whole
+vocabulary (Megatron's vocab-parallel cross entropy, :mod:`seqpar.batch.vocab_parallel`)::
+
+    m         = all-reduce MAX of the tile's row maxima                       # [T]
+    Z, E, t   = all-reduce SUM of (sum e, sum e s, s[target] or 0)            # [3, T], one buffer
+    backward: dz on this rank's rows only (p = exp(z - lse) is local); the hidden states' gradient,
+              a partial sum over the ranks' rows, all-reduced over tp (the head's column style would)
+
+so no rank holds more than ``[T, V/tp]``, and the results are the same on every tp rank.
+
 A per-token value or score (a value head, a sequence-classification head) is the model's own small
 head on the hidden state: ``[B, S_local, K]`` with K the number of labels.
 """
@@ -26,12 +37,15 @@ import inspect
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..batch.local_batch import BATCH_KWARG
 from ..batch.targets import IGNORE_INDEX
-from ..batch.tiled_loss import Head, accumulate_product, check_tile, token_tiles
+from ..batch.tiled_loss import Head, accumulate_product, check_tile, sum_over_tp, token_tiles
 from ..batch.tiles import DEFAULT_LOSS_TILE
+from ..batch.vocab_parallel import local_targets as vocab_targets
+from ..comm import collectives
 from ..errors import Refused
 from ..integrations.memory.tiled_head import last_hidden
 from ..integrations.peft import unwrap_peft
@@ -103,19 +117,13 @@ class _TiledTokenStats(torch.autograd.Function):
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         logps, ents, lses = [], [], []
         for a, b in token_tiles(hidden.shape[0], tile):
-            z = _tile_logits(head, hidden[a:b], temperature)  # [T, V], the tile's one buffer
-            target = targets[a:b].clamp(min=0)[:, None]
-            top = z.amax(1, keepdim=True)  # [T, 1]
-            shifted = z.sub_(top)  # s = z - max
-            picked = shifted.gather(1, target).squeeze(1)  # [T]
-            e = shifted.exp_()  # e = exp(s)
-            total = e.sum(1)  # [T]: Z
-            e_s = e.xlogy_(e).sum(1)  # [T]: sum e * s (log e = s)
-            del z, shifted, e
+            z = _tile_logits(head, hidden[a:b], temperature)  # [T, V] (V/tp: this rank's rows), one buffer
+            valid = targets[a:b] != ignore_index
+            top, picked, total, e_s = _tile_sums(z, torch.where(valid, targets[a:b], -1), head)
             log_total = total.log()
-            logps.append((picked - log_total) * (targets[a:b] != ignore_index))
+            logps.append((picked - log_total) * valid)
             ents.append(log_total - e_s / total)  # -sum p log p = log Z - sum e s / Z
-            lses.append(top.squeeze(1) + log_total)
+            lses.append(top + log_total)
         empty = hidden.new_zeros(0, dtype=cdtype)
         logp, ent = (torch.cat(logps) if logps else empty), (torch.cat(ents) if ents else empty)  # [N], [N]
         ctx.set_materialize_grads(False)  # an output nobody used: None, not a [N] of zeros to chain back
@@ -135,15 +143,41 @@ class _TiledTokenStats(torch.autograd.Function):
             h = hidden[a:b]
             g = None if g_logp is None else g_logp[a:b].to(cdtype) * (targets[a:b] != ctx.ignore_index)  # [T]
             ge = None if g_ent is None else g_ent[a:b].to(cdtype)  # [T]
-            dz = _tile_grad(head, h, targets[a:b].clamp(min=0)[:, None], lse[a:b], ent[a:b], g, ge, ctx.temperature)
+            # the target's column among this rank's rows (a vocabulary-parallel head: where it is one of them)
+            idx, here = vocab_targets(targets[a:b], head.vocab_start, max(weight.shape[0], 1))
+            dz = _tile_grad(head, h, idx[:, None], lse[a:b], ent[a:b], g, ge, ctx.temperature,
+                            None if head.tp_group is None else here)
             dz = dz.to(hidden.dtype)  # [T, V], the model's dtype, as autograd would
             grad_h[a:b] = dz @ weight
             accumulate_product(grad_w, dz.t(), h)
             if grad_b is not None:
                 grad_b += dz.sum(0).to(cdtype)
             del dz
+        sum_over_tp(grad_h, head)  # vocabulary-parallel: each rank's rows gave a part of it
         return (grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
                 None, None, None, None, None)
+
+
+def _tile_sums(z: Tensor, targets: Tensor, head: Head) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(m, s[target], Z, sum e s)`` ``[T]`` each, of one tile's logits ``z [T, V]`` (consumed in
+    place): ``s = z - m`` with ``m`` the row maximum, ``e = exp(s)``, ``Z = sum e``; ``targets`` -1
+    where ignored (``s[target]`` 0 there). A vocabulary-parallel head's rows: ``m`` the maximum over
+    every tp rank's, the three sums over them too (module doc: two all-reduces)."""
+    group = head.tp_group
+    width = z.shape[1]
+    idx, here = vocab_targets(targets, head.vocab_start if group is not None else 0, max(width, 1))
+    top = z.amax(1) if width else z.new_full((z.shape[0],), float("-inf"))  # [T]
+    if group is not None:
+        collectives.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = z.sub_(top[:, None])  # s = z - max
+    picked = shifted.gather(1, idx[:, None]).squeeze(1) * here if width else z.new_zeros(z.shape[0])  # [T]
+    e = shifted.exp_()  # e = exp(s)
+    sums = torch.stack([e.sum(1), e.xlogy_(e).sum(1), picked])  # [3, T]: Z, sum e * s (log e = s), s[target]
+    del z, shifted, e
+    if group is not None:
+        collectives.all_reduce(sums, group=group)
+    total, e_s, picked = sums.unbind(0)
+    return top, picked, total, e_s
 
 
 def _tile_logits(head: Head, h: Tensor, temperature: float) -> Tensor:
@@ -155,9 +189,11 @@ def _tile_logits(head: Head, h: Tensor, temperature: float) -> Tensor:
 
 
 def _tile_grad(head: Head, h: Tensor, target: Tensor, lse: Tensor, ent: Tensor, g_logp: Tensor | None,
-               g_ent: Tensor | None, temperature: float) -> Tensor:
+               g_ent: Tensor | None, temperature: float, here: Tensor | None = None) -> Tensor:
     """``d(sum g_logp * logp + g_ent * entropy) / d(h @ W^T + b)`` ``[T, V]`` in compute dtype, built
-    in the buffer of the tile's recomputed logits (``lse``, ``ent``: the forward's ``[T]``)::
+    in the buffer of the tile's recomputed logits (``lse``, ``ent``: the forward's ``[T]``, over the
+    whole vocabulary; ``here``: a vocabulary-parallel shard's mask of the rows whose target is one of
+    its columns ``target``, None for a whole head)::
 
         dz = g_logp * (onehot - p) - g_ent * p * (log p + entropy)
            = -p * (k + g_ent * log p) + g_logp * onehot,     k = g_logp + g_ent * entropy
@@ -181,8 +217,9 @@ def _tile_grad(head: Head, h: Tensor, target: Tensor, lse: Tensor, ent: Tensor, 
             block.copy_(k[sl, None].expand_as(block))
         block.mul_(p).neg_()
         del p
-        if g_logp is not None:
-            block.scatter_add_(1, target[sl], g_logp[sl, None])
+        if g_logp is not None and block.shape[1]:  # (a vocabulary-parallel rank may hold no row)
+            onehot = g_logp[sl] if here is None else g_logp[sl] * here[sl]
+            block.scatter_add_(1, target[sl], onehot[:, None])
         if temperature != 1.0:
             block.div_(temperature)
         if slope is not None:
@@ -201,14 +238,10 @@ def token_logps_entropy(hidden: Tensor, head: Head, targets: Tensor, *, temperat
     """``(log p(target) [B, S], entropy [B, S])`` of ``head(hidden) / temperature``, differentiable,
     one tile of ``tile`` tokens at a time (no ``[S, V]`` logits). ``hidden [B, S, H]``, ``targets
     [B, S]`` already shifted; the log-probability is 0 where the target is ignored, the entropy is
-    every position's. In float32 at least. Raises ValueError for a bad tile or temperature; Refused
-    for a vocabulary-parallel head (tensor parallelism), whose log-sum-exp and entropy would need a
-    reduction over tp that these tiles do not make."""
+    every position's. In float32 at least. A vocabulary-parallel head (``head.tp_group``: tensor
+    parallelism) reduces over tp (module doc): every rank of the tp group calls this together and
+    gets the same values. Raises ValueError for a bad tile or temperature."""
     check_tile(tile, "tile")
-    if head.tp_group is not None:
-        raise Refused("seqpar.objectives' per-token log-probabilities and entropy with a vocabulary-parallel head "
-                      "(tensor parallelism, tp > 1) are not supported: the objectives run at tp=1 (the causal-LM "
-                      "loss and seqpar.gather_log_probs do run at tp > 1)")
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r}: the logits are divided by it; use a positive number")
     flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]

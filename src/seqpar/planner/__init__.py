@@ -45,6 +45,7 @@ without each of :func:`seqpar.reduce_memory`'s switches -- is :func:`seqpar.plan
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 
 from .cost import Candidate, divisors, estimate
@@ -84,6 +85,19 @@ class InfeasiblePlanError(ValueError):
     def __init__(self, message: str, candidates: tuple[Candidate, ...]):
         super().__init__(message)
         self.candidates = candidates
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
+          "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """``"80GiB"`` -> bytes, ``"1M"`` -> 1048576; binary for bare K/M/G/T, decimal for KB/MB/GB/TB.
+    Raises ValueError for text that is not a size."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: use e.g. 131072, 1M, 80GiB or 40GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def format_bytes(n: float) -> str:

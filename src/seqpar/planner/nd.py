@@ -24,6 +24,7 @@ then the lightest switches, then the fewest tensor-parallel ranks. :func:`plan_n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .cost import SplitShape, divisors, estimate, largest_shard
 from .memory import MemorySwitches, StepMemory, parameter_parts, step_memory
@@ -39,6 +40,18 @@ SWITCH_LADDER: tuple[MemorySwitches, ...] = (
 )
 """The memory switches tried, lightest first (each one costs recompute or copies); an MoE model
 skips the tiled MLP."""
+
+
+MOE_KEYS = {"experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+            "top_k": ("num_experts_per_tok", "moe_topk", "top_k"),
+            "expert_intermediate": ("moe_intermediate_size", "expert_intermediate_size")}
+"""An MoE config's expert count, experts per token and expert width, by transformers' key names."""
+
+
+def moe_fields(config: dict[str, Any]) -> dict[str, int]:
+    """``{experts, top_k, expert_intermediate}`` of a decoder config (a dict): the first non-zero
+    value of each :data:`MOE_KEYS` name, 0 where there is none."""
+    return {k: next((int(config[n]) for n in names if config.get(n)), 0) for k, names in MOE_KEYS.items()}
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from seqpar.comm import faults
 from seqpar.comm.agree import fence
@@ -84,19 +85,23 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(save_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Any, trainer_state: dict[str, Any], *, keep: int, model_config: Any = None,
-                    tokenizer: Any = None) -> str:
+                    tokenizer: Any = None, mesh: DeviceMesh | None = None) -> str:
     """Save on every rank (a collective); returns the committed directory. Keeps the ``keep``
     latest complete checkpoints. ``model_config`` (a transformers config) and ``tokenizer`` are
     written beside the weights, so the checkpoint alone can be exported (:mod:`.export`).
+    ``mesh``: the run's mesh, needed for a model under expert parallelism (its shards are saved as
+    rows of the whole stacked tensors, :mod:`.expert_state`); tensor-parallel and FSDP2 weights are
+    DTensors already. Either way the checkpoint holds whole tensors' layouts: it loads at any other.
 
     Raises on every rank, the same message naming each failing rank and its error, when a rank
     cannot write (the previous checkpoints stay as they were, the partial one is removed)."""
     with faults.publishing("a checkpoint save"):
-        return _save(save_dir, step, model, optimizer, scheduler, trainer_state, keep, model_config, tokenizer)
+        return _save(save_dir, step, model, optimizer, scheduler, trainer_state, keep, model_config, tokenizer, mesh)
 
 
 def _save(save_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-          trainer_state: dict[str, Any], keep: int, model_config: Any, tokenizer: Any) -> str:
+          trainer_state: dict[str, Any], keep: int, model_config: Any, tokenizer: Any,
+          mesh: DeviceMesh | None) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -107,6 +112,7 @@ def _save(save_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Opt
     try:
         _stage(what, (lambda: _fresh_dir(tmp)) if rank == 0 else None)
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        _present_experts(model, mesh, model_sd, optim_sd)
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         except dcp.CheckpointException as e:  # every rank gets it: DCP gathers the ranks' write results
@@ -188,18 +194,25 @@ def read_trainer_state(path: str) -> dict[str, Any]:
     return load_plain(os.path.join(path, TRAINER_FILE))
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
+                    mesh: DeviceMesh | None = None) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG (a collective); returns the trainer
-    state (``step`` and the options the run was started with).
+    state (``step`` and the options the run was started with). The checkpoint may come from another
+    layout (dp, sp, tp, ep, FSDP2): DCP reads each rank's part of the whole tensors. ``mesh``: as
+    for :func:`save_checkpoint`.
 
     Reads data only: a file of the checkpoint that holds a pickled object raises ValueError naming
     it on every rank (checked by every rank, agreed in one fence), before anything is loaded."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from .expert_state import unwrap
+
     _stage("reading the checkpoint " + path, lambda: check_plain(path))
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    experts = _present_experts(model, mesh, model_sd, optim_sd)
     state = {"model": model_sd, "optim": optim_sd}
     dcp_load(state, path)
+    unwrap(experts, state["model"], state["optim"])
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = read_trainer_state(path)
     scheduler.load_state_dict(trainer["scheduler"])
@@ -207,6 +220,18 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if os.path.isfile(rng):
         _set_rng_state(load_plain(rng))
     return trainer
+
+
+def _present_experts(model: nn.Module, mesh: DeviceMesh | None, model_sd: dict[str, Any],
+                     optim_sd: dict[str, Any]) -> list[str]:
+    """Expert shards as rows of their whole tensors (:func:`seqpar.train.expert_state.present`)."""
+    from .expert_state import expert_params, present
+
+    if mesh is None:
+        if expert_params(model):
+            raise ValueError("a model under expert parallelism is saved and loaded with its mesh: pass mesh=")
+        return []
+    return present(model, mesh, model_sd, optim_sd)
 
 
 def load_model_weights(path: str, model: nn.Module) -> nn.Module:

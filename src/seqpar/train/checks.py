@@ -39,24 +39,57 @@ def require(package: str, option: str) -> None:
 
 
 def world_layout(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
-    """``(world, sp, dp)`` the job runs with; ValueError naming the option to change."""
-    if cfg.sp < 1:
-        raise ValueError(f"--sp must be >= 1, got {cfg.sp}")
+    """``(world, sp, dp)`` the job runs with (``dp = world / (sp x tp)``); ValueError naming the
+    option to change."""
+    for name in ("sp", "tp", "ep"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.dp is not None and cfg.dp < 1:
         raise ValueError(f"--dp must be >= 1, got {cfg.dp}")
     if world is None:
-        world = cfg.nproc if cfg.nproc is not None else cfg.sp * (cfg.dp or 1)
+        world = cfg.nproc if cfg.nproc is not None else cfg.sp * cfg.tp * (cfg.dp or 1)
     if world < 1:
         raise ValueError(f"--nproc must be >= 1, got {world}")
-    if world % cfg.sp:
+    ranks = cfg.sp * cfg.tp  # the ranks that hold one batch
+    what = f"--sp {cfg.sp}" + (f" x --tp {cfg.tp} = {ranks}" if cfg.tp > 1 else "")
+    if world % ranks:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(f"--sp {cfg.sp} does not divide the world size {world}: choose --sp in {divisors} "
-                         f"or --nproc a multiple of {cfg.sp}")
-    dp = cfg.dp if cfg.dp is not None else world // cfg.sp
-    if dp * cfg.sp != world:
-        raise ValueError(f"--dp {dp} x --sp {cfg.sp} = {dp * cfg.sp} ranks, but the world has {world}: "
-                         f"use --dp {world // cfg.sp} or omit it")
+        raise ValueError(f"{what} does not divide the world size {world}: choose "
+                         f"{'--sp x --tp' if cfg.tp > 1 else '--sp'} in {divisors} or --nproc a multiple of {ranks}")
+    dp = cfg.dp if cfg.dp is not None else world // ranks
+    if dp * ranks != world:
+        raise ValueError(f"--dp {dp} x {what} = {dp * ranks} ranks, but the world has {world}: "
+                         f"use --dp {world // ranks} or omit it")
     return world, cfg.sp, dp
+
+
+def check_parallelism(cfg: TrainConfig, sp: int, dp: int) -> None:
+    """--tp and --ep against the other options (pure): what seqpar cannot run exactly together is
+    refused by name. Raises ValueError naming the option to change."""
+    if cfg.ep > 1 and (dp * sp) % cfg.ep:
+        ok = [d for d in range(1, dp * sp + 1) if (dp * sp) % d == 0]
+        raise ValueError(f"--ep {cfg.ep} must divide dp x sp = {dp} x {sp} = {dp * sp} (expert parallelism borrows "
+                         f"its ranks from them): choose --ep in {ok}")
+    if cfg.tp > 1 and cfg.ep > 1:
+        raise ValueError(f"--tp {cfg.tp} with --ep {cfg.ep}: seqpar.parallelize does not compose expert parallelism "
+                         "with tensor parallelism yet (each expert shard would need splitting over tp too): use "
+                         "--tp 1 with --ep, or --ep 1 with --tp")
+    if cfg.ep > 1 and cfg.fsdp == "on":
+        raise ValueError(f"--ep {cfg.ep} shards the experts over ep ranks, which FSDP2 (seqpar.apply_fsdp) would take "
+                         "for copies of one tensor: use --fsdp off or auto (the gradients are averaged by "
+                         "seqpar.sync_gradients, each expert shard over its replicas)")
+    if cfg.ep > 1 and cfg.dtype == "bfloat16":
+        raise ValueError(f"--dtype bfloat16 trains through FSDP2's mixed precision, which --ep {cfg.ep} runs without: "
+                         "use --dtype float32 (or float64)")
+    layout = [f"--{n} {getattr(cfg, n)}" for n in ("tp", "ep") if getattr(cfg, n) > 1]
+    if layout and cfg.sp_schedule == "dynamic":
+        raise ValueError(f"--sp-schedule dynamic with {' '.join(layout)}: its bins re-cut the sp ranks, so a tp group "
+                         "would split one batch (tp) and an ep group would run different numbers of forwards (ep); "
+                         "use --sp-schedule static")
+    if layout and cfg.lora_r:
+        raise ValueError(f"--lora-r with {' '.join(layout)}: LoRA adapters on tensor-parallel layers or beside "
+                         "sharded experts are not verified exact; train every weight (leave out --lora-r), or use "
+                         "--tp 1 --ep 1")
 
 
 def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, int]:
@@ -92,6 +125,7 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
                          "use ulysses or ring")
     _check_fine_tuning(cfg)
     check_objective(cfg)
+    check_parallelism(cfg, sp, dp)
     check_schedule(cfg, sp)
     model_overrides(cfg)
     return world, sp, dp

@@ -44,7 +44,7 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 TRAIN_SIZE: dict[str, Any] = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=4, head_dim=32,
                                   rope_theta=1000.0)
-SIZED_FOR_TRAIN = ("tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2")
+SIZED_FOR_TRAIN = ("tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-gemma2", "tiny-qwen3-moe")
 """Built-ins that :data:`TRAIN_SIZE` resizes; ``small-llama3`` keeps its realistic shape (issue 11)."""
 
 CPU_TIMEOUT, CUDA_TIMEOUT = 300.0, 1800.0
@@ -88,7 +88,19 @@ class TrainConfig:
     packing: bool = _opt(False, "pack several documents per row (position ids restart, no attention across "
                          "documents) instead of one padded document per row")
     sp: int = _opt(2, "sequence-parallel degree: ranks that share one sequence")
-    dp: int | None = _opt(None, "data-parallel degree", shown="world size / sp")
+    dp: int | None = _opt(None, "data-parallel degree", shown="world size / (sp x tp)")
+    tp: int = _opt(1, "tensor-parallel degree: ranks that split each layer's heads and MLP columns and the "
+                   "vocabulary by the model's own plan (transformers' tp_plan; innermost: keep it inside a host); "
+                   "a tp group reads the same rows")
+    ep: int = _opt(1, "expert-parallel degree of an MoE model: ranks of dp x sp that split every MoE layer's experts "
+                   "(folded over them, no ranks of its own); must divide dp x sp; without FSDP2 (gradients by "
+                   "sync_gradients)")
+    plan: str = _opt("none", "auto: take seqpar plan's layout for the job's ranks and model (--sp, --tp, --ep, dp, "
+                     "the strategy, FSDP2 and the memory switches; said at the start with why); none: the options as "
+                     "given", choices=("none", "auto"))
+    gpu_memory: str | None = _opt(None, "--plan auto: the memory of one rank's device the plan must fit, e.g. 80GB",
+                                  metavar="SIZE", shown="the CUDA device's total memory; on the CPU the host's "
+                                  "memory / the local ranks")
     strategy: str = _opt("ulysses", "sequence-parallel attention: ulysses, ring, hybrid (ring x ulysses) or auto "
                          "(seqpar.plan picks)", choices=(*STRATEGIES, "auto"))
     sp_schedule: str = _opt("static", "static (every row over all --sp ranks) or dynamic (each step's rows binned, "
@@ -161,7 +173,7 @@ class TrainConfig:
     mlp_tile: int | None = _opt(None, "tokens per tile of the tiled MLP", shown="tiles following the shard: a tile's "
                                 f"[tile, intermediate] within the shard's [tokens, hidden], {MIN_TILE} to "
                                 f"{MAX_MLP_TILE} tokens")
-    nproc: int | None = _opt(None, "local worker processes when not under torchrun", shown="sp x dp, or sp")
+    nproc: int | None = _opt(None, "local worker processes when not under torchrun", shown="sp x tp x dp, or sp x tp")
     timeout: float | None = _opt(None, "seconds a collective may wait before the job counts as hung: the process "
                                  "group's timeout (NCCL's watchdog), which must outlast the longest wait of one rank "
                                  "for another -- rank 0 reading a checkpoint, a checkpoint save, the first step",
@@ -206,7 +218,7 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 OPTIONAL_KINDS: dict[str, type] = {"data": list, "dp": int, "nproc": int, "timeout": float, "lora_alpha": float,
-                                   "lora_targets": list, "token_budget": int, "mlp_tile": int,
+                                   "gpu_memory": str, "lora_targets": list, "token_budget": int, "mlp_tile": int,
                                    "clip_epsilon_high": float, "max_completion_length": int}
 """The type of each option whose default is None (the others: their default's type)."""
 
@@ -331,10 +343,10 @@ def describe_memory(cfg: TrainConfig) -> str:
 
 def resolve_dtype(cfg: TrainConfig, device_type: str) -> str:
     """The --dtype name a run uses: ``auto`` is bfloat16 on CUDA (through FSDP2's mixed precision:
-    float32 with ``--fsdp off``), float32 on the CPU."""
+    float32 with ``--fsdp off`` or ``--ep``, which runs without FSDP2), float32 on the CPU."""
     if cfg.dtype != "auto":
         return cfg.dtype
-    return "bfloat16" if device_type == "cuda" and cfg.fsdp != "off" else "float32"
+    return "bfloat16" if device_type == "cuda" and cfg.fsdp != "off" and cfg.ep == 1 else "float32"
 
 
 def collective_timeout(cfg: TrainConfig, device_type: str) -> float:

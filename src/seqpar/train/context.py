@@ -3,7 +3,8 @@ has its weights. The step, the dynamic schedule and the evaluation take it inste
 object, so what each reads is in its signature::
 
     job         the options and everything decided before any process (sp, dp, strategy, layout, data)
-    mesh        the dp x sp device mesh; rank, dp_rank, sp_rank: this process's place in it
+    mesh        the dp x sp (x tp, ep folded) device mesh; rank, dp_rank, sp_rank, tp_rank: this
+                process's place in it
     device      this rank's device
     model       the parallelized (and, under FSDP2, sharded) transformers model
     policy      what the objective runs: the peft model around ``model`` (LoRA), or ``model``
@@ -40,6 +41,7 @@ class RunContext:
     policy: nn.Module
     reference: nn.Module | str | None
     use_fsdp: bool
+    tp_rank: int = 0
 
 
 def rank_device() -> torch.device:

@@ -25,6 +25,7 @@ from seqpar.planner import hybrid_split, plan
 
 from .checks import check_config
 from .config import FIELDS, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
+from .layout import auto_layout, check_model_layout, check_plan_options, check_tiled_mlp, mesh_kwargs
 from .objectives import DATA_KINDS, objective_of
 from .report import HF_DIR
 from .safe_load import check_plain
@@ -35,7 +36,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 # what must match for --resume to continue the same loss curve (--steps may grow: the schedule
-# then follows the new total; --sp and the strategy may change: checkpoints reshard; dp, --micro-batch
+# then follows the new total; --sp, --tp, --ep and the strategy may change: checkpoints reshard; dp, --micro-batch
 # and --grad-accum may change as long as a step reads the same rows: see check_resumable; --mlp-tile
 # may change: the MLP is per token, its tiles change no value -- and by default they follow the shard,
 # so they change with --sp anyway)
@@ -64,6 +65,14 @@ class Job:
     replaces: tuple[int, ...] = ()  # --overwrite: the steps of the earlier run's checkpoints it deletes
     data: DataSource | None = field(default=None, compare=False, repr=False)  # read and tokenized, once
     tokenizer: Any = field(default=None, compare=False, repr=False)  # the run's transformers tokenizer (None: bytes)
+    tp: int = 1  # tensor-parallel ranks (innermost): a batch is held by sp x tp ranks
+    ep: int = 1  # expert-parallel ranks, folded over dp x sp
+    plan_reason: str = ""  # --plan auto: what it chose and why, in words (printed at the start)
+
+    @property
+    def batch_ranks(self) -> int:
+        """The ranks that hold one batch (its sp x tp ranks): each counts it once among them."""
+        return self.sp * self.tp
 
 
 def make_data(cfg: TrainConfig, hf_tokenizer: Any | None) -> DataSource:
@@ -134,9 +143,15 @@ def _check_builtin_fields(cfg: TrainConfig, data: DataSource) -> None:
 
 
 def prepare_job(cfg: TrainConfig, world: int | None = None) -> Job:
-    """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --dp), resolve the
-    strategy, read the data and load the tokenizer. Raises ValueError with the option to change."""
-    world, sp, dp = check_config(cfg, world)
+    """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --tp / --dp),
+    resolve the strategy (and with --plan auto the whole layout, :mod:`.layout`), read the data and
+    load the tokenizer. Raises ValueError with the option to change."""
+    check_plan_options(cfg, world)
+    if cfg.plan == "auto":  # everything but the layout now; the layout once the model's shape is known
+        world = world if world is not None else cfg.nproc
+        check_config(cfg.replace(sp=1, tp=1, ep=1, dp=None), world)
+    else:
+        world, sp, dp = check_config(cfg, world)
     config_full = _model_config(cfg)
     config = decoder_config(config_full)[0]
     heads = int(config.num_attention_heads)
@@ -145,53 +160,74 @@ def prepare_job(cfg: TrainConfig, world: int | None = None) -> Job:
     if cfg.model not in BUILTIN_MODELS and max_pos is not None and cfg.seq_len > max_pos:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {max_pos}: "
                          f"use --seq-len <= {max_pos}")
-
-    strategy, reason = cfg.strategy, ""
-    mesh_kwargs: dict[str, int] = {"sp": sp, "dp": dp}
-    if strategy == "auto":
-        hidden = int(config.hidden_size)
-        head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-        p = plan(heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden, world_size=sp,
-                 devices_per_node=sp, seq_len=cfg.seq_len, layers=int(config.num_hidden_layers),
-                 batch=cfg.micro_batch)
-        strategy, reason = p.strategy, p.reason
-        if strategy == "hybrid":
-            mesh_kwargs.update(ulysses=p.ulysses, ring=p.ring)
-    elif strategy == "hybrid":
-        try:
-            u, r = hybrid_split(sp, heads)
-        except ValueError:
-            raise ValueError(f"--strategy hybrid cannot split --sp {sp} into ulysses x ring (each >= 2, ulysses <= "
-                             f"{heads} heads): use --strategy ulysses or ring") from None
-        mesh_kwargs.update(ulysses=u, ring=r)
-    # ring work balanced per packed document and padding run (plain rows: the same as zigzag)
-    layout = "contiguous" if strategy == "ulysses" or sp == 1 else "doc-zigzag"
-    if cfg.dtype == "bfloat16" and cfg.fsdp == "off":
-        raise ValueError("--dtype bfloat16 trains through FSDP2's mixed precision (bf16 compute, fp32 master "
-                         "weights): use --fsdp auto or on")
-
-    ulysses = mesh_kwargs.get("ulysses", sp if strategy == "ulysses" else 1)
-    shortest = min_seq_len(sp, layout, ulysses)
-    if cfg.seq_len < shortest:
-        raise ValueError(f"--seq-len {cfg.seq_len} is too short for --sp {sp} with {strategy} ({layout} layout): "
-                         f"use --seq-len >= {shortest} or a smaller --sp")
+    if cfg.plan == "none":
+        strategy, reason, mesh_kwargs, layout = _layout(cfg, sp, dp, config)
     meta = _check_checkpoint(cfg, config_full) if cfg.model not in BUILTIN_MODELS else None
     tokenizer = load_hf_tokenizer(cfg.model, cfg.tokenizer, cfg.chat_template)
     data = make_data(cfg, tokenizer)
     if meta is not None:
         _check_vocab(cfg, data, int(meta.get_input_embeddings().num_embeddings))
-    if cfg.lora_r:  # --lora-targets must name modules of the model (peft says which it did not find)
-        from .lora import add_lora
-
+    plan_reason = ""
+    if cfg.plan == "auto":
+        built = builtin_config(cfg.model, **builtin_fields(cfg, data.vocab_size)) if meta is None else config_full
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        device_type = "cuda" if torch.cuda.is_available() and "LOCAL_RANK" in os.environ else "cpu"
+        cfg, planned, plan_reason, _ = auto_layout(cfg, world, built, device_type=device_type, local_ranks=local)
+        world, sp, dp = check_config(cfg, world)
+        strategy, reason, mesh_kwargs, layout = _layout(cfg, sp, dp, config, planned)
+    check_tiled_mlp(cfg, config)
+    if cfg.lora_r or cfg.tp > 1 or cfg.ep > 1:  # the model on the meta device, for the checks that need it
         if meta is None:
             with torch.device("meta"):
                 meta, _ = build_model(cfg.model, **builtin_fields(cfg, data.vocab_size))
+        check_model_layout(cfg, meta, tp=cfg.tp, ep=cfg.ep)
+    if cfg.lora_r:  # --lora-targets must name modules of the model (peft says which it did not find)
+        from .lora import add_lora
+
         add_lora(meta, cfg)
     if cfg.model in BUILTIN_MODELS:
         _check_builtin_fields(cfg, data)
     job = Job(cfg, world, sp, dp, strategy, mesh_kwargs, layout, heads, kv_heads, reason, data=data,
-              tokenizer=tokenizer)
+              tokenizer=tokenizer, tp=cfg.tp, ep=cfg.ep, plan_reason=plan_reason)
     return _check_save_dir(job)
+
+
+def _layout(cfg: TrainConfig, sp: int, dp: int, config: Any, planned: dict[str, int] | None = None
+            ) -> tuple[str, str, dict[str, int], str]:
+    """``(strategy, why auto chose it, init_mesh's keywords, shard_batch's layout)`` of the options
+    (``planned``: --plan auto's mesh keywords, its strategy in ``cfg``); ValueError naming the option."""
+    heads = int(config.num_attention_heads) // cfg.tp  # a tp rank's heads: what sp splits
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // cfg.tp
+    strategy, reason, split = cfg.strategy, "", {}
+    if strategy == "auto":
+        hidden = int(config.hidden_size)
+        head_dim = int(getattr(config, "head_dim", None) or hidden // int(config.num_attention_heads))
+        p = plan(heads=heads, kv_heads=kv_heads, head_dim=head_dim, hidden_size=hidden, world_size=sp,
+                 devices_per_node=sp, seq_len=cfg.seq_len, layers=int(config.num_hidden_layers),
+                 batch=cfg.micro_batch)
+        strategy, reason = p.strategy, p.reason
+        if strategy == "hybrid":
+            split = {"ulysses": p.ulysses, "ring": p.ring}
+    elif strategy == "hybrid" and planned is None:
+        try:
+            u, r = hybrid_split(sp, heads)
+        except ValueError:
+            raise ValueError(f"--strategy hybrid cannot split --sp {sp} into ulysses x ring (each >= 2, ulysses <= "
+                             f"{heads} heads{' per tp rank' if cfg.tp > 1 else ''}): use --strategy ulysses or "
+                             "ring") from None
+        split = {"ulysses": u, "ring": r}
+    kwargs = planned if planned is not None else mesh_kwargs(dp=dp, sp=sp, tp=cfg.tp, ep=cfg.ep, **split)
+    # ring work balanced per packed document and padding run (plain rows: the same as zigzag)
+    layout = "contiguous" if strategy == "ulysses" or sp == 1 else "doc-zigzag"
+    if cfg.dtype == "bfloat16" and cfg.fsdp == "off":
+        raise ValueError("--dtype bfloat16 trains through FSDP2's mixed precision (bf16 compute, fp32 master "
+                         "weights): use --fsdp auto or on")
+    ulysses = kwargs.get("ulysses", sp if strategy == "ulysses" else 1)
+    shortest = min_seq_len(sp, layout, ulysses)
+    if cfg.seq_len < shortest:
+        raise ValueError(f"--seq-len {cfg.seq_len} is too short for --sp {sp} with {strategy} ({layout} layout): "
+                         f"use --seq-len >= {shortest} or a smaller --sp")
+    return strategy, reason, kwargs, layout
 
 
 def _check_save_dir(job: Job) -> Job:
@@ -253,8 +289,9 @@ def check_resumable(job: Job, state: dict[str, Any], path: str) -> list[str]:
     The rows of step s are rows ``[s * G, (s + 1) * G)`` of the run, G = dp x grad_accum x micro_batch
     (:func:`seqpar.train.sources.row_index`), and its loss is the token mean over all of them: so dp,
     --grad-accum and --micro-batch may change together as long as G stays (the same rows, the same
-    mean, summed in another order: equal to rounding), and sp and the strategy may change freely
-    (DCP reshards the model and the optimizer state)."""
+    mean, summed in another order: equal to rounding), and sp, tp, ep and the strategy may change
+    freely (DCP reshards the model and the optimizer state: the checkpoint holds whole tensors'
+    layouts, expert shards and tensor-parallel DTensors included)."""
     # an option the checkpoint's seqpar did not have yet ran at its default
     old = {k: FIELDS[k].default for k in RESUME_KEYS} | state.get("config", {})
     diff = [k for k in RESUME_KEYS if old.get(k) != getattr(job.cfg, k)]
@@ -280,6 +317,7 @@ def check_resumable(job: Job, state: dict[str, Any], path: str) -> list[str]:
     changed = [f"{name} {a} -> {b}" for name, a, b in (
         ("dp", old_dp, job.dp), ("--grad-accum", old_ga, job.cfg.grad_accum),
         ("--micro-batch", old_mb, job.cfg.micro_batch), ("sp", state.get("sp", job.sp), job.sp),
+        ("tp", state.get("tp", 1), job.tp), ("ep", state.get("ep", 1), job.ep),
         ("strategy", state.get("strategy", job.strategy), job.strategy),
         ("--mlp-tile", *(t or "following the shard" for t in (config.get("mlp_tile", job.cfg.mlp_tile),
                                                                 job.cfg.mlp_tile))))

@@ -181,6 +181,8 @@ def run_torchrun(cfg: TrainConfig, *, say: Callable[[str], None] = print,
         raise ValueError(f"--nproc {cfg.nproc} does not match torchrun's world size {world}: omit --nproc")
     job = prepare_job(cfg, world)
     die_with_parent()
+    if job.plan_reason and int(os.environ.get("RANK", 0)) == 0:  # --plan auto: what it chose, once
+        print(f"seqpar train: {job.plan_reason}", flush=True)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     kw = {}
     if backend == "nccl":

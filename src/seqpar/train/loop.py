@@ -91,6 +91,9 @@ class RunSummary:
     sp_unit: str = "rows"  # what sp_degrees counts: rows, or documents (--packing: packed rows binned apart)
     sp_cost: str = ""  # --sp-schedule dynamic: the cost model it balanced with (measured: its constants, the seconds)
     objective: str = "sft"  # --objective
+    tp: int = 1  # --tp, and --ep
+    ep: int = 1
+    plan: str = ""  # --plan auto: what it chose and why
     accuracy_of: str = "answers"  # what the held-out accuracy counts, in words (the objective's)
 
     @property
@@ -165,7 +168,7 @@ def start_run(job: Job) -> Run:
                      dp_rank=dist.get_rank(axis_group(mesh, "dp")),
                      sp_rank=dist.get_rank(axis_group(mesh, "sp")),  # hybrid: the flattened ring x ulysses axis
                      model=built.model, policy=built.policy, reference=make_reference(job, built),
-                     use_fsdp=built.use_fsdp)
+                     use_fsdp=built.use_fsdp, tp_rank=dist.get_rank(axis_group(mesh, "tp")) if job.tp > 1 else 0)
     objective = ObjectiveStep(ctx)
     optimization = Optimization(job.cfg, built.model)
     steps = (DynamicSteps(ctx, objective, job.data) if job.cfg.sp_schedule == "dynamic"  # collective: block groups
@@ -174,10 +177,10 @@ def start_run(job: Job) -> Run:
 
 
 def _gather_stats(ctx: RunContext, loss_share: float) -> tuple[float, list[float], list[float]]:
-    """One all-gather: the step's global loss (sum of the dp ranks' shares) and every rank's peak
-    memory, allocated and reserved (:func:`peak_memory_mib`)."""
+    """One all-gather: the step's global loss (sum of the dp ranks' shares, each from one of its sp x tp
+    ranks) and every rank's peak memory, allocated and reserved (:func:`peak_memory_mib`)."""
     world = ctx.job.world
-    row = torch.tensor([loss_share if ctx.sp_rank == 0 else 0.0, *peak_memory_mib(ctx.device)],
+    row = torch.tensor([loss_share if ctx.sp_rank == ctx.tp_rank == 0 else 0.0, *peak_memory_mib(ctx.device)],
                        dtype=torch.float64, device=ctx.device)
     table = torch.empty(world * 3, dtype=torch.float64, device=ctx.device)
     collectives.all_gather_flat(table, row)
@@ -223,7 +226,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
     resume_from = job.resume_from  # found and checked by prepare_job
     first_eval = None
     if resume_from is not None:
-        state = ckpt.load_checkpoint(resume_from, ctx.model, opt.optimizer, opt.scheduler)
+        state = ckpt.load_checkpoint(resume_from, ctx.model, opt.optimizer, opt.scheduler, mesh=ctx.mesh)
         opt.step = int(state["step"])
         first_eval = state.get("first_eval")
     log = None
@@ -239,8 +242,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             log.eval(0, first_eval)
     eval_s = time.perf_counter() - t_eval
 
-    trainer_state = {"config": cfg.to_dict(), "dp": job.dp, "sp": job.sp, "world": job.world,
-                     "strategy": job.strategy, "first_eval": first_eval}
+    trainer_state = {"config": cfg.to_dict(), "dp": job.dp, "sp": job.sp, "tp": job.tp, "ep": job.ep,
+                     "world": job.world, "strategy": job.strategy, "first_eval": first_eval}
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = None
     if ctx.rank == 0 and cfg.progress:
@@ -267,8 +270,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             t0 = time.perf_counter()
             with faults.publishing("seqpar train's step"):  # what the places inside did not publish
                 share, n_units = run.steps.forward_backward(opt.step)
-                lr = opt.lr
-                norm = opt.grad_norm()
+                lr, norm = opt.lr, opt.grad_norm()
                 # the step's loss before its update: a NaN / Inf is seen at the step it appears
                 loss, mem, reserved = _gather_stats(ctx, share)
             finite = math.isfinite(loss) and math.isfinite(norm[1])  # the same on every rank
@@ -310,7 +312,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             if due or opt.step == last:
                 saved = ckpt.save_checkpoint(cfg.save_dir, opt.step, ctx.model, opt.optimizer, opt.scheduler,
                                              trainer_state, keep=cfg.keep_checkpoints,
-                                             model_config=ctx.model.config, tokenizer=job.tokenizer)
+                                             model_config=ctx.model.config, tokenizer=job.tokenizer, mesh=ctx.mesh)
         train_time = time.perf_counter() - t_start
         t_eval = time.perf_counter()
         with faults.publishing("the evaluation"):
@@ -340,6 +342,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         first_eval=first_eval, final_eval=final_eval, evals=evals, chance=run.data.chance,
         data=run.data.describe(), metrics=os.path.abspath(os.path.join(cfg.save_dir, METRICS_FILE)),
         checkpoint=os.path.abspath(saved) if saved else None, skipped=skipped, world=job.world, sp=job.sp, dp=job.dp,
+        tp=job.tp, ep=job.ep, plan=job.plan_reason,
         strategy=job.strategy, layout=job.layout, params=run.built.params, trainable=run.built.trainable,
         lora=describe_lora(cfg), fsdp=ctx.use_fsdp, device=str(ctx.device), tokens_per_step=tokens_per_step,
         resumed_from=os.path.abspath(resume_from) if resume_from else None, resumed_step=job.resume_step,

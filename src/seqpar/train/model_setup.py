@@ -4,10 +4,12 @@
                          output where the objective takes a score (its new head drawn at random)
     + LoRA               --lora-r: peft's adapters, the base frozen (their initial values drawn the
                          same on every rank, :mod:`.lora`)
-    parallelize          seqpar.parallelize over the mesh (the strategy), then reduce_memory (the switches)
+    parallelize          seqpar.parallelize over the mesh (the strategy; tp and ep from the mesh: the
+                         model's own TP plan, the experts cut to this rank's), then reduce_memory
     FSDP2                --fsdp: sharded over every dp x sp rank (averaging), bfloat16 mixed precision
     weights              a built-in: drawn module by module, this rank keeping its shard -- the same bits
-                         as the unsharded model's for the seed, on any number of ranks; a checkpoint under
+                         as the unsharded model's for the seed, on any number of ranks (--ep: drawn whole
+                         before parallelize, which cuts each rank's experts from it); a checkpoint under
                          FSDP2: read by rank 0 alone and broadcast tensor by tensor; without FSDP2 every
                          rank loads it (plain gradient sync needs a full replica)
     reference            a preference objective's: the model with its adapters off (LoRA), else a frozen
@@ -41,7 +43,9 @@ from .tokenizer import make_tokenizer
 def use_fsdp(cfg: TrainConfig, device_type: str, dtype: str) -> bool:
     """FSDP2 when asked, and by default with CUDA or bfloat16 (``dtype``: the resolved --dtype; its
     mixed precision keeps fp32 master weights; autocast would hand attention q/k in fp32 and v in
-    bf16)."""
+    bf16) -- never under --ep (FSDP2 would take the expert shards for copies of one tensor)."""
+    if cfg.ep > 1:
+        return False
     return cfg.fsdp == "on" or (cfg.fsdp == "auto" and (device_type == "cuda" or dtype == "bfloat16"))
 
 
@@ -116,13 +120,17 @@ def build_rank_model(job: Job, mesh: DeviceMesh, device: torch.device, rank: int
         if full_state is not None:  # rank 0's checkpoint, under the adapted layers' names
             full_state = with_lora_names(model, full_state, cfg.seed)
     params, trainable = count_params(model)
-    seqpar.parallelize(peft or model, mesh, strategy=job.strategy)
+    whole_first = cfg.model in BUILTIN_MODELS and cfg.ep > 1
+    if whole_first:  # EP cuts each rank's experts from the whole tensors: draw them whole (no FSDP2 under EP)
+        torch.manual_seed(cfg.seed)
+        materialize(model, device)
+    seqpar.parallelize(peft or model, mesh, strategy=job.strategy)  # tp and ep from the mesh
     memory = memory_options(cfg, device.type)
     if memory is not None:
         seqpar.reduce_memory(model, mesh, **memory)
     if fsdp:
         seqpar.apply_fsdp(model, mesh, **fsdp_options(cfg, dtype))  # over every dp x sp rank, averaging
-    if cfg.model in BUILTIN_MODELS:
+    if cfg.model in BUILTIN_MODELS and not whole_first:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank, whatever the sharding
         materialize(model, device)
     elif fsdp:

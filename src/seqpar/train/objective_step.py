@@ -120,8 +120,8 @@ class ObjectiveStep:
         if kl_rows is not None:
             inputs["kl"] = self.kl_estimate(kl_rows)
         local = seqpar.shard_batch(model_batch, self.ctx.mesh, layout=self.ctx.job.layout)
-        return self.loss(local, n_units, units=units_in(model_batch, self.objective.unit), copies=self.ctx.job.sp,
-                         inputs=inputs)
+        return self.loss(local, n_units, units=units_in(model_batch, self.objective.unit),
+                         copies=self.ctx.job.batch_ranks, inputs=inputs)
 
     def loss(self, local: dict[str, Tensor], n_units: float, *, units: float = 0.0, copies: int = 1,
              inputs: dict[str, Tensor] | None = None) -> Tensor:
@@ -171,7 +171,7 @@ class ObjectiveStep:
             if i < len(mine):  # else a padding round of a dp rank with fewer units
                 totals += row.to(totals)
         ctx.model.train()
-        collectives.all_reduce(totals)  # over every rank: divide the SP copies out below
-        loss_sum, hits, units = (x / ctx.job.sp for x in totals.tolist())
+        collectives.all_reduce(totals)  # over every rank: divide the sp x tp copies out below
+        loss_sum, hits, units = (x / ctx.job.batch_ranks for x in totals.tolist())
         accuracy = hits / max(units, 1) if self.spec.accuracy else None
         return EvalResult(loss=loss_sum / max(units, 1), accuracy=accuracy, targets=int(round(units)))

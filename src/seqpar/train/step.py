@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 import seqpar
+from seqpar.batch.grad_groups import total_grad_norm
 from seqpar.comm import faults
 
 from .config import TrainConfig
@@ -93,20 +94,26 @@ class Optimization:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def grad_norm(self) -> tuple[Tensor, float]:
-        """The global gradient norm (the same on every rank), as a tensor and a number: after
-        sync_gradients every rank holds the complete gradients, so the local norm is the global one;
-        under FSDP the norm of the sharded (DTensor) gradients is reduced by torch (a DTensor then,
-        which :meth:`apply` clips with)."""
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        return norm, float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        """The global gradient norm (the same on every rank), as a float64 tensor and a number:
+        :func:`seqpar.batch.grad_groups.total_grad_norm` -- after sync_gradients a replicated
+        parameter's gradient is whole on every rank (counted once), an expert shard's squares are
+        summed over the ranks that hold the others (--ep), a DTensor gradient's over the mesh
+        dimensions it is sharded on (--tp's shards, FSDP2's)."""
+        norm = total_grad_norm(self.model)
+        return norm, float(norm)
 
     def apply(self, norm: tuple[Tensor, float] | None = None) -> float:
         """Clip to the global gradient norm (``norm``: :meth:`grad_norm`'s, computed if not given),
         step AdamW and the schedule; returns the norm."""
         tensor, value = self.grad_norm() if norm is None else norm
-        if self.cfg.grad_clip > 0:  # what clip_grad_norm_ does, with the norm already in hand
-            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
-                                                 self.cfg.grad_clip, tensor)
+        if self.cfg.grad_clip > 0:  # what clip_grads_with_norm_ does, on each gradient's local part (torch's
+            # foreach would refuse a mix of DTensor and plain gradients: tensor parallelism's)
+            coef = torch.clamp(self.cfg.grad_clip / (tensor + 1e-6), max=1.0)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                        local.mul_(coef.to(local.device, local.dtype))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
