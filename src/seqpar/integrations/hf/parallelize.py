@@ -53,6 +53,7 @@ from ...batch.loss import make_loss_function
 from ...comm.agree import check, share
 from ...comm.mesh import Axis, as_mesh, axis_group
 from ...errors import Refused
+from ..diffusers.parallelize import is_diffusers_model, parallelize_diffusers
 from ..distributed.fsdp import check_gradient_reduction
 from ..mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
 from ..models import decoder_config
@@ -68,9 +69,15 @@ from .router_losses import check_router_losses, install_router_losses
 _names = itertools.count()
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses", kernel: KernelArg | None = None
-                ) -> nn.Module:
-    """Make a transformers model sequence-parallel over the ``"sp"`` axis of ``mesh`` (in place).
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses", kernel: KernelArg | None = None,
+                output: str | None = None) -> nn.Module:
+    """Make a transformers model -- or a diffusers transformer -- sequence-parallel over the ``"sp"``
+    axis of ``mesh`` (in place).
+
+    A diffusers ``ModelMixin`` (Flux, SD3, Wan, ...) goes to
+    :func:`seqpar.integrations.diffusers.parallelize.parallelize_diffusers`: called with the whole
+    inputs on every rank, it returns the whole output (``output="whole"``, the default) or this
+    rank's tokens (``output="sharded"``); ``output`` applies to diffusers models only.
 
     Feed it ``model(**seqpar.shard_batch(batch, mesh))``; ``out.loss`` is then the exact loss of the
     whole batch on every SP rank (see :mod:`seqpar.batch.loss` for the gradient contract). ``strategy``:
@@ -93,6 +100,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     global positions to (:mod:`.mixers`), is already parallelized, if the strategy is unknown or the
     mesh has no ``"sp"`` axis -- the same on every rank, before any collective.
     """
+    if is_diffusers_model(model):
+        return parallelize_diffusers(model, mesh, strategy=strategy, kernel=kernel, output=output or "whole")
+    if output is not None:
+        raise ValueError(f"output={output!r} applies to diffusers models; a transformers model returns its shard's "
+                         "logits and the exact loss: drop output")
     check_strategy(strategy)
     axis_group(as_mesh(mesh, "parallelize"), Axis.SP.value)  # raises without an sp axis
     if strategy == "hybrid":  # raise now, not at the first forward
@@ -232,9 +244,9 @@ def unparallelize(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def parallelized(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses",
-                 kernel: KernelArg | None = None) -> Iterator[nn.Module]:
+                 kernel: KernelArg | None = None, output: str | None = None) -> Iterator[nn.Module]:
     """``with seqpar.parallelized(model, mesh) as m:`` -- :func:`parallelize`, undone on exit."""
-    parallelize(model, mesh, strategy=strategy, kernel=kernel)
+    parallelize(model, mesh, strategy=strategy, kernel=kernel, output=output)
     try:
         yield model
     finally:
