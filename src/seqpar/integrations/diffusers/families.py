@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -35,8 +36,10 @@ class Family:
     match one pattern. ``plan``: where sequences are split and leave; None: the class's ``_cp_plan``,
     its entries labelled by ``labels`` (``"module:key"`` or ``"key"`` -> sequence) over
     :data:`~.plan.DEFAULT_SEQUENCES`. ``output``: the whole output's token layout (:data:`.layouts.LAYOUTS`).
-    ``refuse_inputs``: forward inputs that would enter the sharded region whole (ControlNet residuals,
-    IP-adapter embeddings): refused when given.
+    ``refuse_inputs``: forward inputs seqpar does not shard (ControlNet residuals that would enter the
+    sharded region whole, masks over several sequences at once, modes with an S x S mask): refused
+    when given (not None, not False). ``requires``: config values the declaration holds for, each
+    with the reason another value is refused.
     """
 
     attention: Mapping[str, tuple[str, ...] | None]
@@ -44,6 +47,15 @@ class Family:
     labels: Mapping[str, str] = field(default_factory=dict)
     output: str = "tokens"
     refuse_inputs: tuple[str, ...] = ()
+    requires: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+
+    def check_config(self, model: nn.Module) -> None:
+        """Raise Refused when ``model``'s config leaves what this declaration holds for."""
+        for key, (value, why) in self.requires.items():
+            have = getattr(model.config, key, value)
+            if have != value:
+                raise Refused(f"seqpar does not parallelize {type(model).__name__} with {key}={have!r}: {why} "
+                              f"(it runs {key}={value!r})")
 
     def shard_plan(self, model: nn.Module) -> ShardPlan:
         """The plan for ``model``: the declared one, or its ``_cp_plan`` labelled."""
@@ -52,11 +64,36 @@ class Family:
         return from_cp_plan(model, self.labels)
 
 
+FLUX_ATTENTION = {"transformer_blocks.*.attn": JOINT, "single_transformer_blocks.*.attn": JOINT}
+FLUX_PLAN = ShardPlan({"": {"hidden_states": Split("image", 1, 3), "encoder_hidden_states": Split("text", 1, 3),
+                            "img_ids": Split("image", 0, 2), "txt_ids": Split("text", 0, 2)}},
+                      ("proj_out", Gather("image", 1, 3)))
+"""Flux's own _cp_plan, for its descendants that declare none: packed image tokens and text split
+at the model's inputs with their RoPE ids (so the rotary tables are computed per shard)."""
+CONTROLNET = ("controlnet_block_samples", "controlnet_single_block_samples")
+WAN_ATTENTION = {"blocks.*.attn1": IMAGE, "blocks.*.attn2": CROSS}
+WAN_ROPE = {"rope:0": "image", "rope:1": "image"}
+WAN_PLAN = ShardPlan({"rope": {0: Split("image", 1, 4), 1: Split("image", 1, 4)},
+                      "blocks.0": {"hidden_states": Split("image", 1, 3)}}, ("proj_out", Gather("image", 1, 3)))
+"""Wan's own _cp_plan (RoPE tables split, the video tokens split entering the first block), for its
+descendants that declare none."""
+
 FAMILIES: dict[str, Family] = {
     # MMDiT, text + image: joint attention in the double-stream blocks, then one stream over both
-    "FluxTransformer2DModel": Family(
-        attention={"transformer_blocks.*.attn": JOINT, "single_transformer_blocks.*.attn": JOINT},
-        refuse_inputs=("controlnet_block_samples", "controlnet_single_block_samples")),
+    "FluxTransformer2DModel": Family(attention=FLUX_ATTENTION, refuse_inputs=CONTROLNET),
+    "BriaTransformer2DModel": Family(attention=FLUX_ATTENTION, plan=FLUX_PLAN, refuse_inputs=CONTROLNET),
+    # its attention_mask covers text and image together (an outer product per query): not a key mask
+    "ChromaTransformer2DModel": Family(attention=FLUX_ATTENTION, plan=FLUX_PLAN,
+                                       refuse_inputs=(*CONTROLNET, "attention_mask")),
+    "LongCatImageTransformer2DModel": Family(attention=FLUX_ATTENTION, plan=FLUX_PLAN),
+    "OvisImageTransformer2DModel": Family(attention=FLUX_ATTENTION, plan=FLUX_PLAN),
+    "Flux2Transformer2DModel": Family(attention=FLUX_ATTENTION, refuse_inputs=("kv_cache",)),
+    # double-stream blocks over text + image, the text mask split with the text and per-token
+    # modulation indices with the image
+    "QwenImageTransformer2DModel": Family(
+        attention={"transformer_blocks.*.attn": JOINT}, labels={"pos_embed:0": "image", "pos_embed:1": "text",
+                                                               "modulate_index": "image"},
+        refuse_inputs=("controlnet_block_samples",)),
     # MMDiT without a _cp_plan: split after the patch embedding (its positions added whole), gathered
     # before unpatchify; SD3.5's dual-attention blocks add self-attention over the image (attn2)
     "SD3Transformer2DModel": Family(
@@ -65,9 +102,34 @@ FAMILIES: dict[str, Family] = {
                        ("proj_out", Gather("image", 1, 3))),
         output="patches2d", refuse_inputs=("block_controlnet_hidden_states",)),
     # self-attention over the video tokens, cross-attention to the text (and image) embeddings whole
-    "WanTransformer3DModel": Family(
-        attention={"blocks.*.attn1": IMAGE, "blocks.*.attn2": CROSS},
-        labels={"rope:0": "image", "rope:1": "image"}, output="patches3d"),
+    "WanTransformer3DModel": Family(attention=WAN_ATTENTION, labels=WAN_ROPE, output="patches3d"),
+    "ChronoEditTransformer3DModel": Family(attention=WAN_ATTENTION, labels=WAN_ROPE, output="patches3d"),
+    "SkyReelsV2Transformer3DModel": Family(
+        attention=WAN_ATTENTION, plan=WAN_PLAN, output="patches3d", refuse_inputs=("enable_diffusion_forcing",),
+        requires={"num_frame_per_block": (1, "frames attend block-causally through an S x S mask")}),
+    # VACE: control blocks over the same video tokens (the whole hidden states enter each one), whose
+    # hints the main blocks add
+    "WanVACETransformer3DModel": Family(
+        attention={**WAN_ATTENTION, "vace_blocks.*.attn1": IMAGE, "vace_blocks.*.attn2": CROSS},
+        plan=ShardPlan({**WAN_PLAN.splits, "vace_blocks.*": {"hidden_states": Split("image", 1, 3)},
+                        "vace_blocks.0": {"control_hidden_states": Split("image", 1, 3)}}, WAN_PLAN.exit),
+        output="patches3d"),
+    # MMDiT with register tokens prepended to the text: the text is split after them
+    "AuraFlowTransformer2DModel": Family(
+        attention={"joint_transformer_blocks.*.attn": JOINT, "single_transformer_blocks.*.attn": JOINT},
+        plan=ShardPlan({"pos_embed": {0: Split("image", 1, 3)},
+                        "joint_transformer_blocks.0": {"encoder_hidden_states": Split("text", 1, 3)}},
+                       ("proj_out", Gather("image", 1, 3))), output="patches2d"),
+    # DiT / PixArt: self-attention over the image, PixArt's cross-attention to the text whole; an
+    # image attention_mask would describe the whole sequence at every rank
+    "PixArtTransformer2DModel": Family(
+        attention={"transformer_blocks.*.attn1": IMAGE, "transformer_blocks.*.attn2": CROSS},
+        plan=ShardPlan({"pos_embed": {0: Split("image", 1, 3)}}, ("proj_out", Gather("image", 1, 3))),
+        output="patches2d", refuse_inputs=("attention_mask",)),
+    "DiTTransformer2DModel": Family(
+        attention={"transformer_blocks.*.attn1": IMAGE},
+        plan=ShardPlan({"pos_embed": {0: Split("image", 1, 3)}}, ("proj_out_2", Gather("image", 1, 3))),
+        output="patches2d"),
 }
 """The classes seqpar runs exactly, by class name."""
 
@@ -85,6 +147,7 @@ def family_of(model: nn.Module) -> Family:
     if family is None:
         raise Refused(f"seqpar does not parallelize {name}: it is not a diffusers transformer class seqpar knows "
                       f"(diffusers {_version()}); see docs/guides/diffusers.md for the classes it runs")
+    family.check_config(model)
     return family
 
 

@@ -255,13 +255,17 @@ class _Entry:
         if self.validate and not torch.compiler.is_compiling():
             check_same_inputs(args, kwargs, b.group, self.how)
         names = _forward_names(type(model))
-        given = [n for n in self.refused if kwargs.get(n) is not None
-                 or (n in names and names.index(n) < len(args) and args[names.index(n)] is not None)]
+        given = [n for n in self.refused if _given(kwargs[n] if n in kwargs else args[names.index(n)]
+                                                   if n in names and names.index(n) < len(args) else None)]
         if given:
             raise Refused(f"seqpar: {type(model).__name__} got {', '.join(given)}, which would enter the sharded "
                           "region whole; seqpar does not shard it")
         b.holder.current = ForwardCall(b.mesh, b.group, self.comps)
         return _split_named(b, model, args, kwargs, self.splits, names, "the model's inputs")
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value is not False
 
 
 class _Leave:
