@@ -60,6 +60,11 @@ def _qwen(r: Draw) -> dict[str, Any]:
                 timestep=t(0.3, 0.7), img_shapes=[(1, 3, 5)] * 2)
 
 
+def _sizes(h: int, w: int) -> dict[str, Tensor]:
+    return dict(original_size=torch.tensor([[h, w]] * 2), target_size=torch.tensor([[h, w]] * 2),
+                crop_coords=torch.zeros(2, 2, dtype=torch.long))
+
+
 def _wan(r: Draw) -> dict[str, Any]:
     return dict(hidden_states=r(2, 4, 3, 2, 10), encoder_hidden_states=r(2, 7, 16), timestep=t(300, 700))
 
@@ -102,6 +107,21 @@ SPECS: dict[str, DitSpec] = {
              num_embeds_ada_norm=8, patch_size=1, sample_size=5),
         lambda r: dict(hidden_states=r(2, 4, 5, 5), timestep=torch.tensor([3, 7]),
                        class_labels=torch.tensor([1, 2]))),
+    "CogVideoXTransformer3DModel": DitSpec(
+        dict(num_attention_heads=3, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=8,
+             text_embed_dim=16, num_layers=2, sample_width=10, sample_height=6, sample_frames=1, patch_size=2,
+             patch_size_t=None, temporal_compression_ratio=4, max_text_seq_length=7),
+        lambda r: dict(hidden_states=r(2, 1, 4, 6, 10), encoder_hidden_states=r(2, 7, 16), timestep=t(300, 700))),
+    "CogView3PlusTransformer2DModel": DitSpec(
+        dict(patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4, num_attention_heads=3, out_channels=4,
+             text_embed_dim=16, time_embed_dim=8, condition_dim=2, pos_embed_max_size=8, sample_size=8),
+        lambda r: dict(hidden_states=r(2, 4, 6, 10), encoder_hidden_states=r(2, 7, 16), timestep=t(300, 700),
+                       **_sizes(48, 80))),
+    "CogView4Transformer2DModel": DitSpec(
+        dict(patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4, num_attention_heads=3, out_channels=4,
+             text_embed_dim=16, time_embed_dim=8, condition_dim=4),
+        lambda r: dict(hidden_states=r(2, 4, 6, 10), encoder_hidden_states=r(2, 7, 16), timestep=t(300, 700),
+                       **_sizes(48, 80))),
     "QwenImageTransformer2DModel": DitSpec(
         dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=3,
              joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(4, 2, 2)), _qwen),

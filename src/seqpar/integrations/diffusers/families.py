@@ -78,6 +78,11 @@ WAN_PLAN = ShardPlan({"rope": {0: Split("image", 1, 4), 1: Split("image", 1, 4)}
 """Wan's own _cp_plan (RoPE tables split, the video tokens split entering the first block), for its
 descendants that declare none."""
 
+COG_PLAN = ShardPlan({"transformer_blocks.0": {"hidden_states": Split("image", 1, 3),
+                                               "encoder_hidden_states": Split("text", 1, 3)},
+                      "transformer_blocks.*": {"image_rotary_emb": Split("image", 0, 2)}},
+                     ("proj_out", Gather("image", 1, 3)))
+
 FAMILIES: dict[str, Family] = {
     # MMDiT, text + image: joint attention in the double-stream blocks, then one stream over both
     "FluxTransformer2DModel": Family(attention=FLUX_ATTENTION, refuse_inputs=CONTROLNET),
@@ -126,6 +131,19 @@ FAMILIES: dict[str, Family] = {
         attention={"transformer_blocks.*.attn1": IMAGE, "transformer_blocks.*.attn2": CROSS},
         plan=ShardPlan({"pos_embed": {0: Split("image", 1, 3)}}, ("proj_out", Gather("image", 1, 3))),
         output="patches2d", refuse_inputs=("attention_mask",)),
+    # CogVideoX / CogView: text and image embedded together (positions over both), then split as the
+    # blocks receive them; joint attention over both, RoPE on the image part
+    "CogVideoXTransformer3DModel": Family(
+        attention={"transformer_blocks.*.attn1": JOINT}, plan=COG_PLAN, output="frames_cpq"),
+    "CogView3PlusTransformer2DModel": Family(
+        attention={"transformer_blocks.*.attn1": JOINT}, plan=COG_PLAN, output="patches2d_cpq"),
+    # its text mask becomes a mask per query over text + image (an outer product): refused
+    "CogView4Transformer2DModel": Family(
+        attention={"transformer_blocks.*.attn1": JOINT},
+        plan=ShardPlan({"patch_embed": {0: Split("image", 1, 3), 1: Split("text", 1, 3)},
+                        "rope": {0: Split("image", 0, 2), 1: Split("image", 0, 2)}},
+                       ("proj_out", Gather("image", 1, 3))),
+        output="patches2d_cpq", refuse_inputs=("attention_mask",)),
     "DiTTransformer2DModel": Family(
         attention={"transformer_blocks.*.attn1": IMAGE},
         plan=ShardPlan({"pos_embed": {0: Split("image", 1, 3)}}, ("proj_out_2", Gather("image", 1, 3))),

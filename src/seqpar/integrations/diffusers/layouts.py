@@ -7,6 +7,9 @@ Each layout is the inverse of one model family's unpatchify, a pure permutation:
     "tokens"     [B, N, C]            as they are (Flux, Qwen-Image: the pipeline packs the latents)
     "patches2d"  [B, C, H, W]      -> [B, (H/p)(W/p), p*p*C], channels ordered (p_h, p_w, C)   (SD3)
     "patches3d"  [B, C, F, H, W]   -> [B, (F/pt)(H/ph)(W/pw), pt*ph*pw*C], ordered (pt, ph, pw, C)   (Wan)
+    "patches2d_cpq"  [B, C, H, W]  -> [B, (H/p)(W/p), C*p*p], ordered (C, p_h, p_w)     (CogView 3 / 4)
+    "frames_cpq"     [B, F, C, H, W] -> [B, F*(H/p)(W/p), C*p*p], frames first          (CogVideoX 1.0)
+    "frames_cpq_t"   [B, F, C, H, W] -> [B, (F/pt)(H/p)(W/p), C*pt*p*p]                 (CogVideoX 1.5)
 """
 
 from __future__ import annotations
@@ -42,6 +45,27 @@ def patches3d(config: Any, x: Tensor) -> Tensor:
     return x.reshape(b, (f // pt) * (h // ph) * (w // pw), pt * ph * pw * c)  # [B, f, h, w, pt, ph, pw, C]
 
 
+def patches2d_cpq(config: Any, x: Tensor) -> Tensor:
+    """``[B, C, H, W] -> [B, (H/p)(W/p), C*p*p]`` (CogView's unpatchify, inverted)."""
+    p = int(config.patch_size)
+    b, c, h, w = x.shape
+    x = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)  # [B, h, w, C, p, q]
+    return x.reshape(b, (h // p) * (w // p), c * p * p)
+
+
+def frames_cpq(config: Any, x: Tensor) -> Tensor:
+    """``[B, F, C, H, W] -> [B, F*(H/p)(W/p), C*p*p]`` (CogVideoX 1.0, frames first), or with a
+    temporal patch ``pt`` (1.5) ``-> [B, (F/pt)(H/p)(W/p), C*pt*p*p]``."""
+    p, pt = int(config.patch_size), getattr(config, "patch_size_t", None)
+    b, f, c, h, w = x.shape
+    if pt is None:
+        x = x.reshape(b, f, c, h // p, p, w // p, p).permute(0, 1, 3, 5, 2, 4, 6)  # [B, F, h, w, C, p, q]
+        return x.reshape(b, f * (h // p) * (w // p), c * p * p)
+    x = x.reshape(b, f // pt, pt, c, h // p, p, w // p, p).permute(0, 1, 4, 6, 3, 2, 5, 7)  # [B, f, h, w, C, pt, p, q]
+    return x.reshape(b, (f // pt) * (h // p) * (w // p), c * pt * p * p)
+
+
 LAYOUTS: dict[str, Callable[[Any, Tensor], Tensor]] = {"tokens": tokens, "patches2d": patches2d,
-                                                       "patches3d": patches3d}
+                                                       "patches3d": patches3d, "patches2d_cpq": patches2d_cpq,
+                                                       "frames_cpq": frames_cpq}
 """Each output layout's tokens-from-whole function, by name (a family names its layout)."""

@@ -167,7 +167,10 @@ def _hook(record: Any, module: nn.Module, path: str, entry: Any, binding: Bindin
 
 
 def _split(binding: Binding, x: Any, split: Split, what: str) -> Any:
-    """``x``'s shard when it is a tensor of the split's dims (recording its sequence), else ``x``."""
+    """``x``'s shard when it is a tensor of the split's dims (recording its sequence), each item's
+    for a tuple or list of them (a RoPE table's cos and sin), else ``x``."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_split(binding, item, split, what) for item in x)
     if not isinstance(x, Tensor) or (split.ndim is not None and x.dim() != split.ndim):
         return x
     call = binding.holder.current

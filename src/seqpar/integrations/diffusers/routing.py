@@ -35,7 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from ...attention.dispatch import STRATEGIES, mesh_groups
-from ...attention.kernels import KernelArg
+from ...attention.kernels import KernelArg, lse_kernel_for
+from ...attention.spec import AttnSpec
 from ...comm.mesh import Axis, axis_group
 from ...errors import Refused
 from .sequences import ForwardCall
@@ -125,9 +126,12 @@ class RoutedAttention:
         if not query.dtype == key.dtype == value.dtype:
             query, key = query.to(value.dtype), key.to(value.dtype)
         b = self.binding
+        # the device's lse kernel by default: Ulysses then keeps no gathered output (seqpar.attention.lean)
+        kernel = b.kernel if b.kernel is not None or dropout_p else lse_kernel_for(query.device, query.dtype,
+                                                                                   AttnSpec(causal=is_causal))
         out = STRATEGIES[b.strategy](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                      mesh=b.mesh, groups=b.groups, causal=is_causal, scale=scale, dropout=dropout_p,
-                                     kernel=b.kernel, shard=shard, validate=False)  # [B, S_local, H, Dv]
+                                     kernel=kernel, shard=shard, validate=False)  # [B, S_local, H, Dv]
         return out.transpose(1, 2)
 
 
