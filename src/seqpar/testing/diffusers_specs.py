@@ -122,6 +122,19 @@ SPECS: dict[str, DitSpec] = {
              text_embed_dim=16, time_embed_dim=8, condition_dim=4),
         lambda r: dict(hidden_states=r(2, 4, 6, 10), encoder_hidden_states=r(2, 7, 16), timestep=t(300, 700),
                        **_sizes(48, 80))),
+    "LTXVideoTransformer3DModel": DitSpec(
+        dict(in_channels=4, out_channels=4, num_attention_heads=3, attention_head_dim=8, cross_attention_dim=24,
+             num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16),
+        lambda r: dict(hidden_states=r(2, 2 * 3 * 5, 4), encoder_hidden_states=r(2, 7, 16), timestep=t(300, 700),
+                       encoder_attention_mask=torch.tensor([[1] * 7, [1] * 5 + [0] * 2]).bool(), num_frames=2,
+                       height=3, width=5)),
+    "CosmosTransformer3DModel": DitSpec(
+        dict(in_channels=4, out_channels=4, num_attention_heads=3, attention_head_dim=12, num_layers=2, mlp_ratio=2,
+             text_embed_dim=16, adaln_lora_dim=4, max_size=(4, 32, 32), patch_size=(1, 2, 2),
+             rope_scale=(2.0, 1.0, 1.0),
+             concat_padding_mask=False, extra_pos_embed_type="learnable"),
+        lambda r: dict(hidden_states=r(2, 4, 2, 6, 10), timestep=t(300, 700), encoder_hidden_states=r(2, 7, 16),
+                       attention_mask=torch.tensor([[1.0] * 7, [1.0] * 5 + [0.0] * 2]), fps=30)),
     "QwenImageTransformer2DModel": DitSpec(
         dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=3,
              joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(4, 2, 2)), _qwen),
@@ -138,3 +151,35 @@ SPECS: dict[str, DitSpec] = {
     "WanTransformer3DModel": DitSpec(WAN_TINY, _wan),
 }
 """Each class's tiny config and inputs, by class name."""
+
+META: dict[str, dict[str, Any]] = {
+    # refused classes whose default config does not build at all: the smallest config that does (built on
+    # the meta device, only to be refused)
+    "EasyAnimateTransformer3DModel": dict(attention_head_dim=16, num_attention_heads=2, in_channels=4, mmdit_layers=2,
+                                          num_layers=2, out_channels=4, patch_size=2, sample_height=60,
+                                          sample_width=90, text_embed_dim=16, time_embed_dim=8,
+                                          time_position_encoding_type="3d_rope", timestep_activation_fn="silu"),
+    "HiDreamImageTransformer2DModel": dict(patch_size=2, in_channels=4, out_channels=4, num_layers=1,
+                                           num_single_layers=1, attention_head_dim=8, num_attention_heads=4,
+                                           caption_channels=[8, 4], text_emb_dim=8, num_routed_experts=2,
+                                           num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(32, 32),
+                                           llama_layers=(0, 1)),
+    "HunyuanDiT2DModel": dict(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=8,
+                              num_attention_heads=2, cross_attention_dim=8, cross_attention_dim_t5=8,
+                              pooled_projection_dim=4, hidden_size=16, text_len=4, text_len_t5=4),
+    "LatteTransformer3DModel": dict(sample_size=8, num_layers=1, patch_size=2, attention_head_dim=4,
+                                    num_attention_heads=2, caption_channels=8, in_channels=4, cross_attention_dim=8,
+                                    out_channels=8, num_embeds_ada_norm=1000, norm_type="ada_norm_single"),
+    "LuminaNextDiT2DModel": dict(sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2,
+                                 num_attention_heads=3, num_kv_heads=1, multiple_of=16, cross_attention_dim=32),
+    "OmniGenTransformer2DModel": dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4,
+                                      intermediate_size=32, num_layers=2, pad_token_id=0, vocab_size=1000,
+                                      in_channels=4, time_step_dim=4,
+                                      rope_scaling={"long_factor": [1, 2], "short_factor": [1, 2]}),
+    "TransformerTemporalModel": dict(num_attention_heads=8, attention_head_dim=4, in_channels=4, num_layers=1,
+                                     norm_num_groups=1),
+    "Transformer2DModel": dict(in_channels=4, patch_size=2, sample_size=8, num_attention_heads=2,
+                               attention_head_dim=4, norm_type="ada_norm_zero", num_embeds_ada_norm=8),
+    "DreamLiteTransformer2DModel": dict(in_channels=32, num_attention_heads=2, attention_head_dim=16),
+}
+"""Init arguments of refused classes whose default config does not build (see above)."""

@@ -40,7 +40,7 @@ from ..batch.loss import sync_gradients
 from ..integrations.diffusers.flow import flow_matching_loss
 from ..integrations.diffusers.parallelize import parallelize_diffusers, shard_output
 from ..integrations.hf.parallelize import unparallelize
-from .diffusers_specs import SPECS, make_inputs
+from .diffusers_specs import META, SPECS, make_inputs
 from .float64_casts import Float64Casts
 from .model_parity import GRAD_TOL, LOSS_TOL
 from .zoo import agreed_outcome, verdict
@@ -77,7 +77,8 @@ def dit_class(name: str) -> type:
 
 def build_dit(name: str, seed: int = 0) -> nn.Module:
     """Class ``name`` with its tiny config (:data:`SPECS`), float64, train mode, the same on every
-    rank; the default config on the meta device when it has no spec (it can only be refused then)."""
+    rank; without a spec, its default config (or :data:`META`'s) on the meta device: it can only be
+    refused then."""
     cls = dit_class(name)
     spec = SPECS.get(name)
     torch.manual_seed(seed)
@@ -85,7 +86,7 @@ def build_dit(name: str, seed: int = 0) -> nn.Module:
         warnings.simplefilter("ignore")
         if spec is None:
             with torch.device("meta"):
-                return cls()
+                return cls(**META.get(name, {}))
         model = cls(**spec.config).to(torch.float64).train()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # every parameter drawn: diffusers zero-inits gates and output projections, which

@@ -13,6 +13,7 @@ the reference and the sharded run alike, so both compute the same float64 math (
     x.float(), x.half(), x.bfloat16()            float64 x -> x itself
     x.to(torch.float32), x.to(other_float32)     float64 x -> float64 (device moves still apply)
     x.type_as(y)                                 float64 x, lower-precision y -> x itself
+    f(x, ..., dtype=torch.float32)               float64 x -> dtype=torch.float64 (a norm's, a sum's)
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class Float64Casts(TorchFunctionMode):
                 return args[0]
             if func is Tensor.to:
                 args = tuple(_keep64(a) for a in args)
-                if kwargs.get("dtype") in _LOWER:
-                    kwargs = {**kwargs, "dtype": torch.float64}
+            if kwargs.get("dtype") in _LOWER:  # .to(dtype=...), a reduction's dtype= (vector_norm, sum)
+                kwargs = {**kwargs, "dtype": torch.float64}
         return func(*args, **kwargs)
 
 

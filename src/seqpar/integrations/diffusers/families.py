@@ -1,5 +1,5 @@
 """Which diffusers transformer classes seqpar runs, and how: one :class:`Family` declaration per class,
-or the reason it is refused (:data:`REFUSED`). Declared, never guessed from the model's structure:
+or the reason it is refused (:data:`.refused.REFUSED`). Declared, never guessed from the model's structure:
 a class that is in neither table is refused, and the diffusers zoo (:mod:`seqpar.testing.diffusers_zoo`)
 checks every declared class against itself unsharded, so a wrong declaration fails a test.
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from ...errors import Refused
 from .plan import Gather, ShardPlan, Split, from_cp_plan
+from .refused import REFUSED
 
 JOINT = ("text", "image")
 IMAGE = ("image",)
@@ -144,6 +145,26 @@ FAMILIES: dict[str, Family] = {
                         "rope": {0: Split("image", 0, 2), 1: Split("image", 0, 2)}},
                        ("proj_out", Gather("image", 1, 3))),
         output="patches2d_cpq", refuse_inputs=("attention_mask",)),
+    # LTX-Video: its _cp_plan also splits the text, which its cross-attention then all-to-alls with the
+    # queries; seqpar keeps the text whole (no text K/V exchanged), so it runs a plan of its own: the
+    # packed video tokens, their RoPE and per-token timesteps split
+    "LTXVideoTransformer3DModel": Family(
+        attention={"transformer_blocks.*.attn1": IMAGE, "transformer_blocks.*.attn2": CROSS},
+        plan=ShardPlan({"": {"hidden_states": Split("image", 1, 3), "timestep": Split("image", 1, 2)},
+                        "rope": {0: Split("image", 1, 3), 1: Split("image", 1, 3)}},
+                       ("proj_out", Gather("image", 1, 3)))),
+    # Cosmos: the video tokens split entering the blocks, with their RoPE table, learnable positions
+    # and (per-frame timesteps) per-token modulation; the text mask serves the cross-attention whole
+    "CosmosTransformer3DModel": Family(
+        attention={"transformer_blocks.*.attn1": IMAGE, "transformer_blocks.*.attn2": CROSS},
+        plan=ShardPlan({"rope": {0: Split("image", 0, 2), 1: Split("image", 0, 2)},
+                        "learnable_pos_embed": {0: Split("image", 1, 3)},
+                        "transformer_blocks.0": {"hidden_states": Split("image", 1, 3)},
+                        "transformer_blocks.*": {"embedded_timestep": Split("image", 1, 3),
+                                                 "temb": Split("image", 1, 3)},
+                        "norm_out": {"embedded_timestep": Split("image", 1, 3), "temb": Split("image", 1, 3)}},
+                       ("proj_out", Gather("image", 1, 3))),
+        output="cosmos", refuse_inputs=("block_controlnet_hidden_states",)),
     "DiTTransformer2DModel": Family(
         attention={"transformer_blocks.*.attn1": IMAGE},
         plan=ShardPlan({"pos_embed": {0: Split("image", 1, 3)}}, ("proj_out_2", Gather("image", 1, 3))),
@@ -151,7 +172,7 @@ FAMILIES: dict[str, Family] = {
 }
 """The classes seqpar runs exactly, by class name."""
 
-REFUSED: dict[str, str] = {}
+
 """The classes seqpar refuses, by class name, with the reason."""
 
 

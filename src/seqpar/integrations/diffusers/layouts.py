@@ -10,6 +10,7 @@ Each layout is the inverse of one model family's unpatchify, a pure permutation:
     "patches2d_cpq"  [B, C, H, W]  -> [B, (H/p)(W/p), C*p*p], ordered (C, p_h, p_w)     (CogView 3 / 4)
     "frames_cpq"     [B, F, C, H, W] -> [B, F*(H/p)(W/p), C*p*p], frames first          (CogVideoX 1.0)
     "frames_cpq_t"   [B, F, C, H, W] -> [B, (F/pt)(H/p)(W/p), C*pt*p*p]                 (CogVideoX 1.5)
+    "cosmos"     [B, C, F, H, W]   -> [B, (F/pt)(H/ph)(W/pw), ph*pw*pt*C]                    (Cosmos)
 """
 
 from __future__ import annotations
@@ -65,7 +66,15 @@ def frames_cpq(config: Any, x: Tensor) -> Tensor:
     return x.reshape(b, (f // pt) * (h // p) * (w // p), c * pt * p * p)
 
 
-LAYOUTS: dict[str, Callable[[Any, Tensor], Tensor]] = {"tokens": tokens, "patches2d": patches2d,
+def cosmos(config: Any, x: Tensor) -> Tensor:
+    """``[B, C, F, H, W] -> [B, (F/pt)(H/ph)(W/pw), ph*pw*pt*C]`` (Cosmos' unpatchify, inverted)."""
+    pt, ph, pw = _size(config.patch_size, 3)
+    b, c, f, h, w = x.shape
+    x = x.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw).permute(0, 2, 4, 6, 5, 7, 3, 1)
+    return x.reshape(b, (f // pt) * (h // ph) * (w // pw), ph * pw * pt * c)  # [B, f, h, w, ph, pw, pt, C]
+
+
+LAYOUTS: dict[str, Callable[[Any, Tensor], Tensor]] = {"cosmos": cosmos,"tokens": tokens, "patches2d": patches2d,
                                                        "patches3d": patches3d, "patches2d_cpq": patches2d_cpq,
                                                        "frames_cpq": frames_cpq}
 """Each output layout's tokens-from-whole function, by name (a family names its layout)."""
