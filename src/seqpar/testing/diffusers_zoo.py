@@ -23,11 +23,13 @@ by :func:`seqpar.integrations.diffusers.shard_output`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
 import pkgutil
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,10 +121,17 @@ def _sample(out: Any) -> Tensor:
     return out[0] if isinstance(out, tuple) else out.sample
 
 
-def reference(model: nn.Module, inputs: dict[str, Any]) -> tuple[float, dict[str, Tensor | None], Tensor]:
-    """The unsharded model's ``(loss, {param: grad}, output)`` on ``inputs`` (float64 throughout)."""
+def _casts(float64: bool) -> Any:
+    return Float64Casts() if float64 else contextlib.nullcontext()
+
+
+def reference(model: nn.Module, inputs: dict[str, Any], *, float64: bool = True
+              ) -> tuple[float, dict[str, Tensor | None], Tensor]:
+    """The unsharded model's ``(loss, {param: grad}, output)`` on ``inputs`` (float64 throughout;
+    ``float64=False``: with the model's own float32 casts -- a checkpointed block's recompute runs
+    outside the forward's torch-function modes, so it cannot keep them float64)."""
     torch.manual_seed(FORWARD_SEED)
-    with Float64Casts():
+    with _casts(float64):
         out = _sample(model(**inputs))
         loss = flow_matching_loss(out, _target(out))
         loss.backward()
@@ -132,13 +141,14 @@ def reference(model: nn.Module, inputs: dict[str, Any]) -> tuple[float, dict[str
 
 
 def compare_dit(model: nn.Module, inputs: dict[str, Any], mesh: DeviceMesh, *, strategy: str, output: str,
-                ref: tuple[float, dict[str, Tensor | None], Tensor]) -> tuple[float, float, str]:
+                ref: tuple[float, dict[str, Tensor | None], Tensor], float64: bool = True) -> tuple[float, float, str]:
     """``(loss difference, largest gradient difference, worst parameter)`` of ``model`` (a fresh
-    copy: parallelized here) against ``ref`` (:func:`reference`), after sync_gradients."""
+    copy: parallelized here) against ``ref`` (:func:`reference`, with the same ``float64``), after
+    sync_gradients."""
     loss_ref, grads_ref, out_ref = ref
     parallelize_diffusers(model, mesh, strategy=strategy, output=output)
     torch.manual_seed(FORWARD_SEED)  # training-mode draws (DiT's class-label dropout) alike on every rank and run
-    with Float64Casts():
+    with _casts(float64):
         out = _sample(model(**inputs))
         target = _target(out_ref)
         if output == "whole":
@@ -203,14 +213,23 @@ def zoo_class(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], outputs:
 
 
 def run_dit_zoo(rank: int, world: int, names: list[str] | None = None,
-                strategies: tuple[str, ...] = ("ulysses", "ring"), outputs: tuple[str, ...] = OUTPUTS
-                ) -> list[DitRow]:
-    """The zoo on ``world`` ranks (SP size = world); returns this rank's rows."""
+                strategies: tuple[str, ...] = ("ulysses", "ring"), outputs: tuple[str, ...] = OUTPUTS,
+                every: Collection[str] | None = None) -> list[DitRow]:
+    """The zoo on ``world`` ranks (SP size = world); returns this rank's rows.
+
+    ``every``: None runs every class under every strategy and call; a set of classes runs those so,
+    and each other class under one (strategy, call) pair, taken in turn (a quicker sweep that still
+    runs every class, every strategy and both calls)."""
     from ..comm.mesh import init_mesh
 
     torch.set_num_threads(1)
     mesh = init_mesh(sp=world, device_type="cpu")
+    pairs = [(s, o) for s in strategies for o in outputs]
     rows = []
-    for name in names or dit_classes():
-        rows.extend(zoo_class(name, mesh, strategies, outputs))
+    for i, name in enumerate(names or dit_classes()):
+        if every is None or name in every:
+            rows.extend(zoo_class(name, mesh, strategies, outputs))
+        else:
+            strategy, output = pairs[i % len(pairs)]
+            rows.extend(zoo_class(name, mesh, (strategy,), (output,)))
     return rows

@@ -61,13 +61,6 @@ class DitState(ParallelState):
     binding: Binding | None = None
 
 
-def is_diffusers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a diffusers ``ModelMixin`` (False when diffusers is not installed or not
-    imported: a model of it could not exist then)."""
-    mixin = getattr(sys.modules.get("diffusers"), "ModelMixin", None)
-    return mixin is not None and isinstance(model, mixin)
-
-
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every diffusers attention module of ``model`` (one with a ``processor`` it calls), by name."""
     return [(name, m) for name, m in model.named_modules() if hasattr(m, "set_processor") and hasattr(m, "processor")]

@@ -53,10 +53,10 @@ from ...batch.loss import make_loss_function
 from ...comm.agree import check, share
 from ...comm.mesh import Axis, as_mesh, axis_group
 from ...errors import Refused
-from ..diffusers.parallelize import is_diffusers_model, parallelize_diffusers
+from ..diffusers.parallelize import parallelize_diffusers
 from ..distributed.fsdp import check_gradient_reduction
 from ..mixers import check_token_mixers, warn_mode_gaps, wrap_token_mixers
-from ..models import decoder_config
+from ..models import decoder_config, is_diffusers_model
 from ..peft import unwrap_peft
 from ..state import ParallelState, ensure_state, set_loss_function, state_of, undo
 from ..vlm.encoder import install_vision
