@@ -137,7 +137,7 @@ def parallelize_diffusers(model: nn.Module, mesh: DeviceMesh, *, strategy: str =
         for m in modules_at(model, exit_path):
             handle = m.register_forward_hook(_Exit(binding, gather.dim, gather.seq, gather.ndim, output == "whole"))
             record.push("parallel", f"the exit hook on {exit_path}", handle.remove)
-        entry = _Entry(binding, plan.splits.get("", {}), family.refuse_inputs, comps, how, validate)
+        entry = _Entry(binding, plan.splits.get("", {}), family.refuse_inputs, comps, how, validate, model)
         handle = model.register_forward_pre_hook(entry, with_kwargs=True)
         record.push("parallel", "the forward pre-hook", handle.remove)
         handle = model.register_forward_hook(_Leave(binding, output == "sharded"), always_call=True)
@@ -152,7 +152,7 @@ def _hook(record: Any, module: nn.Module, path: str, entry: Any, binding: Bindin
     names = {k: s for k, s in entry.items() if isinstance(k, str)}
     items = {k: s for k, s in entry.items() if isinstance(k, int)}
     if names:
-        handle = module.register_forward_pre_hook(_SplitInputs(binding, path, names), with_kwargs=True)
+        handle = module.register_forward_pre_hook(_SplitInputs(binding, path, names, module), with_kwargs=True)
         record.push("parallel", f"the split of {sorted(names)} into {path}", handle.remove)
     if items:
         handle = module.register_forward_hook(_SplitOutputs(binding, path, items))
@@ -185,7 +185,6 @@ def _split_named(binding: Binding, module: nn.Module, args: tuple, kwargs: dict[
     return tuple(args), kwargs
 
 
-@functools.cache
 def _forward_names(cls: type) -> list[str]:
     return list(inspect.signature(cls.forward).parameters)[1:]  # without self
 
@@ -193,11 +192,12 @@ def _forward_names(cls: type) -> list[str]:
 class _SplitInputs:
     """Forward pre-hook: split the named inputs of a plan module (``rope``, ``blocks.0``...)."""
 
-    def __init__(self, binding: Binding, path: str, splits: dict[str, Split]) -> None:
+    def __init__(self, binding: Binding, path: str, splits: dict[str, Split], module: nn.Module) -> None:
         self.binding, self.path, self.splits = binding, path, splits
+        self.names = _forward_names(type(module))
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        return _split_named(self.binding, module, args, kwargs, self.splits, _forward_names(type(module)), self.path)
+        return _split_named(self.binding, module, args, kwargs, self.splits, self.names, self.path)
 
 
 class _SplitOutputs:
@@ -242,15 +242,16 @@ class _Entry:
     not shard, start the forward's call, split the model's own inputs of the plan."""
 
     def __init__(self, binding: Binding, splits: dict[str, Split], refused: tuple[str, ...],
-                 comps: tuple[frozenset[str], ...], how: str, validate: bool) -> None:
+                 comps: tuple[frozenset[str], ...], how: str, validate: bool, model: nn.Module) -> None:
         self.binding, self.splits, self.refused = binding, splits, refused
         self.comps, self.how, self.validate = comps, how, validate
+        self.names = _forward_names(type(model))
 
     def __call__(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         b = self.binding
         if self.validate and not torch.compiler.is_compiling():
             check_same_inputs(args, kwargs, b.group, self.how)
-        names = _forward_names(type(model))
+        names = self.names
         given = [n for n in self.refused if _given(kwargs[n] if n in kwargs else args[names.index(n)]
                                                    if n in names and names.index(n) < len(args) else None)]
         if given:

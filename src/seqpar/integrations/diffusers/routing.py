@@ -79,10 +79,12 @@ class _SdpaRoute(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func is not SDPA:
-            return func(*args, **kwargs)
-        self.calls += 1
-        return self.routed.attend(*args, **kwargs)
+        if func is SDPA:
+            self.calls += 1
+            return self.routed.attend(*args, **kwargs)
+        if func is Tensor.unflatten:  # its Python method calls super(), which dynamo cannot trace under a mode
+            return torch.unflatten(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 class RoutedAttention:
@@ -93,13 +95,15 @@ class RoutedAttention:
     def __init__(self, module: nn.Module, name: str, seqs: frozenset[str], binding: Binding) -> None:
         self.module, self.name, self.seqs, self.binding = module, name, seqs, binding
         self.inner = module.__dict__.get("forward")  # an instance forward someone set before us, kept
+        self.route = _SdpaRoute(self)  # one per module: a compiled block guards on the mode it saw
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        route = _SdpaRoute(self)
+        route = self.route
+        route.calls = 0
         forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
         with route:
             out = forward(*args, **kwargs)
-        if route.calls == 0:
+        if route.calls == 0 and not torch.compiler.is_compiling():  # a traced mode's count is not kept
             raise Refused(f"seqpar: {self.name} ({type(self.module).__name__}) computed its attention without "
                           "scaled_dot_product_attention, so seqpar could not make it sequence-parallel")
         return out
