@@ -1,6 +1,6 @@
 """seqpar against diffusers' own context parallelism on the same diffusers transformer, in one run.
 
-    python benchmarks/bench_dit.py                  # Flux-shaped, P = 2, 1024 image + 64 text tokens
+    python benchmarks/bench_dit.py                  # Flux-shaped, P = 2, 4096 image + 128 text tokens
     python benchmarks/bench_dit.py --p 2 --image 4096 --repeats 5
 
 The same model (a FluxTransformer2DModel: double- and single-stream MMDiT blocks, joint attention over
@@ -220,11 +220,39 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
           "gloo's threads included -- the work done, which other jobs on the machine disturb less)")
 
 
+def text_stream_cost(args: argparse.Namespace) -> None:
+    """Shard the text stream or replicate it? One Flux double-stream block's forward + backward on one
+    rank, CPU seconds: with the text sharded (``T/P`` text tokens per rank, as seqpar runs it) and
+    replicated (all ``T`` on every rank; the attention then also needs the text outputs gathered over
+    heads, as many bytes as the text's share of the all-to-all that sharding sends). The image tokens
+    are ``N/P`` per rank either way; attention is local here, so this is the compute alone."""
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+    dim = args.heads * args.dim
+    torch.manual_seed(0)
+    block = FluxTransformerBlock(dim=dim, num_attention_heads=args.heads, attention_head_dim=args.dim)
+
+    def cpu_seconds(n_img: int, n_txt: int) -> float:
+        took = []
+        for _ in range(args.repeats):
+            h, e = torch.randn(1, n_img, dim, requires_grad=True), torch.randn(1, n_txt, dim, requires_grad=True)
+            start = time.process_time()
+            eo, ho = block(hidden_states=h, encoder_hidden_states=e, temb=torch.randn(1, dim))
+            (eo.sum() + ho.sum()).backward()
+            took.append(time.process_time() - start)
+        return statistics.median(took)
+
+    torch.set_num_threads(1)
+    sharded, replicated = (cpu_seconds(args.image // args.p, t) for t in (args.text // args.p, args.text))
+    print(f"text stream, one double block per rank ({args.image // args.p} image tokens): sharded {sharded:.3f} s, "
+          f"replicated {replicated:.3f} s = {replicated / sharded:.3f}x (seqpar shards it)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--p", type=int, default=2)
-    parser.add_argument("--image", type=int, default=1024, help="image tokens (a square; divisible by P)")
-    parser.add_argument("--text", type=int, default=64, help="text tokens (divisible by P)")
+    parser.add_argument("--image", type=int, default=4096, help="image tokens (a square; divisible by P)")
+    parser.add_argument("--text", type=int, default=128, help="text tokens (divisible by P)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=32, help="head dim")
     parser.add_argument("--layers", type=int, default=2, help="double-stream blocks, and as many single-stream")
@@ -237,6 +265,7 @@ def main() -> None:
     if args.image % args.p or args.text % args.p or args.heads % args.p:
         parser.error("diffusers' Ulysses needs image tokens, text tokens and heads divisible by P")
     report(run_distributed(worker, args.p, args, timeout=3600)[0], args)
+    text_stream_cost(args)
 
 
 if __name__ == "__main__":

@@ -3,19 +3,23 @@
 The plain path (:mod:`.run`: heads_to_seq, the kernel's autograd, seq_to_heads) saves the kernel's
 output ``out [B, S, H/P, Dv]`` for its backward: one whole-sequence tensor per attention layer, next
 to the layer's own ``[B, S/P, H, Dv]`` output that the model's output projection saves anyway. Here
-the backward gets the gathered output back by sending that local output along with its gradient --
-one more tensor in an exchange the backward makes anyway -- so nothing whole-sequence is kept but
-q, k, v and the log-sum-exp (diffusers' Ulysses keeps q, k, v and recomputes the attention in its
-backward instead)::
+the backward gets the gathered output back by sending that local output again -- one more exchange,
+before the gradient's -- so nothing whole-sequence is kept but q, k, v and the log-sum-exp
+(diffusers' Ulysses keeps q, k, v and recomputes the attention in its backward instead)::
 
     forward   q, k, v  # [B, S/P, H, D]  -> all-to-all -> [B, S, H/P, D]   saved, with lse [B, H/P, S]
               kernel forward -> out [B, S, H/P, Dv] -> all-to-all -> out_local [B, S/P, H, Dv]   saved
-    backward  (d out_local, out_local) -> one all-to-all -> (d out, out)  [B, S, H/P, Dv]
+    backward  out_local -> all-to-all -> out, then d out_local -> all-to-all -> d out   [B, S, H/P, Dv]
               kernel backward (out bit for bit the forward's) -> dq, dk, dv -> all-to-all back
 
 Used for plain multi-head attention (as many KV heads as query heads, every rank holding at least
 one head, no sinks) with a kernel that returns the log-sum-exp, outside ``torch.compile``
 (:func:`applies`); any other call takes the plain path.
+
+The local output is kept only while the model keeps it too (an output projection saves its input: the
+same storage). A caller that knows the model will not -- the attention's output concatenated into a
+new tensor right away (Flux's single-stream blocks) -- calls :func:`release` on it: the backward then
+recomputes the kernel's forward from the saved q, k, v instead (diffusers' choice for every layer).
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ def _t(x: Tensor) -> Tensor:
 
 class _LeanUlysses(torch.autograd.Function):
     """Forward: all-to-all q, k, v to the whole sequence, the kernel, all-to-all the output back.
-    Backward: one all-to-all of the output's gradient *and the output itself* (rather than a saved
-    gathered copy), the kernel's backward, one all-to-all of dq, dk, dv back: every exchange the
+    Backward: an all-to-all of the output itself (rather than a saved gathered copy; recomputed when
+    released), one of its gradient, the kernel's backward, one of dq, dk, dv back: every exchange the
     reverse of a forward one, so each rank's gradient lands on the tokens and heads it sent. Under
     the guard a failing kernel gives zeros and the last exchange of each direction carries the flag."""
 
@@ -61,17 +65,27 @@ class _LeanUlysses(torch.autograd.Function):
         local = all_to_all_multi([_t(out).to(q.dtype)], scatter_dim=1, gather_dim=2, group=group,
                                  send_ranges=[seqs], recv_sizes=[[n for _, n in heads]],
                                  flag=guard.flag("forward") if flags else None)[0]  # [B, S/P, H, Dv]
-        ctx.save_for_backward(qh, kh, vh, lse, local)
+        ctx.save_for_backward(qh, kh, vh, lse)
+        ctx.kept = local.detach()  # the same storage, no grad_fn (no reference cycle); release() drops it
         ctx.spec, ctx.mask, ctx.kernel, ctx.guard, ctx.group = spec, mask, kernel, guard, group
         ctx.lens, ctx.heads, ctx.seqs, ctx.flags = lens, heads, seqs, flags
         return local
 
     @staticmethod
     def backward(ctx, dlocal: Tensor):
-        qh, kh, vh, lse, local = ctx.saved_tensors
-        group, heads, lens = ctx.group, ctx.heads, ctx.lens
-        dout, out = all_to_all_multi([dlocal, local], scatter_dim=2, gather_dim=1, group=group,
-                                     send_ranges=[heads] * 2, recv_sizes=[lens] * 2)  # [B, S, H/P, Dv]
+        qh, kh, vh, lse = ctx.saved_tensors
+        group, heads, lens, local = ctx.group, ctx.heads, ctx.lens, ctx.kept
+        ctx.kept = None
+        # the output travels first, on its own: its send copy is gone before the gradient's is made (one
+        # exchange more, so that the backward's peak holds no more than a recompute's would)
+        out = None if local is None else all_to_all_multi([local], scatter_dim=2, gather_dim=1, group=group,
+                                                          send_ranges=[heads], recv_sizes=[lens])[0]
+        del local
+        dout = all_to_all_multi([dlocal], scatter_dim=2, gather_dim=1, group=group, send_ranges=[heads],
+                                recv_sizes=[lens])[0]  # [B, S, H/P, Dv]
+        if out is None:  # released: the forward again, bit for bit the same output
+            res = ctx.guard.call(ctx.kernel.forward, _t(qh), _t(kh), _t(vh), ctx.spec, ctx.mask)
+            out = _t(res[0]).to(qh.dtype) if res is not None else torch.zeros_like(dout)
         grads = ctx.guard.call(ctx.kernel.backward, _t(dout), _t(qh), _t(kh), _t(vh), _t(out), lse, ctx.spec,
                                ctx.mask)
         del dout, out  # [B, S, H/P, Dv] each: freed before the exchange back allocates its buffers
@@ -81,6 +95,16 @@ class _LeanUlysses(torch.autograd.Function):
                                 group=group, send_ranges=[ctx.seqs] * 3, recv_sizes=[counts] * 3,
                                 flag=ctx.guard.flag("backward") if ctx.flags else None)  # [B, S/P, H, D]
         return (*back, None, None, None, None, None, None)
+
+
+def release(out: Tensor) -> bool:
+    """Let the backward of the call that made ``out`` recompute its gathered output instead of keeping
+    ``out`` alive (see the module doc); True if ``out`` came from this path (else nothing to do)."""
+    node = out.grad_fn
+    if node is None or getattr(node, "kept", None) is None:
+        return False
+    node.kept = None
+    return True
 
 
 def lean_ulysses(q: Tensor, k: Tensor, v: Tensor, *, spec: AttnSpec, mask: MaskInfo, kernel: LseKernel, guard: Guard,

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
+from ...attention import lean
 from ...attention.dispatch import STRATEGIES, mesh_groups
 from ...attention.kernels import KernelArg, lse_kernel_for
 from ...attention.spec import AttnSpec
@@ -76,6 +77,7 @@ class _SdpaRoute(TorchFunctionMode):
     def __init__(self, routed: RoutedAttention) -> None:
         super().__init__()
         self.routed, self.calls = routed, 0
+        self.outputs: list[Tensor] = []  # this call's attention outputs (eager only)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -99,10 +101,12 @@ class RoutedAttention:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         route = self.route
-        route.calls = 0
+        route.calls, route.outputs = 0, []
         forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
         with route:
             out = forward(*args, **kwargs)
+        release_unprojected(out, route.outputs)
+        route.outputs = []
         if route.calls == 0 and not torch.compiler.is_compiling():  # a traced mode's count is not kept
             raise Refused(f"seqpar: {self.name} ({type(self.module).__name__}) computed its attention without "
                           "scaled_dot_product_attention, so seqpar could not make it sequence-parallel")
@@ -136,7 +140,20 @@ class RoutedAttention:
         out = STRATEGIES[b.strategy](query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                      mesh=b.mesh, groups=b.groups, causal=is_causal, scale=scale, dropout=dropout_p,
                                      kernel=kernel, shard=shard, validate=False)  # [B, S_local, H, Dv]
+        if not torch.compiler.is_compiling():
+            self.route.outputs.append(out)  # [B, S_local, H, Dv]: the strategy's own output (lean's node)
         return out.transpose(1, 2)
+
+
+def release_unprojected(module_out: Any, attention_outs: list[Tensor]) -> None:
+    """An attention output the module returns as it is (no output projection inside, which would save
+    it): whoever consumes it outside may not keep it (Flux's single-stream blocks concatenate it), so
+    Ulysses' backward recomputes it rather than keep it alive (:func:`seqpar.attention.lean.release`)."""
+    outs = module_out if isinstance(module_out, (tuple, list)) else (module_out,)
+    returned = {t.untyped_storage().data_ptr() for t in outs if isinstance(t, Tensor)}
+    for out in attention_outs:
+        if out.untyped_storage().data_ptr() in returned:
+            lean.release(out)
 
 
 def key_mask(mask: Tensor | None, batch: int, local: int, name: str) -> Tensor | None:

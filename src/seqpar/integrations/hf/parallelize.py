@@ -208,6 +208,10 @@ def attention_kernel(model: nn.Module) -> str:
     if state.kernel is not None:
         return f"{getattr(state.kernel, 'name', state.kernel)} (as passed to parallelize)"
     param = next(model.parameters())
+    if is_diffusers_model(model):  # the attention modules' SDPA calls run the device's lse kernel
+        name = lse_kernel_for(param.device, param.dtype, AttnSpec())
+        lean = " (Ulysses keeps no gathered output)" if state.strategy == "ulysses" else ""
+        return f"{name} (varlen, returns lse){lean}; cross-attention to whole text: the model's own"
     config, _ = decoder_config(model.config)
     spec = AttnSpec(softcap=getattr(config, "attn_logit_softcapping", None))
     varlen = lse_kernel_for(param.device, param.dtype, spec)
