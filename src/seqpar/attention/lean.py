@@ -10,7 +10,8 @@ before the gradient's -- so nothing whole-sequence is kept but q, k, v and the l
     forward   q, k, v  # [B, S/P, H, D]  -> all-to-all -> [B, S, H/P, D]   saved, with lse [B, H/P, S]
               kernel forward -> out [B, S, H/P, Dv] -> all-to-all -> out_local [B, S/P, H, Dv]   saved
     backward  out_local -> all-to-all -> out, then d out_local -> all-to-all -> d out   [B, S, H/P, Dv]
-              kernel backward (out bit for bit the forward's) -> dq, dk, dv -> all-to-all back
+              kernel backward (out bit for bit the forward's) -> dq, dk, dv -> all-to-all back, one
+              at a time (each freed once sent: the backward's peak holds one exchange's buffers)
 
 Used for plain multi-head attention (as many KV heads as query heads, every rank holding at least
 one head, no sinks) with a kernel that returns the log-sum-exp, outside ``torch.compile``
@@ -65,17 +66,19 @@ class _LeanUlysses(torch.autograd.Function):
         local = all_to_all_multi([_t(out).to(q.dtype)], scatter_dim=1, gather_dim=2, group=group,
                                  send_ranges=[seqs], recv_sizes=[[n for _, n in heads]],
                                  flag=guard.flag("forward") if flags else None)[0]  # [B, S/P, H, Dv]
-        ctx.save_for_backward(qh, kh, vh, lse)
-        ctx.kept = local.detach()  # the same storage, no grad_fn (no reference cycle); release() drops it
+        ctx.save_for_backward(qh, kh, vh)
+        # kept for the backward unless released (both dropped then: the recompute makes them again); the
+        # output as a detached view -- the same storage, no grad_fn, so no reference cycle
+        ctx.kept, ctx.lse = local.detach(), lse
         ctx.spec, ctx.mask, ctx.kernel, ctx.guard, ctx.group = spec, mask, kernel, guard, group
         ctx.lens, ctx.heads, ctx.seqs, ctx.flags = lens, heads, seqs, flags
         return local
 
     @staticmethod
     def backward(ctx, dlocal: Tensor):
-        qh, kh, vh, lse = ctx.saved_tensors
-        group, heads, lens, local = ctx.group, ctx.heads, ctx.lens, ctx.kept
-        ctx.kept = None
+        qh, kh, vh = ctx.saved_tensors
+        group, heads, lens, local, lse = ctx.group, ctx.heads, ctx.lens, ctx.kept, ctx.lse
+        ctx.kept = ctx.lse = None
         # the output travels first, on its own: its send copy is gone before the gradient's is made (one
         # exchange more, so that the backward's peak holds no more than a recompute's would)
         out = None if local is None else all_to_all_multi([local], scatter_dim=2, gather_dim=1, group=group,
@@ -83,17 +86,24 @@ class _LeanUlysses(torch.autograd.Function):
         del local
         dout = all_to_all_multi([dlocal], scatter_dim=2, gather_dim=1, group=group, send_ranges=[heads],
                                 recv_sizes=[lens])[0]  # [B, S, H/P, Dv]
-        if out is None:  # released: the forward again, bit for bit the same output
+        if out is None:  # released: the forward again, bit for bit the same output and lse
             res = ctx.guard.call(ctx.kernel.forward, _t(qh), _t(kh), _t(vh), ctx.spec, ctx.mask)
-            out = _t(res[0]).to(qh.dtype) if res is not None else torch.zeros_like(dout)
+            out, lse = res if res is not None else placeholder(_t(qh), _t(vh))  # [B, H/P, S, Dv]
+            out = _t(out).to(qh.dtype)
         grads = ctx.guard.call(ctx.kernel.backward, _t(dout), _t(qh), _t(kh), _t(vh), _t(out), lse, ctx.spec,
                                ctx.mask)
         del dout, out  # [B, S, H/P, Dv] each: freed before the exchange back allocates its buffers
         dq, dk, dv = (_t(g) for g in grads) if grads is not None else (torch.zeros_like(x) for x in (qh, kh, vh))
         counts = [n for _, n in heads]
-        back = all_to_all_multi([x.to(qh.dtype) for x in (dq, dk, dv)], scatter_dim=1, gather_dim=2,
-                                group=group, send_ranges=[ctx.seqs] * 3, recv_sizes=[counts] * 3,
-                                flag=ctx.guard.flag("backward") if ctx.flags else None)  # [B, S/P, H, D]
+        grads_g = [dq, dk, dv]  # [B, S, H/P, D]
+        del dq, dk, dv, grads
+        back = []
+        while grads_g:  # one tensor per exchange, each whole-sequence gradient freed once sent: the peak
+            g = grads_g.pop(0)  # holds one exchange's buffers, not three (two exchanges more per layer)
+            flag = ctx.guard.flag("backward") if ctx.flags and not grads_g else None  # on the last one
+            back.append(all_to_all_multi([g.to(qh.dtype)], scatter_dim=1, gather_dim=2, group=group,
+                                         send_ranges=[ctx.seqs], recv_sizes=[counts], flag=flag)[0])
+            del g
         return (*back, None, None, None, None, None, None)
 
 
@@ -103,7 +113,7 @@ def release(out: Tensor) -> bool:
     node = out.grad_fn
     if node is None or getattr(node, "kept", None) is None:
         return False
-    node.kept = None
+    node.kept = node.lse = None
     return True
 
 

@@ -159,29 +159,31 @@ def _hook(record: Any, module: nn.Module, path: str, entry: Any, binding: Bindin
         record.push("parallel", f"the split of {path}'s outputs {sorted(items)}", handle.remove)
 
 
-def _split(binding: Binding, x: Any, split: Split, what: str) -> Any:
+def _split(binding: Binding, x: Any, split: Split, what: str, copy: bool = True) -> Any:
     """``x``'s shard when it is a tensor of the split's dims (recording its sequence), each item's
-    for a tuple or list of them (a RoPE table's cos and sin), else ``x``."""
+    for a tuple or list of them (a RoPE table's cos and sin), else ``x``. ``copy``: see
+    :func:`~.sequences.split_local`."""
     if isinstance(x, (tuple, list)):
-        return type(x)(_split(binding, item, split, what) for item in x)
+        return type(x)(_split(binding, item, split, what, copy) for item in x)
     if not isinstance(x, Tensor) or (split.ndim is not None and x.dim() != split.ndim):
         return x
     call = binding.holder.current
     assert call is not None, "a split outside a forward of the parallelized model"
     sizes = call.record(split.seq, x.shape[split.dim], what)
-    return split_local(x, split.dim, sizes, call.me)
+    return split_local(x, split.dim, sizes, call.me, copy=copy)
 
 
 def _split_named(binding: Binding, module: nn.Module, args: tuple, kwargs: dict[str, Any],
-                 splits: dict[str, Split], names: list[str], where: str) -> tuple[tuple, dict[str, Any]]:
+                 splits: dict[str, Split], names: list[str], where: str, copy: bool = True
+                 ) -> tuple[tuple, dict[str, Any]]:
     args, kwargs = list(args), dict(kwargs)
     for key, split in splits.items():
         what = f"{key} of {where}"
         if key in kwargs:
-            kwargs[key] = _split(binding, kwargs[key], split, what)
+            kwargs[key] = _split(binding, kwargs[key], split, what, copy)
         elif key in names and names.index(key) < len(args):
             i = names.index(key)
-            args[i] = _split(binding, args[i], split, what)
+            args[i] = _split(binding, args[i], split, what, copy)
     return tuple(args), kwargs
 
 
@@ -258,7 +260,8 @@ class _Entry:
             raise Refused(f"seqpar: {type(model).__name__} got {', '.join(given)}, which would enter the sharded "
                           "region whole; seqpar does not shard it")
         b.holder.current = ForwardCall(b.mesh, b.group, self.comps)
-        return _split_named(b, model, args, kwargs, self.splits, names, "the model's inputs")
+        # the model's own inputs: views (the caller holds them whole anyway)
+        return _split_named(b, model, args, kwargs, self.splits, names, "the model's inputs", copy=False)
 
 
 def _given(value: Any) -> bool:

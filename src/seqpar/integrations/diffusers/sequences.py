@@ -90,9 +90,12 @@ class ForwardCall:
         return shard
 
 
-def split_local(x: Tensor, dim: int, sizes: tuple[int, ...], me: int) -> Tensor:
-    """This rank's shard of ``x`` along ``dim`` (a slice: its gradient is zero outside it)."""
-    return x.narrow(dim, split_offsets(sizes)[me], sizes[me]).contiguous()
+def split_local(x: Tensor, dim: int, sizes: tuple[int, ...], me: int, *, copy: bool = True) -> Tensor:
+    """This rank's shard of ``x`` along ``dim`` (a slice: its gradient is zero outside it). ``copy``:
+    a contiguous copy, so that a whole intermediate (a patch embedding's output) is not kept alive by
+    the ops that save its shard; False for the model's own inputs, which the caller holds whole anyway."""
+    shard = x.narrow(dim, split_offsets(sizes)[me], sizes[me])
+    return shard.contiguous() if copy else shard
 
 
 class _ExitMark(torch.autograd.Function):
