@@ -5,7 +5,8 @@
                                             # seqpar bench --packing (plain vs packed rows), issue 11's goals
                                             # (memory switches: peak, step time, seqpar bench --max-seq),
                                             # a ring step vs SDPA alone, one rank of P (issue 27),
-                                            # DPO / GRPO steps' memory at sp=1 vs sp=4 (issue 36)
+                                            # DPO / GRPO steps' memory at sp=1 vs sp=4 (issue 36),
+                                            # a diffusion transformer vs diffusers' own Ulysses (issue 47)
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
 The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
@@ -80,6 +81,8 @@ def main() -> int:
          *(["--seq-len", "8192"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_long_seq_goals.py"), "maxseq"],
         [sys.executable, os.path.join(HERE, "bench_objectives.py"), *(["--seq", "4096"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_dit.py"),
+         *(["--image", "1024", "--text", "64", "--repeats", "3"] if args.quick else [])],
     ]
     failed = 0
     for cmd in runs:
