@@ -288,3 +288,29 @@ def test_hybrid_ulysses_by_ring_is_exact():
     for out in run_distributed(_hybrid, 4, timeout=900):
         for case, (loss, grad) in out.items():
             assert loss <= EXACT["loss"] and grad <= EXACT["grad"], (case, loss, grad)
+
+
+def _per_token_timesteps(rank, world):
+    import seqpar
+    from seqpar.testing.diffusers_specs import make_inputs
+    from seqpar.testing.diffusers_zoo import build_dit, compare_dit, reference
+
+    torch.set_num_threads(1)
+    mesh = seqpar.init_mesh(sp=world, device_type="cpu")
+    out = {}
+    for name, tokens, strategy, output in (("WanTransformer3DModel", 15, "ulysses", "sharded"),
+                                           ("WanTransformer3DModel", 15, "ring", "whole"),
+                                           ("LTXVideoTransformer3DModel", 30, "ulysses", "whole")):
+        model, inputs = build_dit(name), make_inputs(name)
+        inputs = dict(inputs, timestep=torch.linspace(100, 900, 2 * tokens, dtype=torch.float64).view(2, tokens))
+        out[(name, strategy)] = compare_dit(copy.deepcopy(model), inputs, mesh, strategy=strategy, output=output,
+                                            ref=reference(model, inputs))[:2]
+    return out
+
+
+def test_per_token_timesteps_are_split_with_their_tokens():
+    """Wan 2.2's and LTX's per-token timesteps ``[B, N]`` (a modulation per token) at P=3: split as
+    their sequence, exact."""
+    for out in run_distributed(_per_token_timesteps, 3, timeout=600):
+        for case, (loss, grad) in out.items():
+            assert loss <= EXACT["loss"] and grad <= EXACT["grad"], (case, loss, grad)
