@@ -101,12 +101,13 @@ class RoutedAttention:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         route = self.route
-        route.calls, route.outputs = 0, []
+        route.calls = 0
         forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
         with route:
             out = forward(*args, **kwargs)
-        release_unprojected(out, route.outputs)
-        route.outputs = []
+        if not torch.compiler.is_compiling():  # a traced call runs the traced attention, which keeps nothing
+            release_unprojected(out, route.outputs)
+            route.outputs = []
         if route.calls == 0 and not torch.compiler.is_compiling():  # a traced mode's count is not kept
             raise Refused(f"seqpar: {self.name} ({type(self.module).__name__}) computed its attention without "
                           "scaled_dot_product_attention, so seqpar could not make it sequence-parallel")
