@@ -15,7 +15,8 @@ INTERNALS_TESTS := tests/test_compat.py tests/integrations/test_state_passing.py
 	tests/integrations/test_vlm.py tests/integrations/test_vlm_zoo.py tests/integrations/test_trainer.py \
 	tests/integrations/test_trl_vlm.py tests/integrations/test_hf.py tests/cli/test_env.py \
 	tests/integrations/test_trainer_dynamic.py tests/integrations/test_trl_dynamic.py \
-	tests/integrations/test_trl_registry.py
+	tests/integrations/test_trl_registry.py \
+	tests/integrations/test_diffusers_zoo.py
 LATEST_VENV ?= .venv-latest
 
 .PHONY: install train test lint bench verify gpu-check test-latest lock docs
@@ -52,7 +53,7 @@ docs: install
 bench: install
 	$(PY) benchmarks/run_all.py
 
-# The newest releases of torch (CPU build), transformers, trl, accelerate, peft and datasets in a venv of
+# The newest releases of torch (CPU build), transformers, trl, accelerate, peft, datasets and diffusers in a venv of
 # their own ($(LATEST_VENV): no constraints, this machine's cap on torch lifted; on PyPI the newest torch
 # is a CUDA build, which runs on a CPU too), then `seqpar env` (which
 # features the installed versions leave available, and why not) and the internals-sensitive tests.
@@ -60,7 +61,7 @@ test-latest:
 	$(PYTHON) -m venv $(LATEST_VENV)
 	PIP_CONSTRAINT=/dev/null $(LATEST_VENV)/bin/python -m pip install -q --upgrade torch
 	PIP_CONSTRAINT=/dev/null $(LATEST_VENV)/bin/python -m pip install -q --upgrade -e ".[dev]" \
-	  transformers trl accelerate peft datasets
+	  transformers trl accelerate peft datasets diffusers
 	$(LATEST_VENV)/bin/seqpar env
 	$(LATEST_VENV)/bin/python -m pytest -p no:cacheprovider $(INTERNALS_TESTS)
 

@@ -8,6 +8,7 @@
                                             # DPO / GRPO steps' memory at sp=1 vs sp=4 (issue 36),
                                             # expert parallelism: ep = 1, 2, 4 at sp = 4 (issue 46),
                                             # tp2 x sp2 vs sp4 vs tp4 at 4 ranks (issue 46)
+                                            # a diffusion transformer vs diffusers' own Ulysses (issue 47)
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
 The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
@@ -85,6 +86,8 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_ep.py"),
          *(["--seq", "1024", "--repeat", "2"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_nd.py"), *(["--seq", "2048", "--steps", "3"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_dit.py"),
+         *(["--image", "1024", "--text", "64", "--repeats", "3"] if args.quick else [])],
     ]
     failed = 0
     for cmd in runs:

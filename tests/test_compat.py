@@ -490,3 +490,22 @@ def test_float64_loss_log_is_the_trainers_running_loss_sum():
         trainer._tr_loss += returned
         assert trainer._tr_loss.dtype == torch.float64 and trainer._tr_loss.item() == plain.item()
     assert trainer._tr_loss.repeat(3).mean().item() == plain.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# diffusers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_diffusers_cp_plan_reads_the_context_parallel_plan_as_plain_data():
+    """ModelMixin._cp_plan (ContextParallelInput / ContextParallelOutput): Flux's splits its four inputs
+    at the model and gathers proj_out; Wan's splits RoPE's two output items; SD3 declares none."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
+
+    assert "diffusers" in compat.CHECKED_ON
+    flux = compat.diffusers_cp_plan(FluxTransformer2DModel)
+    assert flux == {"": {"hidden_states": (1, 3), "encoder_hidden_states": (1, 3), "img_ids": (0, 2),
+                         "txt_ids": (0, 2)}, "proj_out": [(1, 3)]}
+    wan = compat.diffusers_cp_plan(WanTransformer3DModel)
+    assert wan["rope"] == {0: (1, 4), 1: (1, 4)} and wan["proj_out"] == [(1, 3)]
+    assert compat.diffusers_cp_plan(SD3Transformer2DModel) is None

@@ -56,6 +56,10 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     load_balancing_loss_func         a MoE modeling module's load_balancing_loss_func  testing/router64.py,
                                      (called, never replaced: the oracle of the aux    tests/batch/
                                      loss seqpar recomputes over the whole batch)      test_router_loss.py
+    diffusers_cp_plan                ModelMixin._cp_plan (ContextParallelInput /       integrations/diffusers/
+                                     ContextParallelOutput of models._modeling_parallel:  plan.py
+                                     split_dim, expected_dims, split_output, gather_dim;
+                                     diffusers 0.42.1)
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ def tested_set() -> dict[str, str]:
 _TESTED = tested_set()
 CHECKED_ON: dict[str, tuple[str, ...]] = {
     name: tuple(sorted({_TESTED[name], *earlier}))
-    for name, earlier in {"torch": (), "transformers": ("5.24.0",), "accelerate": ("1.15.0",)}.items()}
+    for name, earlier in {"torch": (), "transformers": ("5.24.0",), "accelerate": ("1.15.0",),
+                          "diffusers": ()}.items()}
 """The versions every shim here was tested on (``tests/test_compat.py``), per package: the tested set's
 and the earlier releases whose internals the shims still serve (checked with those installed)."""
 
@@ -107,8 +112,8 @@ __all__ = [
     "attn_implementation", "calls_kernels", "cpu_flash_attention", "cpu_flash_attention_backward",
     "cuda_efficient_attention", "cuda_efficient_attention_backward", "cuda_flash_attention",
     "cuda_flash_attention_backward", "cudnn_attention", "cudnn_attention_backward", "decoder_block_classes",
-    "default_store", "experts_implementation", "fail_on_recompile_limit", "fake_process_group", "flatten_mesh",
-    "float64_loss_log", "fsdp_meshes",
+    "default_store", "diffusers_cp_plan", "experts_implementation", "fail_on_recompile_limit",
+    "fake_process_group", "flatten_mesh", "float64_loss_log", "fsdp_meshes",
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
     "queue_backward_callback", "set_tp_size", "split_prepared_loader", "tested_set", "TRL_GATHER_MODULES",
@@ -542,3 +547,35 @@ def trl_generation_gathers(module_name: str, gather: Callable[[Any], Any],
         yield
     finally:
         module.gather, module.gather_object = old
+
+
+# ---------------------------------------------------------------------------------------------
+# diffusers
+# ---------------------------------------------------------------------------------------------
+
+
+def diffusers_cp_plan(cls: type) -> dict[str, dict[str | int, tuple[int, int | None]] | list[tuple[int, int | None]]
+                                          ] | None:
+    """A diffusers model class's context-parallel plan (``cls._cp_plan``; None when it declares none)
+    as plain data: module path -> ``{input name or output index: (split_dim, expected_dims)}`` for the
+    splits, or ``[(gather_dim, expected_dims), ...]`` for the gathered outputs. Reads diffusers'
+    ``ContextParallelInput`` (``split_dim``, ``expected_dims``, ``split_output``: an int key is an
+    output item, and only then) and ``ContextParallelOutput`` (``gather_dim``, ``expected_dims``)."""
+    raw = getattr(cls, "_cp_plan", None)
+    if raw is None:
+        return None
+    out: dict[str, Any] = {}
+    for path, entry in raw.items():
+        if isinstance(entry, dict):
+            split = {}
+            for key, item in entry.items():
+                items = item if isinstance(item, (list, tuple)) else [item]
+                if len(items) != 1 or bool(items[0].split_output) != isinstance(key, int):
+                    raise ValueError(f"{cls.__name__}._cp_plan[{path!r}][{key!r}] is not one split of an input "
+                                     "(by name) or of an output item (by index)")
+                split[key] = (int(items[0].split_dim), items[0].expected_dims)
+            out[path] = split
+        else:
+            items = entry if isinstance(entry, (list, tuple)) else [entry]
+            out[path] = [(int(g.gather_dim), g.expected_dims) for g in items]
+    return out

@@ -49,6 +49,16 @@ GIVEN = {
             "    experts_implementation='eager'))\n"
             "_ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(0))\n"
             "batch = {'input_ids': _ids, 'labels': _ids.clone()}\n"),
+    # the diffusers guide's calls: a tiny Wan (float64) and the same whole inputs on every rank
+    "wan": ("import torch\n"
+            "from seqpar.testing.diffusers_zoo import build_dit\n"
+            "transformer = build_dit('WanTransformer3DModel')\n"
+            "_g = torch.Generator().manual_seed(0)\n"
+            "x0 = torch.randn(2, 4, 3, 2, 10, generator=_g, dtype=torch.float64)\n"
+            "noise = torch.randn(x0.shape, generator=_g, dtype=torch.float64)\n"
+            "text = torch.randn(2, 7, 16, generator=_g, dtype=torch.float64)\n"
+            "t = torch.tensor([300.0, 700.0], dtype=torch.float64)\n"
+            "x_t = (1 - t / 1000).view(-1, 1, 1, 1, 1) * x0 + (t / 1000).view(-1, 1, 1, 1, 1) * noise\n"),
 }
 """Code a block marked ``given=NAME`` runs after (what the page leaves to the reader, e.g. a loader)."""
 

@@ -45,7 +45,13 @@ class CpuFlashKernel(RectKernel):
         d, dv_dim = q.shape[-1], v.shape[-1]
         dim = max(d, dv_dim)
         dq, dk, dv = compat.cpu_flash_attention_backward(
-            pad_head_dim(dout, dim).contiguous(), pad_head_dim(q, dim), pad_head_dim(k, dim), pad_head_dim(v, dim),
-            pad_head_dim(out, dim).contiguous(), lse.contiguous(), 0.0, how == "causal", attn_mask=bias,
+            _dense_rows(pad_head_dim(dout, dim)), pad_head_dim(q, dim), pad_head_dim(k, dim), pad_head_dim(v, dim),
+            _dense_rows(pad_head_dim(out, dim)), lse.contiguous(), 0.0, how == "causal", attn_mask=bias,
             scale=spec.scale_for(d))
         return dq[..., :d], dk[..., :d], dv[..., :dv_dim]
+
+
+def _dense_rows(x: Tensor) -> Tensor:
+    """``x`` as it is when its head dim is dense (the op takes any other strides: Ulysses' ``[B, H, S, D]``
+    views of ``[B, S, H, D]`` memory need no copy), else a contiguous copy (a broadcast gradient)."""
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -97,5 +97,12 @@ class GuardedLocal(torch.autograd.Function):
             return [None if x is None else x.grad for x in leaves]
 
         grads = (ctx.guard.call(inner_backward) if inner is not None else None) or [None] * 4
+        # the inner graph ran its one backward (its buffers are freed); drop it, the leaves and their
+        # .grad too: kept on ctx they would hold dq, dk, dv (and the inner graph's tensors) for as long as
+        # the outer graph is referenced (a loss kept until the next step: a second copy of them at its peak)
+        for x in leaves:
+            if x is not None:
+                x.grad = None
+        ctx.leaves = ctx.inner = None
         return (*(torch.zeros_like(x) if g is None and need else g
                   for g, x, need in zip(grads, leaves, ctx.needs_input_grad[:4], strict=True)), None, None, None, None)

@@ -2,7 +2,8 @@
 computation (one kernel over the whole sequence, or the ring), and the fence::
 
     guard.inputs(q, k, v, sinks)                       the backward's fence sits here (per call)
-    [heads_to_seq over the ulysses group]              Ulysses, hybrid (not over one rank)
+    [heads_to_seq over the ulysses group]              Ulysses, hybrid (not over one rank); Ulysses
+                                                       with an lse kernel: .lean (no gathered output kept)
       local: attend(kernel, the batch's mask)          Ulysses
              ring loop over the ring group             ring, hybrid (a ring x ulysses grid)
     [seq_to_heads over the ulysses group]
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.guard import Guard
-from . import ops
+from . import lean, ops
 from .call import AttnCall
 from .heads import heads_to_seq, idle_output, local_heads, seq_to_heads
 from .kernels import KERNELS, attend
@@ -77,6 +78,9 @@ def _exchanged(call: AttnCall, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, 
     """Ulysses' exchange around the local computation on this rank's heads."""
     group = call.groups.ulysses
     me, lens = dist.get_rank(group), call.ulysses_lens()
+    if call.groups.ring is None and lean.applies(call.kernel, spec, q, k, group):  # no gathered output kept
+        return lean.lean_ulysses(q, k, v, spec=spec, mask=call.mask(), kernel=call.kernel, guard=guard, group=group,
+                                 lens=lens)
     # a guard of one group hears every rank's failure in the last exchange of each direction: no fence
     # collective unless a rank failed (checked once per batch: no flag, nothing read)
     flags = len(guard.groups) == 1

@@ -16,6 +16,7 @@ vocabulary, about 6.5M parameters).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -155,3 +156,10 @@ def decoder_config(config: Any) -> tuple[Any, str | None]:
         return text, "text_config"
     raise Refused(f"{type(config).__name__} has no num_attention_heads (nor text_config.num_attention_heads):"
                   " seqpar needs a transformers model with self-attention")
+
+
+def is_diffusers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a diffusers ``ModelMixin`` (False when diffusers is not imported: a model of
+    it could not exist then), read without importing diffusers."""
+    mixin = getattr(sys.modules.get("diffusers"), "ModelMixin", None)
+    return mixin is not None and isinstance(model, mixin)

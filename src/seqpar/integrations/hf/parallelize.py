@@ -53,10 +53,11 @@ from ...batch.loss import make_loss_function
 from ...comm.agree import check, share
 from ...comm.mesh import Axis, as_mesh, axis_group, axis_size, has_axis, submesh, tp_size
 from ...errors import Refused
+from ..diffusers.parallelize import parallelize_diffusers
 from ..distributed.fsdp import check_gradient_reduction
 from ..distributed.tensor_parallel import apply_tp, check_tp
 from ..mixers import check_token_mixers, token_mixers, warn_mode_gaps, wrap_token_mixers
-from ..models import decoder_config
+from ..models import decoder_config, is_diffusers_model
 from ..moe.expert_parallel import apply_ep, remove_ep
 from ..peft import unwrap_peft
 from ..state import ParallelState, ensure_state, set_loss_function, state_of, undo
@@ -71,8 +72,14 @@ _names = itertools.count()
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses", kernel: KernelArg | None = None,
-                ep: dist.ProcessGroup | DeviceMesh | None = None) -> nn.Module:
-    """Make a transformers model sequence-parallel over the ``"sp"`` axis of ``mesh`` (in place).
+                ep: dist.ProcessGroup | DeviceMesh | None = None, output: str | None = None) -> nn.Module:
+    """Make a transformers model -- or a diffusers transformer -- sequence-parallel over the ``"sp"``
+    axis of ``mesh`` (in place).
+
+    A diffusers ``ModelMixin`` (Flux, SD3, Wan, ...) goes to
+    :func:`seqpar.integrations.diffusers.parallelize.parallelize_diffusers`: called with the whole
+    inputs on every rank, it returns the whole output (``output="whole"``, the default) or this
+    rank's tokens (``output="sharded"``); ``output`` applies to diffusers models only.
 
     Feed it ``model(**seqpar.shard_batch(batch, mesh))``; ``out.loss`` is then the exact loss of the
     whole batch on every SP rank (see :mod:`seqpar.batch.loss` for the gradient contract). ``strategy``:
@@ -112,6 +119,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses"
     global positions to (:mod:`~seqpar.integrations.mixers`), is already parallelized, if the strategy is unknown or the
     mesh has no ``"sp"`` axis -- the same on every rank, before any collective.
     """
+    if is_diffusers_model(model):
+        if ep is not None or tp_size(mesh) > 1:
+            raise Refused("a diffusers transformer runs sequence parallelism alone: give a mesh without tp "
+                          "(and no ep); tensor and expert parallelism apply to transformers models")
+        return parallelize_diffusers(model, mesh, strategy=strategy, kernel=kernel, output=output or "whole")
+    if output is not None:
+        raise ValueError(f"output={output!r} applies to diffusers models; a transformers model returns its shard's "
+                         "logits and the exact loss: drop output")
     check_strategy(strategy)
     axis_group(as_mesh(mesh, "parallelize"), Axis.SP.value)  # raises without an sp axis
     if strategy == "hybrid":  # raise now, not at the first forward
@@ -242,6 +257,10 @@ def attention_kernel(model: nn.Module) -> str:
     if state.kernel is not None:
         return f"{getattr(state.kernel, 'name', state.kernel)} (as passed to parallelize)"
     param = next(model.parameters())
+    if is_diffusers_model(model):  # the attention modules' SDPA calls run the device's lse kernel
+        name = lse_kernel_for(param.device, param.dtype, AttnSpec())
+        lean = " (Ulysses keeps no gathered output)" if state.strategy == "ulysses" else ""
+        return f"{name} (varlen, returns lse){lean}; cross-attention to whole text: the model's own"
     config, _ = decoder_config(model.config)
     spec = AttnSpec(softcap=getattr(config, "attn_logit_softcapping", None))
     varlen = lse_kernel_for(param.device, param.dtype, spec)
@@ -281,10 +300,10 @@ def unparallelize(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def parallelized(model: nn.Module, mesh: DeviceMesh, *, strategy: str = "ulysses",
-                 kernel: KernelArg | None = None, ep: dist.ProcessGroup | DeviceMesh | None = None
-                 ) -> Iterator[nn.Module]:
+                 kernel: KernelArg | None = None, ep: dist.ProcessGroup | DeviceMesh | None = None,
+                 output: str | None = None) -> Iterator[nn.Module]:
     """``with seqpar.parallelized(model, mesh) as m:`` -- :func:`parallelize`, undone on exit."""
-    parallelize(model, mesh, strategy=strategy, kernel=kernel, ep=ep)
+    parallelize(model, mesh, strategy=strategy, kernel=kernel, ep=ep, output=output)
     try:
         yield model
     finally:

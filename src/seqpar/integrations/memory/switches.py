@@ -47,6 +47,7 @@ from ...batch.tiles import DEFAULT_LOSS_TILE
 from ...comm.guard import check_failures
 from ...comm.mesh import Axis, axis_group
 from ...errors import Refused
+from ..models import is_diffusers_model
 from ..state import MemoryState, ensure_state, set_loss_function, state_of, undo
 from .tiled_head import TiledLossFunction, decoder_of, last_hidden, output_head, shifted_targets
 from .tiling import TileContext, checkpoint_layer, is_per_token_mlp, tile_mlp, untile
@@ -60,6 +61,12 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _mlps(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    if is_diffusers_model(model):  # a DiT block's feed-forwards (image and text streams): diffusers' FeedForward
+        mlps = [m for layer in layers for m in layer.modules() if type(m).__name__ == "FeedForward"]
+        if not mlps:
+            raise Refused(f"tiled_mlp: no diffusers FeedForward in {type(model).__name__}'s blocks: "
+                          "use tiled_mlp=False")
+        return mlps
     mlps = [getattr(layer, "mlp", None) for layer in layers]
     if not layers or any(m is None for m in mlps):
         raise Refused(f"tiled_mlp: no MLP found in {type(model).__name__}'s decoder layers (layer.mlp): "
@@ -83,7 +90,7 @@ def _offload_mode(model: nn.Module) -> str:
     return f"layer inputs parked in pinned host memory, copied asynchronously on the {device.type} stream"
 
 
-def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_loss: bool = True,
+def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_loss: bool | None = None,
                   tiled_mlp: bool = True, checkpoint: str = "layers", loss_tile: int = DEFAULT_LOSS_TILE,
                   mlp_tile: int | None = None) -> nn.Module:
     """Turn on the memory switches of a transformers causal LM (in place; returns the model).
@@ -102,6 +109,11 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
     that is not a positive int, an unknown checkpoint mode, offload without pinned memory, a head or
     MLP that cannot be tiled exactly, a parallelized model without its mesh, or a second call.
     """
+    dit = is_diffusers_model(model)
+    if dit and tiled_loss:
+        raise ValueError(f"tiled_loss=True: {type(model).__name__} is a diffusers transformer, with no vocabulary head "
+                         "to tile (its flow-matching loss is per element already): omit tiled_loss or pass False")
+    tiled_loss = not dit if tiled_loss is None else tiled_loss
     check_tile(loss_tile, "loss_tile")
     if mlp_tile is not None:
         check_tile(mlp_tile, "mlp_tile")
@@ -115,8 +127,9 @@ def reduce_memory(model: nn.Module, mesh: DeviceMesh | None = None, *, tiled_los
     flag = next((f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), f)),
                 "is_gradient_checkpointing")
     if checkpoint != "none" and getattr(model, flag, False):
-        raise ValueError("the model already uses transformers' gradient checkpointing: disable it "
-                         "(model.gradient_checkpointing_disable()) or pass checkpoint='none'")
+        raise ValueError("the model already uses transformers' / diffusers' gradient checkpointing: disable it "
+                         "(model.gradient_checkpointing_disable() / disable_gradient_checkpointing()) or pass "
+                         "checkpoint='none'")
     layers = _layers(model)
     if checkpoint != "none" and not layers:
         raise Refused(f"checkpoint={checkpoint!r}: no decoder layers found in {type(model).__name__} "

@@ -36,10 +36,12 @@ from ...errors import Refused
 from ..state import TileContext
 
 PER_TOKEN_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
-                            "CohereMLP", "GraniteMLP", "Olmo2MLP", "Phi3MLP"})
+                            "CohereMLP", "GraniteMLP", "Olmo2MLP", "Phi3MLP", "FeedForward"})
 """MLP classes accepted for tiling: gated MLPs of linear layers and an activation, token by token
-(their forward is ``down(act(gate(x)) * up(x))`` or the fused gate_up form). MoE blocks are not
-accepted: their routers feed load-balancing statistics over the whole sequence."""
+(their forward is ``down(act(gate(x)) * up(x))`` or the fused gate_up form), and diffusers'
+``FeedForward`` (an activation module with its projection -- GELU, GEGLU, SwiGLU... --, dropout, the
+output projection). MoE blocks are not accepted: their routers feed load-balancing statistics over
+the whole sequence."""
 
 def is_per_token_mlp(mlp: nn.Module) -> bool:
     """True for an accepted MLP class (:data:`PER_TOKEN_MLPS`) made of linear layers and a
