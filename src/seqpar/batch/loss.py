@@ -254,29 +254,57 @@ def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShar
     return full
 
 
+GRAD_BUCKET_BYTES = 16 * 2**20
+"""The most bytes :func:`sync_gradients` flattens into one all-reduce: the sync's extra memory is at
+most one bucket, not a second copy of every gradient (which sat on top of the gradients at the end
+of the backward: the peak of a short step)."""
+
+
 def _average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """One all-reduce per dtype of every gradient, flattened into one buffer, divided by the
-    group's size (a SUM and a division: gloo has no ReduceOp.AVG)."""
+    """Every gradient summed over the group and divided by its size (a SUM and a division: gloo has
+    no ReduceOp.AVG), per dtype in buckets of at most :data:`GRAD_BUCKET_BYTES`: a gradient at least
+    that large (and contiguous) is reduced in place, smaller ones are flattened together, one
+    all-reduce per bucket. The same buckets on every rank (the same parameters, in order); the same
+    sums element by element as one flat all-reduce."""
+    world = dist.get_world_size(group)
     by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
     for p in params:
         by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)
     for ps in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in ps])
-        collectives.all_reduce(flat, group=group)
-        flat.div_(dist.get_world_size(group))
-        offset = 0
+        bucket: list[nn.Parameter] = []
+        size = 0
         for p in ps:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+            n = p.grad.numel() * p.grad.element_size()
+            if n >= GRAD_BUCKET_BYTES and p.grad.is_contiguous():
+                collectives.all_reduce(p.grad, group=group)
+                p.grad.div_(world)
+                continue
+            if bucket and size + n > GRAD_BUCKET_BYTES:
+                _average_bucket(bucket, group, world)
+                bucket, size = [], 0
+            bucket.append(p)
+            size += n
+        if bucket:
+            _average_bucket(bucket, group, world)
+
+
+def _average_bucket(ps: list[nn.Parameter], group: dist.ProcessGroup, world: int) -> None:
+    flat = torch.cat([p.grad.reshape(-1) for p in ps])
+    collectives.all_reduce(flat, group=group)
+    flat.div_(world)
+    offset = 0
+    for p in ps:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
 
 
 def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Average every parameter's gradient over the sp and dp ranks of ``mesh`` (one all-reduce per
-    axis and dtype), completing the gradient contract of the seqpar loss: what stock DDP over the
-    dp x sp ranks does, for a model without a wrapper. Parameters without a gradient count as zeros
-    (every rank must send the same buffers). Raises ValueError for sharded (DTensor) gradients; an
-    exception here is told to every rank (:mod:`seqpar.comm.faults`)."""
+    """Average every parameter's gradient over the sp and dp ranks of ``mesh`` (per axis and dtype,
+    in buckets of at most :data:`GRAD_BUCKET_BYTES`), completing the gradient contract of the seqpar
+    loss: what stock DDP over the dp x sp ranks does, for a model without a wrapper. Parameters
+    without a gradient count as zeros (every rank must send the same buffers). Raises ValueError for
+    sharded (DTensor) gradients; an exception here is told to every rank (:mod:`seqpar.comm.faults`)."""
     with faults.publishing("sync_gradients"):
         _sync_gradients(model, mesh)
 

@@ -154,17 +154,18 @@ class _TiledLoss(torch.autograd.Function):
             w = None if token_weights is None else token_weights[a:b]
             ce, zc, lse, valid, t = _tile_terms(head, h, targets[a:b], w, ignore_index)
             total += ce.sum()
-            if not (need_h or need_w or need_b):
-                continue
-            scale = valid.to(cdtype) if w is None else valid * w.to(cdtype)
-            dz = _dlogits(zc, lse, targets[a:b], scale)  # [T, V]: d CE / d z = softmax - onehot
-            dz = head.chain(dz, t).to(hidden.dtype)  # the model's dtype, as autograd would
-            if need_h:
-                grad_h[a:b] = dz @ weight
-            if need_w:
-                accumulate_product(grad_w, dz.t(), h)
-            if need_b:
-                grad_b += dz.sum(0).to(cdtype)
+            if need_h or need_w or need_b:
+                scale = valid.to(cdtype) if w is None else valid * w.to(cdtype)
+                dz = _dlogits(zc, lse, targets[a:b], scale)  # [T, V]: d CE / d z = softmax - onehot
+                dz = head.chain(dz, t).to(hidden.dtype)  # the model's dtype, as autograd would
+                if need_h:
+                    grad_h[a:b] = dz @ weight
+                if need_w:
+                    accumulate_product(grad_w, dz.t(), h)
+                if need_b:
+                    grad_b += dz.sum(0).to(cdtype)
+                del dz
+            del zc, t  # this tile's [T, V] buffers die before the next tile's are made (one tile alive, not two)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
         return total
@@ -174,8 +175,9 @@ class _TiledLoss(torch.autograd.Function):
         gh, gw, gb = ctx.grads
         del ctx.grads
         scale = grad.to(gh.dtype if gh is not None else gw.dtype if gw is not None else gb.dtype)
-        return (None if gh is None else gh * scale, None if gw is None else gw * scale,
-                None if gb is None else gb * scale, None, None, None, None, None, None)
+        # in place: the buffers are this call's own (ctx let go of them), so no second [N, H] / [V, H] copy
+        return (None if gh is None else gh.mul_(scale), None if gw is None else gw.mul_(scale),
+                None if gb is None else gb.mul_(scale), None, None, None, None, None, None)
 
 
 def tiled_loss_sum(hidden: Tensor, head: Head, targets: Tensor, *, token_weights: Tensor | None = None,
