@@ -109,11 +109,24 @@ def _tile_terms(head: Head, h: Tensor, target: Tensor, weight: Tensor | None, ig
     zc = z.to(torch.promote_types(z.dtype, torch.float32))  # token_losses' compute dtype
     valid = target != ignore_index
     picked = zc.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
-    lse = torch.logsumexp(zc, dim=1)
+    lse = _logsumexp_rows(zc)
     ce = (lse - picked) * valid
     if weight is not None:
         ce = ce * weight.to(ce.dtype)
     return ce, zc, lse, valid, t
+
+
+LSE_ROWS = 128
+"""Rows per ``logsumexp`` call of a tile: torch's CPU logsumexp makes a temporary as large as its
+input (``exp(z - max)``), which for a whole ``[T, V]`` tile doubled the loss's peak; per row it is
+the same reduction, so the same values."""
+
+
+def _logsumexp_rows(z: Tensor) -> Tensor:
+    """``torch.logsumexp(z, dim=1)`` of ``z [T, V]``, :data:`LSE_ROWS` rows at a time."""
+    if z.shape[0] <= LSE_ROWS:
+        return torch.logsumexp(z, dim=1)
+    return torch.cat([torch.logsumexp(z[i:i + LSE_ROWS], dim=1) for i in range(0, z.shape[0], LSE_ROWS)])
 
 
 def _dlogits(zc: Tensor, lse: Tensor, target: Tensor, row_scale: Tensor) -> Tensor:
