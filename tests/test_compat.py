@@ -456,3 +456,16 @@ def test_float64_loss_log_is_the_trainers_running_loss_sum():
         trainer._tr_loss += returned
         assert trainer._tr_loss.dtype == torch.float64 and trainer._tr_loss.item() == plain.item()
     assert trainer._tr_loss.repeat(3).mean().item() == plain.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# deepspeed (the peer of benchmarks/bench_alst.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_deepspeed_skip_cpu_shm_build_keeps_its_comm_backend_from_compiling():
+    import importlib
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # (deepspeed.comm.torch as an attribute is torch)
+    compat.deepspeed_skip_cpu_shm_build()
+    assert ds_torch.build_shm_op() is None  # what TorchBackend.__init__ calls: nothing to compile, no op

@@ -51,6 +51,8 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
     load_balancing_loss_func         a MoE modeling module's load_balancing_loss_func  testing/router64.py,
                                      (called, never replaced: the oracle of the aux    tests/batch/
                                      loss seqpar recomputes over the whole batch)      test_router_loss.py
+    deepspeed_skip_cpu_shm_build     deepspeed.ops.__compatible_ops__ (its op probe's  bench/alst.py
+                                     cache; deepspeed 0.19.8)
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def tested_set() -> dict[str, str]:
 _TESTED = tested_set()
 CHECKED_ON: dict[str, tuple[str, ...]] = {
     name: tuple(sorted({_TESTED[name], *earlier}))
-    for name, earlier in {"torch": (), "transformers": ("5.24.0",), "accelerate": ("1.15.0",)}.items()}
+    for name, earlier in {"torch": (), "transformers": ("5.24.0",), "accelerate": ("1.15.0",), "deepspeed": ()}.items()
+    if name in _TESTED}
 """The versions every shim here was tested on (``tests/test_compat.py``), per package: the tested set's
 and the earlier releases whose internals the shims still serve (checked with those installed)."""
 
@@ -106,6 +109,7 @@ __all__ = [
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
     "queue_backward_callback", "split_prepared_loader", "tested_set", "trl_grpo_gathers",
+    "deepspeed_skip_cpu_shm_build",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -503,3 +507,22 @@ def trl_grpo_gathers(gather: Callable[[Any], Any], gather_object: Callable[[Any]
         yield
     finally:
         grpo_trainer.gather, grpo_trainer.gather_object = old
+
+
+# ---------------------------------------------------------------------------------------------
+# deepspeed (the peer the bench measures against; an optional package)
+# ---------------------------------------------------------------------------------------------
+
+DEEPSPEED_SHM_OP = "deepspeed_shm_comm"
+
+
+def deepspeed_skip_cpu_shm_build() -> None:
+    """Before ``deepspeed.init_distributed`` on a CPU: mark DeepSpeed's shared-memory comm op as not
+    buildable, so that its CPU backend does not JIT-compile it (one to four minutes of C++ on a fresh
+    2-core machine). That op serves only ``inference_all_reduce``; every collective of training goes
+    through torch.distributed (gloo) either way. Relies on ``deepspeed.ops.__compatible_ops__``, the
+    cache of DeepSpeed's op probe (a dict its comm backend reads and, as its comment says, keeps edits
+    to: checked on deepspeed 0.19.8)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[DEEPSPEED_SHM_OP] = False
