@@ -5,10 +5,11 @@
                                             # seqpar bench --packing (plain vs packed rows), issue 11's goals
                                             # (memory switches: peak, step time, seqpar bench --max-seq),
                                             # a ring step vs SDPA alone, one rank of P (issue 27),
-                                            # DPO / GRPO steps' memory at sp=1 vs sp=4 (issue 36)
+                                            # DPO / GRPO steps' memory at sp=1 vs sp=4 (issue 36),
+                                            # seqpar vs DeepSpeed's ALST: longest S, peak, step time (issue 48)
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
-The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
+The peer comparisons run seqpar alone when DeepSpeed is not installed (they say so).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main() -> int:
          *(["--seq-len", "8192"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_long_seq_goals.py"), "maxseq"],
         [sys.executable, os.path.join(HERE, "bench_objectives.py"), *(["--seq", "4096"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_alst.py"),
+         *(["--seq-lens", "2048,4096", "--nproc", "2", "--limit", "8192"] if args.quick else [])],
     ]
     failed = 0
     for cmd in runs:
