@@ -104,8 +104,9 @@ class Runner:
             cpu = self.device == "cpu"
             t = try_step(replace(self.base, nproc=nproc, seq_len=seq), self.cap if cpu and capped else None,
                          timeout=1800, live=live if cpu else False, worker=self.workers[system])
+            fits = t.peak_mib == t.peak_mib and t.peak_mib * 2**20 <= self.cap
             self.log(f"  {system:<6} P={nproc} S={seq:>6}: peak {t.peak_mib:8.1f} MiB  live {t.live_mib:8.1f} MiB  "
-                     f"step {t.step_s:7.2f} s  cpu {t.cpu_s:7.2f} s  {'fits' if t.fits else 'over the cap'}  "
+                     f"step {t.step_s:7.2f} s  cpu {t.cpu_s:7.2f} s  {'under' if fits else 'over'} the cap  "
                      f"({time.time() - t0:.0f} s, load {loadavg()})")
             self.done[key] = t
         fits = t.peak_mib == t.peak_mib and t.peak_mib * 2**20 <= self.cap
@@ -190,9 +191,11 @@ def main() -> int:
     ap.add_argument("--width", choices=list(WIDTHS), default="quarter")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--exact-seq", type=int, default=1024, help="tokens of the float64 exactness check (0: skip)")
-    ap.add_argument("--limit", type=int, default=32768, help="the longest S the search tries")
+    ap.add_argument("--exact-seq", type=int, default=512, help="tokens of the float64 exactness check (0: skip)")
+    ap.add_argument("--limit", type=int, default=24576, help="the longest S the search tries (a fitting limit "
+                    "reads \"at least the limit\")")
     ap.add_argument("--no-search", action="store_true")
+    ap.add_argument("--json", default=None, help="also write every trial (figures and censuses) to this file")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one process on this GPU (P = 1; "
                     "peaks from the CUDA allocator, the cap defaults to the GPU's memory)")
     args = ap.parse_args()
@@ -259,6 +262,12 @@ def main() -> int:
                 log(f"  {system:<6} P={p}: {n} tokens ({len(trials)} trials: "
                     f"{', '.join(f'{t.seq_len}{chr(10003) if t.fits else chr(10007)}' for t in trials)})")
     report(runner, nprocs, grid, systems, longest, log)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"system": k[0], "nproc": k[1], "seq_len": k[2], "peak_mib": t.peak_mib, "live_mib": t.live_mib,
+                        "step_s": t.step_s, "cpu_s": t.cpu_s,
+                        "census": [[*map(str, key), n] for key, n in (t.census or {}).items()]}
+                       for k, t in runner.done.items()], f)
     log(f"\n(total {time.time() - t_start:.0f} s; load average {loadavg()} at the end)")
     if version:
         peak = [ratio(runner.done[("seqpar", p, s)].peak_mib, runner.done[("alst", p, s)].peak_mib)

@@ -254,10 +254,12 @@ def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShar
     return full
 
 
-GRAD_BUCKET_BYTES = 16 * 2**20
+GRAD_BUCKET_BYTES = 4 * 2**20
 """The most bytes :func:`sync_gradients` flattens into one all-reduce: the sync's extra memory is at
-most one bucket, not a second copy of every gradient (which sat on top of the gradients at the end
-of the backward: the peak of a short step)."""
+most one bucket, not a second copy of every gradient (which sat on top of every gradient at the end
+of the backward: the peak of a short step). 4 MiB: at 16 MiB the bucket was still a short step's
+peak (P=4, S=4096 of benchmarks/bench_alst.py's model); a bucket more is one all-reduce more,
+~1-3 ms on gloo."""
 
 
 def _average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:

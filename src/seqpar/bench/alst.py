@@ -14,7 +14,7 @@ integration") and its reference trainer (ArcticTraining's ``SFTTrainer.loss``) d
                                                    inside forward; the loss averaged over SP ranks through a
                                                    differentiable all_gather weighted by each rank's tokens
 
-The optimizer side is the bench's, the same for both systems: AdamW on every parameter, gradients
+The optimizer side is the bench's, the same for both systems: fused AdamW on every parameter, gradients
 averaged over the ranks (one in-place all-reduce per parameter: what DDP or ZeRO stage 0 leave
 behind, without their buckets). Not run here: ZeRO-3 and its CPU optimizer offload (they shard or
 move the optimizer side, not the sequence; seqpar's counterpart is FSDP2), Liger-kernel (Triton, GPU
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .build import adamw
 from .case import BenchCase, model_fields
 
 INSTALL = "DS_BUILD_OPS=0 pip install deepspeed==0.19.8"
@@ -126,7 +127,7 @@ def assemble(model: Any, sp_group: Any, device: torch.device) -> dict[str, Any]:
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    return {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-4), "sp_group": sp_group,
+    return {"model": model, "opt": adamw(model), "sp_group": sp_group,
             "offload": get_checkpoint_hidden_states_offloading_ctx_manager(), "device": device}
 
 
@@ -240,8 +241,11 @@ def warm(case: BenchCase, device: torch.device) -> Any:
 def alst_peak(case: BenchCase, cap_bytes: int | None, live: bool | str, device: torch.device) -> dict[str, Any]:
     """One ALST step's peak on this process (:func:`seqpar.bench.peak.measured_step`, or on a GPU
     :func:`~seqpar.bench.peak.measured_cuda_step`): registered and warmed on a tiny model first."""
+    import os
+
     from .peak import measured_cuda_step, measured_step
 
+    os.environ.setdefault("DS_ACCELERATOR", device.type)  # DeepSpeed's own setting: no detection, no warning
     row = lm_row(case.seq_len, model_vocab(case), case.seed)
     held: dict[str, Any] = {}
 

@@ -31,6 +31,7 @@ def seqpar_cuda_worker(rank: int, world: int, case: BenchCase, cap_bytes: int | 
     import seqpar
 
     from .alst import case_model, warm_config
+    from .build import adamw
     from .peak import measured_cuda_step
 
     if world != 1:
@@ -41,7 +42,7 @@ def seqpar_cuda_worker(rank: int, world: int, case: BenchCase, cap_bytes: int | 
 
     def build(c: BenchCase) -> tuple[Any, Any]:
         model = seqpar.reduce_memory(case_model(c, device), **c.switches.kwargs())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = adamw(model)
         one_step(model, opt, lm_row(16, model.config.vocab_size, c.seed + 1))
         return model, opt
 
