@@ -19,8 +19,10 @@
 #   5. compile: a step with compiled decoder layers (inductor) against eager, same rank and shapes;
 #   6. bench-kernels: the kernels with --opt-in (cuda_cudnn, flex) against dense SDPA.
 # It ends with one table: every step's status and time, the kernel ratios, the per-rank rows.
-# FULL=1 adds the slower checks (about 15 more minutes): `seqpar train` under torchrun (bf16,
-# FSDP2), packed, the longest small-llama3 sequences, train on a GPU host without torchrun, and
+# FULL=1 adds the slower checks (about 18 more minutes): `seqpar train` under torchrun (bf16,
+# FSDP2), packed, the longest small-llama3 sequences, train on a GPU host without torchrun, the
+# longest sequence on this GPU of two Llama-3-8B layers, seqpar against DeepSpeed's ALST (alst:
+# benchmarks/bench_alst.py --device cuda; seqpar alone, saying so, without deepspeed), and
 # flex's gpu tests (passing: recorded as verified on this GPU as cuda_cudnn is; add it to GPU_VERIFIED),
 # then auto's choice with flex among the candidates (auto-choice-flex).
 # Each step's log goes to $LOGS (default /tmp/seqpar-gpu), the runs to $SAVE; the exit status is 1 if
@@ -89,6 +91,8 @@ if [ "${FULL:-0}" = 1 ]; then
         --save-dir "$SAVE/cpu"
     step rank-1m 150 $PY benchmarks/bench_rank.py --what attention --strategies ring,hybrid --p 8 --seq 1048576 \
         --repeats 1
+    TAIL=30 step alst 200 $PY benchmarks/bench_alst.py --device cuda --width llama3-8b --layers 2 --dtype bfloat16 \
+        --seq-lens 65536 --limit 262144
     TAIL=40 step tests-flex 420 "${PYTEST[@]}" -k "flex" "${GPU_TESTS[@]}" && record tests-flex flex
     TAIL=16 step auto-choice-flex 240 "${CHOICE[@]}" --candidates cuda_flash,cuda_cudnn,flex
 fi

@@ -9,9 +9,10 @@
                                             # expert parallelism: ep = 1, 2, 4 at sp = 4 (issue 46),
                                             # tp2 x sp2 vs sp4 vs tp4 at 4 ranks (issue 46)
                                             # a diffusion transformer vs diffusers' own Ulysses (issue 47)
+                                            # seqpar vs DeepSpeed's ALST: longest S, peak, step time (issue 48)
     python benchmarks/run_all.py --quick    # smaller sizes (a few minutes on 2 cores)
 
-The peer comparison runs seqpar alone when DeepSpeed is not installed (it says so).
+The peer comparisons run seqpar alone when DeepSpeed is not installed (they say so).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def main() -> int:
         [sys.executable, os.path.join(HERE, "bench_nd.py"), *(["--seq", "2048", "--steps", "3"] if args.quick else [])],
         [sys.executable, os.path.join(HERE, "bench_dit.py"),
          *(["--image", "1024", "--text", "64", "--repeats", "3"] if args.quick else [])],
+        [sys.executable, os.path.join(HERE, "bench_alst.py"),
+         *(["--seq-lens", "2048,4096", "--nproc", "2", "--limit", "8192"] if args.quick else [])],
     ]
     failed = 0
     for cmd in runs:

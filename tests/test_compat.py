@@ -509,3 +509,16 @@ def test_diffusers_cp_plan_reads_the_context_parallel_plan_as_plain_data():
     wan = compat.diffusers_cp_plan(WanTransformer3DModel)
     assert wan["rope"] == {0: (1, 4), 1: (1, 4)} and wan["proj_out"] == [(1, 3)]
     assert compat.diffusers_cp_plan(SD3Transformer2DModel) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# deepspeed (the peer of benchmarks/bench_alst.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_deepspeed_skip_cpu_shm_build_keeps_its_comm_backend_from_compiling():
+    import importlib
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # (deepspeed.comm.torch as an attribute is torch)
+    compat.deepspeed_skip_cpu_shm_build()
+    assert ds_torch.build_shm_op() is None  # what TorchBackend.__init__ calls: nothing to compile, no op

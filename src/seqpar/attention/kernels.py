@@ -5,7 +5,9 @@ The contract (layouts, lse, backward) is in :mod:`seqpar.attention.spec`. The re
 =============  =====================================================================================
 ``auto``       the default: per block, ``sdpa`` where its flag says everything the block hides (no
                padding, no documents, no cut window) and nothing needs lse, else the device's varlen
-               lse kernel (:func:`lse_kernel_for`) -- no code path builds an ``S x S`` mask
+               lse kernel (:func:`lse_kernel_for`) -- no code path builds an ``S x S`` mask; a block
+               autograd records under a guard takes the device's fused lse kernel for ``sdpa``
+               (:func:`attend`: what it saves, activation checkpoints can drop)
 ``flash_cpu``  fused CPU op per document rectangle, with lse (window, chunk)
 ``cuda_flash`` torch's FlashAttention-2 / memory-efficient CUDA ops per rectangle, with lse
 ``cuda_cudnn`` ``cuda_flash`` with cuDNN's fused attention for its unmasked / causal tiles
@@ -118,17 +120,40 @@ def attend(q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | Non
     kernel must honour them itself (see :func:`check_supported`). With ``guard`` the kernel's
     forward and backward run under it: a failure gives zeros here and is raised by the guard's fence.
     """
+    recording = guard is not None and _tracks_grad(q, k, v, spec.sinks)
     if isinstance(kernel, AutoKernel):
-        kernel = KERNELS[auto_kernel(q, spec, mask)]
+        chosen = KERNELS[auto_kernel(q, spec, mask)]
+        kernel = chosen if isinstance(chosen, LseKernel) or not recording else _saveable(kernel, q, spec, chosen)
+    elif recording and not isinstance(kernel, LseKernel):
+        kernel = _saveable(kernel, q, spec, kernel)
     check_supported(kernel, spec)
     if isinstance(kernel, LseKernel):
         return Attend.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)[0]
     if guard is None:
         return kernel(q, k, v, spec=spec, mask=mask)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, spec.sinks)):
+    if _tracks_grad(q, k, v, spec.sinks):
         return GuardedLocal.apply(q, k, v, spec.sinks, spec, mask, kernel, guard)
     out = guard.call(kernel, q, k, v, spec=spec, mask=mask)
     return out if out is not None else placeholder(q, v)[0]
+
+
+def _tracks_grad(*xs: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+def _saveable(kernel: LocalKernel, q: Tensor, spec: AttnSpec, otherwise: Kernel) -> Kernel:
+    """For a block autograd records under a guard: the local kernel's lse twin
+    (:meth:`~seqpar.attention.spec.LocalKernel.lse_twin`: ``auto``'s ``sdpa``, a model's plain SDPA;
+    the same math, not under dropout) where it is a fused kernel. Its autograd
+    (:class:`~seqpar.attention.kernel_autograd.Attend`) saves q, k, v, out and lse through
+    ``save_for_backward``, which a non-reentrant activation checkpoint drops and recomputes, where
+    :class:`~seqpar.attention.kernel_autograd.GuardedLocal` keeps its inner graph in ``ctx``: under
+    ``reduce_memory``'s checkpoints that kept every layer's gathered q, k, v and kernel output for the
+    whole step (2.5 layer inputs per layer at benchmarks/bench_alst.py's shape). Without a twin, or
+    with only ``tiled`` for it: ``otherwise``."""
+    twin = kernel.lse_twin(spec)
+    name = fused_lse_kernel(q.device, q.dtype, spec) if twin == "auto" else twin
+    return KERNELS[name] if name is not None and isinstance(KERNELS.get(name), LseKernel) else otherwise
 
 
 KERNELS: dict[str, Kernel] = {
@@ -183,18 +208,26 @@ def cuda_candidates(device: torch.device, dtype: torch.dtype, spec: AttnSpec) ->
     return eligible(CUDA_ORDER, verified_kernels(device), KERNELS, spec)
 
 
+def fused_lse_kernel(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> str | None:
+    """:func:`lse_kernel_for`'s fused choices, None where only ``tiled`` is left (nothing said)."""
+    if device.type == "cpu" and spec.options() - {"sinks"} <= KERNELS["flash_cpu"].supports:
+        return "flash_cpu"
+    found = cuda_candidates(device, dtype, spec)
+    if found:
+        return "fastest" if len(found) > 1 and measuring() else found[0]
+    return None
+
+
 def lse_kernel_for(device: torch.device, dtype: torch.dtype, spec: AttnSpec) -> str:
     """The varlen lse kernel ``auto`` uses on ``device`` for ``spec``: ``flash_cpu`` (CPU); on CUDA
     (float16 / bfloat16 / float32) the verified kernels that honour the options
     (:func:`cuda_candidates`; sinks are folded around any lse kernel): ``fastest`` -- measured per
     shape class -- where there are several, unless ``SEQPAR_MEASURE_KERNELS=0`` (then the first),
     else the one; else ``tiled`` -- said once."""
+    choice = fused_lse_kernel(device, dtype, spec)
+    if choice is not None:
+        return choice
     options = spec.options() - {"sinks"}
-    if device.type == "cpu" and options <= KERNELS["flash_cpu"].supports:
-        return "flash_cpu"
-    found = cuda_candidates(device, dtype, spec)
-    if found:
-        return "fastest" if len(found) > 1 and measuring() else found[0]
     cuda = device.type == "cuda" and dtype in _CUDA_DTYPES
     fused = cuda and options <= KERNELS["cuda_flash"].supports
     flex = cuda and not fused and options <= KERNELS["flex"].supports

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .blocks import merge_into
 from .spec import AttnSpec, LseKernel, MaskInfo, acc_dtype, check_supported, position_mask
-from .varlen import TILE, Rect, document_rects
+from .varlen import TILE, Rect, document_rects, mask_flag
 
 
 def pad_head_dim(x: Tensor, n: int) -> Tensor:
@@ -98,9 +98,21 @@ class RectKernel(LseKernel):
         g = self.tile_backward(dout, q, k, v, out, lse.to(acc_dtype(q.dtype)), spec, how, _NO_POS, _NO_POS)
         return g[0].to(q.dtype), g[1].to(k.dtype), g[2].to(v.dtype)
 
+    def _flag(self, q: Tensor, k: Tensor, spec: AttnSpec, mask: MaskInfo | None) -> bool | None:
+        """The op's own causal flag where it says everything the block hides (:func:`mask_flag`) and
+        the tile op is fused: then one call on the whole block (:meth:`fused_forward`), not its
+        ``tile x tile`` rectangles merged -- a causal 4k-token block was 10 calls, 20 with the
+        recompute, and the backward's accumulators. None: the rectangles."""
+        if not self.fused_op or q.shape[2] == 0 or k.shape[2] == 0:
+            return None
+        return mask_flag(spec, mask, q.shape[2], k.shape[2], q.device)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, spec: AttnSpec, mask: MaskInfo | None
                 ) -> tuple[Tensor, Tensor]:
         check_supported(self, spec)
+        flag = self._flag(q, k, spec, mask)
+        if flag is not None:
+            return self.fused_forward(q, k, v, spec, flag)
         mask = mask or MaskInfo()
         q_pos, k_pos = mask.positions(q.shape[2], k.shape[2], q.device)
         acc = acc_dtype(q.dtype)
@@ -125,6 +137,9 @@ class RectKernel(LseKernel):
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: AttnSpec,
                  mask: MaskInfo | None) -> tuple[Tensor, Tensor, Tensor]:
+        flag = self._flag(q, k, spec, mask)
+        if flag is not None:
+            return self.fused_backward(dout, q, k, v, out, lse, spec, flag)
         acc = acc_dtype(q.dtype)
         lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc)
         mask = mask or MaskInfo()

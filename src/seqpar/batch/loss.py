@@ -288,34 +288,64 @@ def gather_token_values(picked: Tensor, group: dist.ProcessGroup, shard: SeqShar
     return full
 
 
+GRAD_BUCKET_BYTES = 4 * 2**20
+"""The most bytes :func:`sync_gradients` flattens into one all-reduce: the sync's extra memory is at
+most one bucket, not a second copy of every gradient (which sat on top of every gradient at the end
+of the backward: the peak of a short step). 4 MiB: at 16 MiB the bucket was still a short step's
+peak (P=4, S=4096 of benchmarks/bench_alst.py's model); a bucket more is one all-reduce more,
+~1-3 ms on gloo."""
+
+
 def _average_grads(grads: list[Tensor], group: dist.ProcessGroup) -> None:
-    """One all-reduce per dtype of every gradient, flattened into one buffer, divided by the
-    group's size (a SUM and a division: gloo has no ReduceOp.AVG); in place."""
+    """Every gradient summed over the group and divided by its size (a SUM and a division: gloo has
+    no ReduceOp.AVG), per dtype in buckets of at most :data:`GRAD_BUCKET_BYTES`: a gradient at least
+    that large (and contiguous) is reduced in place, smaller ones are flattened together, one
+    all-reduce per bucket. The same buckets on every rank (the same gradients, in order); the same
+    sums element by element as one flat all-reduce."""
+    world = dist.get_world_size(group)
     by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for g in grads:
         by_dtype.setdefault((g.dtype, g.device), []).append(g)
     for gs in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in gs])
-        collectives.all_reduce(flat, group=group)
-        flat.div_(dist.get_world_size(group))
-        offset = 0
+        bucket: list[Tensor] = []
+        size = 0
         for g in gs:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
+            n = g.numel() * g.element_size()
+            if n >= GRAD_BUCKET_BYTES and g.is_contiguous():
+                collectives.all_reduce(g, group=group)
+                g.div_(world)
+                continue
+            if bucket and size + n > GRAD_BUCKET_BYTES:
+                _average_bucket(bucket, group, world)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += n
+        if bucket:
+            _average_bucket(bucket, group, world)
+
+
+def _average_bucket(grads: list[Tensor], group: dist.ProcessGroup, world: int) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    collectives.all_reduce(flat, group=group)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
 
 
 def sync_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Average every parameter's gradient over the sp and dp ranks of ``mesh`` (one all-reduce per
-    axis and dtype; on an N-D mesh one per dtype over ``"dp_sp"``), completing the gradient contract
-    of the seqpar loss: what stock DDP over the dp x sp ranks does, for a model without a wrapper.
-    Never over tp: a tensor-parallel parameter's gradient (a DTensor on the ``"tp"`` axis) is
-    already whole for its shard on every tp rank (:mod:`seqpar.integrations.distributed.tensor_parallel`),
-    and its local shard is what is averaged. A parameter only some ranks hold (an expert shard,
-    :mod:`seqpar.batch.grad_groups`) is averaged over the ranks that hold the same shard instead.
-    Parameters without a gradient count as zeros (every rank must send the same buffers). Raises
-    ValueError for FSDP-sharded (DTensor) gradients; an exception here is told to every rank
-    (:mod:`seqpar.comm.faults`)."""
+    """Average every parameter's gradient over the sp and dp ranks of ``mesh`` (per axis and dtype,
+    in buckets of at most :data:`GRAD_BUCKET_BYTES`; on an N-D mesh over ``"dp_sp"``), completing the
+    gradient contract of the seqpar loss: what stock DDP over the dp x sp ranks does, for a model
+    without a wrapper. Never over tp: a tensor-parallel parameter's gradient (a DTensor on the ``"tp"``
+    axis) is already whole for its shard on every tp rank
+    (:mod:`seqpar.integrations.distributed.tensor_parallel`), and its local shard is what is averaged.
+    A parameter only some ranks hold (an expert shard, :mod:`seqpar.batch.grad_groups`) is averaged
+    over the ranks that hold the same shard instead. Parameters without a gradient count as zeros
+    (every rank must send the same buffers). Raises ValueError for FSDP-sharded (DTensor) gradients;
+    an exception here is told to every rank (:mod:`seqpar.comm.faults`)."""
     with faults.publishing("sync_gradients"):
         _sync_gradients(model, mesh)
 

@@ -121,11 +121,24 @@ def _tile_terms(head: Head, h: Tensor, target: Tensor, weight: Tensor | None, ig
         lse, picked, _ = vocab_parallel_terms(zc, torch.where(valid, target, -1), head.vocab_start, head.tp_group)
     else:
         picked = zc.gather(1, target.clamp(min=0)[:, None]).squeeze(1)
-        lse = torch.logsumexp(zc, dim=1)
+        lse = _logsumexp_rows(zc)
     ce = (lse - picked) * valid
     if weight is not None:
         ce = ce * weight.to(ce.dtype)
     return ce, zc, lse, valid, t
+
+
+LSE_ROWS = 128
+"""Rows per ``logsumexp`` call of a tile: torch's CPU logsumexp makes a temporary as large as its
+input (``exp(z - max)``), which for a whole ``[T, V]`` tile doubled the loss's peak; per row it is
+the same reduction, so the same values."""
+
+
+def _logsumexp_rows(z: Tensor) -> Tensor:
+    """``torch.logsumexp(z, dim=1)`` of ``z [T, V]``, :data:`LSE_ROWS` rows at a time."""
+    if z.shape[0] <= LSE_ROWS:
+        return torch.logsumexp(z, dim=1)
+    return torch.cat([torch.logsumexp(z[i:i + LSE_ROWS], dim=1) for i in range(0, z.shape[0], LSE_ROWS)])
 
 
 def _dlogits(zc: Tensor, lse: Tensor, target: Tensor, row_scale: Tensor, start: int = 0) -> Tensor:
@@ -175,17 +188,18 @@ class _TiledLoss(torch.autograd.Function):
             w = None if token_weights is None else token_weights[a:b]
             ce, zc, lse, valid, t = _tile_terms(head, h, targets[a:b], w, ignore_index)
             total += ce.sum()
-            if not (need_h or need_w or need_b):
-                continue
-            scale = valid.to(cdtype) if w is None else valid * w.to(cdtype)
-            dz = _dlogits(zc, lse, targets[a:b], scale, head.vocab_start)  # [T, V]: d CE / d z = softmax - onehot
-            dz = head.chain(dz, t).to(hidden.dtype)  # the model's dtype, as autograd would
-            if need_h:
-                grad_h[a:b] = dz @ weight
-            if need_w:
-                accumulate_product(grad_w, dz.t(), h)
-            if need_b:
-                grad_b += dz.sum(0).to(cdtype)
+            if need_h or need_w or need_b:
+                scale = valid.to(cdtype) if w is None else valid * w.to(cdtype)
+                dz = _dlogits(zc, lse, targets[a:b], scale, head.vocab_start)  # [T, V]: d CE / d z = softmax - onehot
+                dz = head.chain(dz, t).to(hidden.dtype)  # the model's dtype, as autograd would
+                if need_h:
+                    grad_h[a:b] = dz @ weight
+                if need_w:
+                    accumulate_product(grad_w, dz.t(), h)
+                if need_b:
+                    grad_b += dz.sum(0).to(cdtype)
+                del dz
+            del zc, t  # this tile's [T, V] buffers die before the next tile's are made (one tile alive, not two)
         sum_over_tp(grad_h, head)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
@@ -196,8 +210,9 @@ class _TiledLoss(torch.autograd.Function):
         gh, gw, gb = ctx.grads
         del ctx.grads
         scale = grad.to(gh.dtype if gh is not None else gw.dtype if gw is not None else gb.dtype)
-        return (None if gh is None else gh * scale, None if gw is None else gw * scale,
-                None if gb is None else gb * scale, None, None, None, None, None, None)
+        # in place: the buffers are this call's own (ctx let go of them), so no second [N, H] / [V, H] copy
+        return (None if gh is None else gh.mul_(scale), None if gw is None else gw.mul_(scale),
+                None if gb is None else gb.mul_(scale), None, None, None, None, None, None)
 
 
 def tiled_loss_sum(hidden: Tensor, head: Head, targets: Tensor, *, token_weights: Tensor | None = None,

@@ -32,6 +32,9 @@ One module per responsibility::
     peak.py         --max-seq's trial: one step's resident peak from fresh processes, under the cap
     search.py       --max-seq's search: the planner's estimate where it starts, doubling, bisection
     report.py       rows post-processed: ratios against 1 rank, packed against plain, max-seq ratios
+    census.py       what a step's live peak is made of, by tensor kind
+    alst.py         the peer: DeepSpeed's ALST set up on a case's model (benchmarks/bench_alst.py)
+    side_by_side.py seqpar on ALST's row, and both systems against the unsharded model
 """
 
 from .build import bench_batch, layout_for, mesh_for, prepare

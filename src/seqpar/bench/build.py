@@ -28,7 +28,14 @@ def build(case: BenchCase, mesh: Any, device: torch.device) -> tuple[Any, Any]:
         if reduce_memory is None:
             raise ValueError("this seqpar has no reduce_memory: run without the memory switches")
         reduce_memory(model, mesh, **case.switches.kwargs())
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, adamw(model)
+
+
+def adamw(model: Any) -> torch.optim.Optimizer:
+    """The bench's optimizer, the same for every system it measures: AdamW, fused (one in-place update
+    per parameter; the loop implementation makes two temporaries of a parameter's size, which were a
+    short step's peak -- ALST's recipe uses DeepSpeed's fused / CPU Adam, in place as well)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 
 def prepare(case: BenchCase, mesh: Any, device: torch.device) -> tuple[Any, Any]:

@@ -4,6 +4,7 @@ is a real training step (:func:`.peak.try_step`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -34,11 +35,14 @@ def estimate(case: BenchCase) -> Any:
                        tied=bool(cfg.tie_word_embeddings), switches=case.switches, loss_tile=DEFAULT_LOSS_TILE)
 
 
-def predicted_max(case: BenchCase, cap_bytes: int, granularity: int, limit: int) -> int:
+def predicted_max(case: BenchCase, cap_bytes: int, granularity: int, limit: int,
+                  peak_bytes: Callable[[BenchCase], int] | None = None) -> int:
     """The longest multiple of ``granularity`` tokens the planner's memory model fits in the cap
-    (0 if none): only where the search starts."""
+    (0 if none): only where the search starts. ``peak_bytes``: another system's model of a case's
+    peak (default: :func:`estimate`'s, on the CPU)."""
     def fits(n: int) -> bool:
-        return estimate(replace(case, seq_len=n)).device_peak(on_cpu=True) <= cap_bytes
+        c = replace(case, seq_len=n)
+        return (peak_bytes(c) if peak_bytes else estimate(c).device_peak(on_cpu=True)) <= cap_bytes
 
     lo, hi = 0, limit // granularity
     while lo < hi:  # largest k with fits(k * granularity)
@@ -48,14 +52,18 @@ def predicted_max(case: BenchCase, cap_bytes: int, granularity: int, limit: int)
 
 
 def max_seq(case: BenchCase, cap_bytes: int, *, start: int, granularity: int, precision: float = 0.125,
-            limit: int = 1 << 24, timeout: float = 900.0, log: Any = None) -> tuple[int, list[Trial]]:
+            limit: int = 1 << 24, timeout: float = 900.0, log: Any = None,
+            trial: Callable[[BenchCase], Trial] | None = None) -> tuple[int, list[Trial]]:
     """The longest multiple of ``granularity`` tokens whose full step fits ``cap_bytes`` per rank,
     found by running: from ``start``, double (or halve) until one length fits and one does not,
     then bisect until the gap is below ``precision`` of the fitting length (or one granule).
+    ``trial(case)`` runs one length (default :func:`.peak.try_step` of seqpar's step under the cap;
+    a peer's harness, or one that reuses lengths it already measured, passes its own).
     Returns ``(longest fitting length or 0, every trial in order)``; ``limit`` bounds the growth
     (the limit itself is tried last, so a fitting limit means "at least the limit")."""
     def run(n: int) -> Trial:
-        t = try_step(replace(case, seq_len=n), cap_bytes, timeout)
+        c = replace(case, seq_len=n)
+        t = trial(c) if trial is not None else try_step(c, cap_bytes, timeout)
         trials.append(t)
         if log is not None:
             log(t)

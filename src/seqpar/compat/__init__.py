@@ -2,9 +2,10 @@
 
 Each shim below is the *only* place its outside internal is read or written, says what it relies on,
 and has a test of exactly that on the installed versions (``tests/test_compat.py``). When a version
-moves, this package (one module per library) and that test are what to check. Layer 0 (imports nothing of seqpar) so that every
-layer can use it: comm and attention touch torch internals too. transformers and accelerate are
-imported inside the shims that need them, never at import time.
+moves, this package (one module per library, every name re-exported here) and that test are what to
+check. Layer 0 (imports nothing of seqpar) so that every layer can use it: comm and attention touch
+torch internals too. transformers, accelerate, TRL, diffusers and DeepSpeed are imported inside the
+shims that need them, never at import time.
 
 Checked on the tested set (``seqpar/tested.txt``: torch 2.13.0's CPU build -- the CUDA attention ops on a
 CUDA build where a GPU ran them --, transformers 5.25.0, accelerate 1.16.0) and on the releases before it
@@ -60,6 +61,8 @@ that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
                                      ContextParallelOutput of models._modeling_parallel:  plan.py
                                      split_dim, expected_dims, split_output, gather_dim;
                                      diffusers 0.42.1)
+    deepspeed_skip_cpu_shm_build     deepspeed.ops.__compatible_ops__ (its op probe's  bench/alst.py
+                                     cache; deepspeed 0.19.8)
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from pathlib import Path
 
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from .deepspeed_internals import DEEPSPEED_SHM_OP, deepspeed_skip_cpu_shm_build
 from .diffusers_internals import diffusers_cp_plan
 from .torch_internals import (
     DCP_METADATA_GLOBALS,
@@ -121,7 +125,8 @@ _TESTED = tested_set()
 CHECKED_ON: dict[str, tuple[str, ...]] = {
     name: tuple(sorted({_TESTED[name], *earlier}))
     for name, earlier in {"torch": (), "transformers": ("5.24.0",), "accelerate": ("1.15.0",),
-                          "diffusers": ()}.items()}
+                          "diffusers": (), "deepspeed": ()}.items()
+    if name in _TESTED}
 """The versions every shim here was tested on (``tests/test_compat.py``), per package: the tested set's
 and the earlier releases whose internals the shims still serve (checked with those installed)."""
 
@@ -147,5 +152,5 @@ __all__ = [
     "init_weights_override", "is_traceable_wrapper_subclass", "kernel_route", "kernel_signature", "kernelized_funcs",
     "kernels_replaced", "load_balancing_loss_func", "mark_uninitialized", "modeling_module",
     "queue_backward_callback", "set_tp_size", "split_prepared_loader", "tested_set", "TRL_GATHER_MODULES",
-    "trl_generation_gathers", "unflatten_mesh",
+    "trl_generation_gathers", "unflatten_mesh", "DEEPSPEED_SHM_OP", "deepspeed_skip_cpu_shm_build",
 ]

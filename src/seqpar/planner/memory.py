@@ -23,7 +23,8 @@ vocabulary varied one at a time (within 2%). Switches (each replaces a term by i
 
     tiled_mlp   m -> 5*min(T, mlp_tile)*I*b       (the tile is recomputed in backward; by default
                                                   mlp_tile_for(T, h, I): the tile follows the shard)
-    tiled_loss  l -> 3*min(T, loss_tile)*V*4      (the lm_head weight gradient is counted with gradients)
+    tiled_loss  l -> min(T, loss_tile)*V*(4 + b')  (one tile of fp32 logits, b' = b for a narrower model's own
+                                                  copy; the lm_head weight gradient is counted with gradients)
     checkpoint  L*(a + m) -> L*T*h*b + a + m      (layer inputs kept; one layer rebuilt at a time)
     offload     L*T*h*b leaves the device         (counted in ``offloaded``: host memory)
 
@@ -61,6 +62,13 @@ Peak of a step = weights + optimizer + gradients + gathered + activations: the s
 (optimizer states exist from the first step on), gradients counted whole at the activation peak
 (an upper bound: they appear while activations are freed). On a CPU rank the offloaded bytes stay
 in the same memory, so ``device_peak(on_cpu=True)`` adds them back.
+
+``phase_peak`` is closer: the larger of the step's two phases (checked within 10% of measured peaks
+with the switches on, against DeepSpeed's ALST's model too: ``tests/planner/test_memory_alst.py``)::
+
+    kept     = L*T*h*b (checkpointed: the inputs on the device) or L*(a + m) (none)
+    loss     = weights + optimizer + other + kept + l + V*h*max(b, 4) (+ T*h*b tiled: grad_w, grad_h)
+    backward = weights + optimizer + other + kept + gradients + (a + m)  (checkpointed: one layer rebuilt)
 """
 
 from __future__ import annotations
@@ -72,8 +80,8 @@ from .bins import SP_SCHEDULES
 
 CHECKPOINT_MODES = ("none", "layers", "offload")
 LOGIT_COPIES = 3  # fp32 [T, V] alive at once: logits, log-softmax, a gradient (measured: 3.0)
-TILE_COPIES = 3  # [tile, V] at once in the tiled loss: the tile's logits, its softmax-gradient buffer (in place),
-# a temporary of the log-sum-exp (measured: 2.8)
+TILE_COPIES = 1  # [tile, V] at once in the tiled loss: the tile's logits, made the softmax gradient in place (the
+# log-sum-exp runs 128 rows at a time, the previous tile is freed first)
 MLP_COPIES = 5  # [T, I]: gate, up, act(gate), their product, a gradient in flight (measured: 4.9)
 ADAM_STATES = 2
 
@@ -133,6 +141,9 @@ class StepMemory:
     other: int  # outside the layers: embedding output, final norm, the gradient flowing back
     offloaded: int  # saved layer inputs moved to host memory (checkpoint="offload")
     gathered: int = 0  # a dynamic schedule under FSDP2: whole weights and gradients held for the step
+    kept: int = 0  # activations alive from the forward to the loss (checkpointed: the inputs left on the device)
+    recompute: int = 0  # one checkpointed layer rebuilt for its backward, with its MLP tile (0 without checkpoints)
+    head_gradient: int = 0  # the gradients the loss makes before the backward: the head's weight, the hidden states'
 
     @property
     def activations(self) -> int:
@@ -146,6 +157,15 @@ class StepMemory:
     def device_peak(self, on_cpu: bool = False) -> int:
         """:attr:`total`, plus the offloaded bytes where host and device memory are the same (CPU)."""
         return self.total + (self.offloaded if on_cpu else 0)
+
+    def phase_peak(self, on_cpu: bool = False) -> int:
+        """The peak as the larger of a step's two phases, not everything at once (:attr:`total`, an
+        upper bound): the loss (the kept activations, the logits or their tile, the gradients the
+        loss makes; the parameters' gradients do not exist yet) and the backward (the kept
+        activations, every gradient, one recomputed layer). Plus the offloaded bytes on a CPU."""
+        fixed = self.weights + self.optimizer + self.gathered + self.other + self.kept + (self.offloaded if on_cpu
+                                                                                           else 0)
+        return fixed + max(self.head_gradient + self.logits, self.gradients + self.recompute)
 
 
 def parameter_count(*, hidden_size: int, intermediate_size: int, layers: int, heads: int, kv_heads: int,
@@ -215,10 +235,13 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
 
     vocab = -(-vocab_size // tp)  # the vocabulary-parallel head's rows on this rank
     rows = min(t, switches.loss_tile or loss_tile) if switches.tiled_loss else t
-    if tp == 1:
-        logits = (TILE_COPIES if switches.tiled_loss else LOGIT_COPIES) * rows * vocab * 4
-    else:  # the shard's logits, their float32 copy (for a narrower dtype), their exponentials or gradient
+    if tp > 1:  # the shard's logits, their float32 copy (for a narrower dtype), their exponentials or gradient
         logits = rows * vocab * (b + (4 if b < 4 else 0) + 4)
+    elif switches.tiled_loss:
+        own = b if b < 4 else 0  # a narrower model's logits, before the fp32 copy the loss works on
+        logits = TILE_COPIES * rows * vocab * (4 + own)
+    else:
+        logits = LOGIT_COPIES * t * vocab * 4
     mlp_tokens = min(t, switches.mlp_tile or sizes["mlp_tile"]) if switches.tiled_mlp else t
     if experts:  # the experts' intermediates of the tokens routed here, and the router's fp32 logits / probs
         mlp_one = MLP_COPIES * top_k * t * (expert_intermediate or i) * b + 2 * t * experts * 4
@@ -228,9 +251,11 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
     rest_one = t * (4 * h + (3 * q + 2 * g) // tp) * b + 4 * t * heads // tp
     other = 4 * t * h * b
     grads = 0 if offload_states else weights  # offloaded: the gathered layer's gradient is in `gathered`
+    head = vocab * h * max(b, 4) + (t * h * b if switches.tiled_loss else 0)  # the tiled loss's grad_w, grad_h
     if switches.checkpoint == "none":
-        return StepMemory(weights, grads, optimizer, logits, layers * mlp_one, layers * rest_one, other, 0, gathered)
+        return StepMemory(weights, grads, optimizer, logits, layers * mlp_one, layers * rest_one, other, 0, gathered,
+                          kept=layers * (mlp_one + rest_one), head_gradient=head)
     inputs = layers * t * h * b  # each layer's input, kept for the recompute
     offloaded = inputs if switches.checkpoint == "offload" else 0
     return StepMemory(weights, grads, optimizer, logits, mlp_one, rest_one + inputs - offloaded, other, offloaded,
-                      gathered)
+                      gathered, kept=inputs - offloaded, recompute=rest_one + mlp_one, head_gradient=head)

@@ -88,7 +88,9 @@ class _TiledMLP(torch.autograd.Function):
             if grad_x is not None:
                 grad_x[:, sl] = got[0]
                 got = got[1:]
-            grads = [g if acc is None else acc if g is None else acc + g for acc, g in zip(grads, got, strict=True)]
+            # summed in place: one [I, H] buffer per weight, not a new sum beside the old one each tile
+            grads = [g if acc is None else acc if g is None else acc.add_(g)
+                     for acc, g in zip(grads, got, strict=True)]
         by_param = dict(zip(map(id, wanted), grads, strict=True))
         return (None, None, None, grad_x, *(by_param.get(id(p)) for p in params))
 
