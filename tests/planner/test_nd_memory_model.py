@@ -5,10 +5,13 @@ published configurations.
 Measured (heavy: ~2 min on 2 cores): 4 gloo ranks, a tiny Llama (hidden 128, MLP 448, 8 query / 4
 KV heads of 16, 2 layers, vocabulary 4096), one step of 4096 tokens, the per-rank peak of live
 tensors (:mod:`seqpar.testing.nd_memory`: the weights and AdamW states held before the step plus
-the live-tensor probe's peak of the forward and backward) within 10% of the estimate at twelve
-layouts: sp4 Ulysses and ring, tp4, tp2 x sp2 Ulysses and ring, tp2 x sp2 with the switches,
-dp_shard2 x tp2 under FSDP2, sp4 under FSDP2 (float32), and sp4 / tp2 x sp2 with and without the
-switches in bfloat16.
+the live-tensor probe's peak of the forward and backward) within 10% of the estimate,
+``StepMemory.phase_peak`` (the larger of the loss phase and the backward phase), at twelve layouts:
+sp4 Ulysses and ring, tp4, tp2 x sp2 Ulysses and ring, tp2 x sp2 with the switches, dp_shard2 x tp2
+under FSDP2, sp4 under FSDP2 (float32), and sp4 / tp2 x sp2 with and without the switches in
+bfloat16; the weights and AdamW states held before the step equal the estimate's exactly.
+``StepMemory.total`` (everything at once) is only an upper bound and is not checked there: with
+the switches in bfloat16 it is 1.2x the peak.
 
 Published (pure arithmetic, within 25%):
 
@@ -114,7 +117,8 @@ def test_estimates_within_10_percent_of_measured_peaks_at_twelve_layouts():
         measured = max(r[i]["before"] + r[i]["step"] for r in per_rank)
         estimate = _estimate(layout)
         assert min(r[i]["before"] for r in per_rank) == estimate.weights + estimate.optimizer, layout.label
-        assert 0.9 <= measured / estimate.total <= 1.1, (layout.label, measured / 2**20, estimate.total / 2**20)
+        peak = estimate.phase_peak()
+        assert 0.9 <= measured / peak <= 1.1, (layout.label, measured / 2**20, peak / 2**20)
 
 
 # ---------------------------------------------------------------- published configurations
