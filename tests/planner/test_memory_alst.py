@@ -54,10 +54,28 @@ def test_seqpar_phase_peak_by_hand():
     assert m.phase_peak() == fixed + max(m.head_gradient + m.logits, m.gradients + m.recompute)
     assert m.phase_peak() < m.total  # the phases never overlap: an upper bound made closer
     off = step_memory(tokens=t, **SHAPE)
-    assert off.kept == off.mlp + off.layers and off.recompute == 0  # nothing recomputed: all activations kept
+    flight = t * 224 * b  # per layer, an MLP gradient [T, I] is in flight in the backward, not kept
+    assert off.kept == off.mlp + off.layers - 2 * flight and off.recompute == flight  # nothing recomputed
     offload = step_memory(tokens=t, **SHAPE, switches=MemorySwitches(checkpoint="offload"))
     assert offload.phase_peak(on_cpu=True) == step_memory(
         tokens=t, **SHAPE, switches=MemorySwitches(checkpoint="layers")).phase_peak()
+
+
+def test_bfloat16_terms_by_hand():
+    """What a narrower dtype adds (measured by seqpar.bench.census at the bfloat16 peaks): each
+    RMSNorm's float32 copy of its input (none with a fused norm), and the tiled loss's grad_w
+    product of a tile with its float32 copy."""
+    t, h, v, layers = 1000, 64, 4096, 2
+    sw = MemorySwitches(tiled_loss=True, tiled_mlp=True, checkpoint="layers", loss_tile=256, mlp_tile=100)
+    bf16, fused = (step_memory(tokens=t, **SHAPE, dtype_bytes=2, switches=sw, fused_norm=f) for f in (False, True))
+    assert bf16.other - fused.other == t * h * 4  # the final norm's copy
+    assert bf16.recompute - fused.recompute == 2 * t * h * 4  # the rebuilt layer's two norms
+    assert bf16.logits == fused.logits == 256 * v * (4 + 2) + v * h * (2 + 4)  # the tile's gradient stage
+    off, off_fused = (step_memory(tokens=t, **SHAPE, dtype_bytes=2, fused_norm=f) for f in (False, True))
+    assert off.kept - off_fused.kept == layers * 2 * t * h * 4
+    f32 = step_memory(tokens=t, **SHAPE, switches=sw)
+    assert f32 == step_memory(tokens=t, **SHAPE, switches=sw, fused_norm=True)  # float32: no copy to make
+    assert f32.logits == 256 * v * 4  # its tile made the gradient in place, its product summed in place
 
 
 # ---------------------------------------------------------------- estimates vs measured peaks

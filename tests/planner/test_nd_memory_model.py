@@ -5,10 +5,13 @@ published configurations.
 Measured (heavy: ~2 min on 2 cores): 4 gloo ranks, a tiny Llama (hidden 128, MLP 448, 8 query / 4
 KV heads of 16, 2 layers, vocabulary 4096), one step of 4096 tokens, the per-rank peak of live
 tensors (:mod:`seqpar.testing.nd_memory`: the weights and AdamW states held before the step plus
-the live-tensor probe's peak of the forward and backward) within 10% of the estimate at twelve
-layouts: sp4 Ulysses and ring, tp4, tp2 x sp2 Ulysses and ring, tp2 x sp2 with the switches,
-dp_shard2 x tp2 under FSDP2, sp4 under FSDP2 (float32), and sp4 / tp2 x sp2 with and without the
-switches in bfloat16.
+the live-tensor probe's peak of the forward and backward) within 10% of the estimate,
+``StepMemory.phase_peak`` (the larger of the loss phase and the backward phase), at twelve layouts:
+sp4 Ulysses and ring, tp4, tp2 x sp2 Ulysses and ring, tp2 x sp2 with the switches, dp_shard2 x tp2
+under FSDP2, sp4 under FSDP2 (float32), and sp4 / tp2 x sp2 with and without the switches in
+bfloat16; the weights and AdamW states held before the step equal the estimate's exactly.
+``StepMemory.total`` (everything at once) is only an upper bound and is not checked there: with
+the switches in bfloat16 it is 1.2x the peak.
 
 Published (pure arithmetic, within 25%):
 
@@ -22,11 +25,13 @@ Published (pure arithmetic, within 25%):
 * ALST (Bekman et al., arXiv 2506.13996; recipe ``projects/sequence-parallelism/run-h100-sp1-llama-8b.yml``
   in snowflakedb/ArcticTraining): Llama 3.1 8B at 500,000 tokens on one H100 (80 GB), bfloat16,
   DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU, activation checkpoints
-  offloaded to the CPU, tiled MLP, Liger's fused (tiled) loss; 555,000 tokens failed. The model puts
-  that configuration at 46.6 GiB of the 74.5 GiB: it would place the longest fitting sequence near
-  820,000 tokens, 1.6x the published 500,000 -- outside 25%, recorded as a strict xfail (see its
-  reason) rather than tuned to fit: the terms that would close the gap (bfloat16 RMSNorm's float32
-  copies, ZeRO-3's buckets) are not confirmed by this CPU's measurements.
+  offloaded to the CPU, tiled MLP, Liger's kernels (the recipe's ``model.type: liger``: its fused
+  RMSNorm, ``fused_norm=True``, and its fused (tiled) loss); 555,000 tokens failed. The model puts
+  that configuration at 48.8 GiB of the 74.5 GiB: it would place the longest fitting sequence near
+  790,000 tokens, 1.6x the published 500,000 -- outside 25%, recorded as a strict xfail (see its
+  reason) rather than tuned to fit. With transformers' own RMSNorm (its float32 copies are measured
+  here) the model would put the longest fit at 520,000 tokens, but the recipe replaces that norm
+  with Liger's, which keeps no copy; ZeRO-3's buckets are not measured here.
 """
 
 from __future__ import annotations
@@ -112,7 +117,8 @@ def test_estimates_within_10_percent_of_measured_peaks_at_twelve_layouts():
         measured = max(r[i]["before"] + r[i]["step"] for r in per_rank)
         estimate = _estimate(layout)
         assert min(r[i]["before"] for r in per_rank) == estimate.weights + estimate.optimizer, layout.label
-        assert 0.9 <= measured / estimate.total <= 1.1, (layout.label, measured / 2**20, estimate.total / 2**20)
+        peak = estimate.phase_peak()
+        assert 0.9 <= measured / peak <= 1.1, (layout.label, measured / 2**20, peak / 2**20)
 
 
 # ---------------------------------------------------------------- published configurations
@@ -127,14 +133,15 @@ def test_torchtitan_fsdp2_cp4_at_128k_within_25_percent():
     assert 0.75 <= est.total / (84.0 * GIB) <= 1.25, est.total / GIB
 
 
-@pytest.mark.xfail(strict=True, reason="the model puts ALST's 500K / H100 configuration at 46.6 GiB, i.e. a "
-                                       "longest fit near 820K tokens, 1.6x the published 500K (module doc)")
+@pytest.mark.xfail(strict=True, reason="the model puts ALST's 500K / H100 configuration at 48.8 GiB, i.e. a "
+                                       "longest fit near 790K tokens, 1.6x the published 500K (module doc)")
 def test_alst_llama_8b_500k_on_one_h100_within_25_percent():
     alst = MemorySwitches(tiled_loss=True, tiled_mlp=True, checkpoint="offload")
     usable = 80 * 10**9  # an H100's 80 GB
 
     def fits(tokens: int) -> bool:
-        return step_memory(tokens=tokens, **LLAMA_8B, dtype_bytes=2, switches=alst, offload_states=True).total <= usable
+        return step_memory(tokens=tokens, **LLAMA_8B, dtype_bytes=2, switches=alst, offload_states=True,
+                           fused_norm=True).total <= usable
 
     longest = max(n for n in range(100_000, 2_000_001, 10_000) if fits(n))
     assert 0.75 <= longest / 500_000 <= 1.25, longest

@@ -10,21 +10,30 @@ parameter count, ``F`` the ranks FSDP shards over (1: replicated)::
     weights = n*b/F     gradients = n*b/F     optimizer = 2*n*4/F    (AdamW: exp_avg, exp_avg_sq)
 
     per layer, except the MLP        a = T*b*(4h + 3q + 2g) + 4*T*H     norms, rope'd q/k, v, kernel out,
-                                                                       o-proj input; the kernel's fp32 lse
-    MLP intermediates                m = 5*T*I*b                        gate, up, act, product, a gradient
+                                           + 2*T*h*4 (b < 4)            o-proj input; the kernel's fp32 lse;
+                                                                       each RMSNorm's fp32 copy of its input
+    MLP intermediates                m = 5*T*I*b                        gate, up, act, product (kept), a
+                                                                       gradient (in flight in the backward)
     logits                           l = 3*T*V*4                        fp32 logits, log-softmax, a gradient
-    outside the layers               o = 4*T*h*b                        embedding out, final norm, gradient
+    outside the layers               o = 4*T*h*b + T*h*4 (b < 4)        embedding out, final norm (its fp32
+                                                                       copy), gradient
 
     activations = l + o + L*(a + m)
 
 The coefficients are counts of the tensors transformers' Llama keeps, checked against the live-tensor
 probe (:class:`seqpar.testing.memory.LiveMemory`) for hidden, MLP width, KV heads, layers and
-vocabulary varied one at a time (within 2%). Switches (each replaces a term by its tile)::
+vocabulary varied one at a time (within 2%). A narrower dtype (``b < 4``, bfloat16) adds what the
+census of its peaks (:class:`seqpar.bench.census.PeakCensus`) finds computed in float32: the
+RMSNorm's ``hidden.to(float32)``, kept for its backward (none with ``fused_norm``: Liger's kernel).
+Switches (each replaces a term by its tile)::
 
     tiled_mlp   m -> 5*min(T, mlp_tile)*I*b       (the tile is recomputed in backward; by default
                                                   mlp_tile_for(T, h, I): the tile follows the shard)
-    tiled_loss  l -> min(T, loss_tile)*V*(4 + b')  (one tile of fp32 logits, b' = b for a narrower model's own
-                                                  copy; the lm_head weight gradient is counted with gradients)
+    tiled_loss  l -> max(R*V*(b' + 4), R*V*(4 + b') + V*h*(b + 4))    (R = min(T, loss_tile): one tile
+                                                  alive, its log-sum-exp, then its gradient: the fp32 logits made
+                                                  the softmax gradient in place, b' = b for a narrower model's own
+                                                  copy, and there its grad_w product with its fp32 copy, V*h*(b+4);
+                                                  under tp the log-sum-exp adds R*V*4 of exponentials)
     checkpoint  L*(a + m) -> L*T*h*b + a + m      (layer inputs kept; one layer rebuilt at a time)
     offload     L*T*h*b leaves the device         (counted in ``offloaded``: host memory)
 
@@ -45,7 +54,7 @@ model's own plan, heads and MLP columns split, the vocabulary-parallel head) div
 and keeps the residual stream whole (replicated over tp)::
 
     n -> n_split / tp + n_whole        q/k/v/o, the MLP, embeddings and head split; norms whole
-    a -> T*b*(4h + (3q + 2g)/tp) + 4*T*H/tp     m -> 5*T*(I/tp)*b      l -> T*(V/tp)*(b + 4 + 4)
+    a -> T*b*(4h + (3q + 2g)/tp) + 4*T*H/tp (+ 2*T*h*4)     m -> 5*T*(I/tp)*b      l -> T*(V/tp)*(b + 4 + 4)
 
 (the vocabulary-parallel loss holds the shard's logits, their float32 copy where ``b < 4``, and one
 float32 buffer: their exponentials, then their gradient in place; a loss tile likewise).
@@ -58,17 +67,23 @@ ranks of dp x sp) and, on average over a balanced router, the intermediates of `
 
 (the MoE terms are the arithmetic of the layout, not yet checked against a measured peak here).
 
-Peak of a step = weights + optimizer + gradients + gathered + activations: the steady state of training
-(optimizer states exist from the first step on), gradients counted whole at the activation peak
-(an upper bound: they appear while activations are freed). On a CPU rank the offloaded bytes stay
+``total`` = weights + optimizer + gradients + gathered + activations: the steady state of training
+(optimizer states exist from the first step on), gradients counted whole at the activation peak:
+an upper bound of a step's peak (the gradients appear while activations are freed; 0.81 to 1.01 of
+the measured peak at the twelve layouts), kept for the planner's choices until ``phase_peak``
+replaces it there. On a CPU rank the offloaded bytes stay
 in the same memory, so ``device_peak(on_cpu=True)`` adds them back.
 
-``phase_peak`` is closer: the larger of the step's two phases (checked within 10% of measured peaks
-with the switches on, against DeepSpeed's ALST's model too: ``tests/planner/test_memory_alst.py``)::
+``phase_peak`` is the estimate: the larger of the step's two phases. Checked within 10% of the
+measured peak at twelve layouts on 4 gloo ranks (float32 and bfloat16, Ulysses and ring, tp, FSDP2,
+with and without the switches: ``tests/planner/test_nd_memory_model.py``, heavy) and of the peak RSS
+of the bench's trials with the switches on, beside DeepSpeed's ALST's model
+(``tests/planner/test_memory_alst.py``)::
 
-    kept     = L*T*h*b (checkpointed: the inputs on the device) or L*(a + m) (none)
+    kept     = L*T*h*b (checkpointed: the inputs on the device) or L*(a + 4/5*m) (none)
     loss     = weights + optimizer + other + kept + l + V*h*max(b, 4) (+ T*h*b tiled: grad_w, grad_h)
     backward = weights + optimizer + other + kept + gradients + (a + m)  (checkpointed: one layer rebuilt)
+                                                            or + m/5     (none: the MLP's gradient in flight)
 """
 
 from __future__ import annotations
@@ -83,6 +98,7 @@ LOGIT_COPIES = 3  # fp32 [T, V] alive at once: logits, log-softmax, a gradient (
 TILE_COPIES = 1  # [tile, V] at once in the tiled loss: the tile's logits, made the softmax gradient in place (the
 # log-sum-exp runs 128 rows at a time, the previous tile is freed first)
 MLP_COPIES = 5  # [T, I]: gate, up, act(gate), their product, a gradient in flight (measured: 4.9)
+MLP_SAVED = 4  # of them, kept from the forward to the backward (measured at the loss's peak: 4.0)
 ADAM_STATES = 2
 
 
@@ -142,7 +158,7 @@ class StepMemory:
     offloaded: int  # saved layer inputs moved to host memory (checkpoint="offload")
     gathered: int = 0  # a dynamic schedule under FSDP2: whole weights and gradients held for the step
     kept: int = 0  # activations alive from the forward to the loss (checkpointed: the inputs left on the device)
-    recompute: int = 0  # one checkpointed layer rebuilt for its backward, with its MLP tile (0 without checkpoints)
+    recompute: int = 0  # the backward's own: one checkpointed layer rebuilt, with its MLP tile (none: an MLP gradient)
     head_gradient: int = 0  # the gradients the loss makes before the backward: the head's weight, the hidden states'
 
     @property
@@ -159,10 +175,11 @@ class StepMemory:
         return self.total + (self.offloaded if on_cpu else 0)
 
     def phase_peak(self, on_cpu: bool = False) -> int:
-        """The peak as the larger of a step's two phases, not everything at once (:attr:`total`, an
-        upper bound): the loss (the kept activations, the logits or their tile, the gradients the
-        loss makes; the parameters' gradients do not exist yet) and the backward (the kept
-        activations, every gradient, one recomputed layer). Plus the offloaded bytes on a CPU."""
+        """The estimate of a step's peak (module doc): the larger of its two phases, not everything
+        at once (:attr:`total`, an upper bound): the loss (the kept activations, the logits or their
+        tile, the gradients the loss makes; the parameters' gradients do not exist yet) and the
+        backward (the kept activations, every gradient, one recomputed layer or, without checkpoints,
+        an MLP gradient in flight). Plus the offloaded bytes on a CPU."""
         fixed = self.weights + self.optimizer + self.gathered + self.other + self.kept + (self.offloaded if on_cpu
                                                                                            else 0)
         return fixed + max(self.head_gradient + self.logits, self.gradients + self.recompute)
@@ -197,7 +214,7 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
                 loss_tile: int = DEFAULT_LOSS_TILE, mlp_tile: int | None = None,
                 sp_schedule: str = "static", tp: int = 1, ep: int = 1, experts: int = 0, top_k: int = 0,
                 expert_intermediate: int | None = None, param_bytes: int | None = None, state_bytes: int = 4,
-                offload_states: bool = False) -> StepMemory:
+                offload_states: bool = False, fused_norm: bool = False) -> StepMemory:
     """Bytes per rank of one training step with ``tokens`` tokens on this rank (the largest shard:
     :func:`seqpar.planner.cost.largest_shard`; a dynamic schedule's bin: its token budget).
     ``loss_tile`` / ``mlp_tile`` are the tiles the library uses when ``switches`` gives none;
@@ -209,8 +226,9 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
     master weights under bfloat16 compute, as FSDP2's mixed precision keeps them); ``state_bytes``: of
     an AdamW state; ``offload_states``: weights, gradients and AdamW states live in host memory
     (DeepSpeed ZeRO-3 with offloaded parameters and optimizer, FSDP2's CPUOffloadPolicy), the device
-    holding one layer's weights and gradients at a time. Raises ValueError for a non-positive size or
-    an unknown schedule."""
+    holding one layer's weights and gradients at a time; ``fused_norm``: RMSNorm is one fused kernel
+    (Liger's) that keeps no float32 copy of a narrower input (transformers' own RMSNorm keeps one).
+    Raises ValueError for a non-positive size or an unknown schedule."""
     if sp_schedule not in SP_SCHEDULES:
         raise ValueError(f"sp_schedule={sp_schedule!r}: choose one of {', '.join(SP_SCHEDULES)}")
     sizes = dict(tokens=tokens, hidden_size=hidden_size, intermediate_size=intermediate_size, layers=layers,
@@ -235,26 +253,31 @@ def step_memory(*, tokens: int, hidden_size: int, intermediate_size: int, layers
 
     vocab = -(-vocab_size // tp)  # the vocabulary-parallel head's rows on this rank
     rows = min(t, switches.loss_tile or loss_tile) if switches.tiled_loss else t
-    if tp > 1:  # the shard's logits, their float32 copy (for a narrower dtype), their exponentials or gradient
-        logits = rows * vocab * (b + (4 if b < 4 else 0) + 4)
-    elif switches.tiled_loss:
-        own = b if b < 4 else 0  # a narrower model's logits, before the fp32 copy the loss works on
-        logits = TILE_COPIES * rows * vocab * (4 + own)
+    own = b if b < 4 else 0  # a narrower dtype's own copy beside the float32 one the loss works on
+    if switches.tiled_loss:  # one tile alive: its log-sum-exp, then its gradient (module doc)
+        lse = rows * vocab * (own + 4 + (4 if tp > 1 else 0))  # logits, float32 copy, (tp) exponentials
+        product = vocab * h * (b + 4) if b < 4 else 0  # a narrower tile's grad_w product and its float32 copy
+        logits = max(lse, TILE_COPIES * rows * vocab * (4 + own) + product)
+    elif tp > 1:  # the shard's logits, their float32 copy (for a narrower dtype), their exponentials or gradient
+        logits = rows * vocab * (own + 4 + 4)
     else:
         logits = LOGIT_COPIES * t * vocab * 4
     mlp_tokens = min(t, switches.mlp_tile or sizes["mlp_tile"]) if switches.tiled_mlp else t
     if experts:  # the experts' intermediates of the tokens routed here, and the router's fp32 logits / probs
-        mlp_one = MLP_COPIES * top_k * t * (expert_intermediate or i) * b + 2 * t * experts * 4
+        width, mlp_tokens, router = expert_intermediate or i, top_k * t, 2 * t * experts * 4
     else:
-        mlp_one = MLP_COPIES * mlp_tokens * -(-i // tp) * b  # one layer's MLP intermediates
+        width, router = -(-i // tp), 0
+    mlp_one = MLP_COPIES * mlp_tokens * width * b + router  # one layer's MLP intermediates
+    mlp_flight = (MLP_COPIES - MLP_SAVED) * mlp_tokens * width * b  # of them, the gradient in flight (backward)
+    norm = 4 * t * h if b < 4 and not fused_norm else 0  # RMSNorm's float32 copy of a narrower input, kept
     # the rest of one layer (the residual stream whole, the heads' tensors split over tp); the kernel's fp32 lse
-    rest_one = t * (4 * h + (3 * q + 2 * g) // tp) * b + 4 * t * heads // tp
-    other = 4 * t * h * b
+    rest_one = t * (4 * h + (3 * q + 2 * g) // tp) * b + 4 * t * heads // tp + 2 * norm
+    other = 4 * t * h * b + norm
     grads = 0 if offload_states else weights  # offloaded: the gathered layer's gradient is in `gathered`
     head = vocab * h * max(b, 4) + (t * h * b if switches.tiled_loss else 0)  # the tiled loss's grad_w, grad_h
     if switches.checkpoint == "none":
         return StepMemory(weights, grads, optimizer, logits, layers * mlp_one, layers * rest_one, other, 0, gathered,
-                          kept=layers * (mlp_one + rest_one), head_gradient=head)
+                          kept=layers * (mlp_one - mlp_flight + rest_one), recompute=mlp_flight, head_gradient=head)
     inputs = layers * t * h * b  # each layer's input, kept for the recompute
     offloaded = inputs if switches.checkpoint == "offload" else 0
     return StepMemory(weights, grads, optimizer, logits, mlp_one, rest_one + inputs - offloaded, other, offloaded,
