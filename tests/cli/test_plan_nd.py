@@ -34,7 +34,7 @@ def _shape(cfg: dict, moe: bool = False) -> ModelShape:
 def _check_layout(c, shape: ModelShape, gpus: int, per_node: int) -> None:
     assert c.dp_replicate * c.dp_shard * c.sp * c.tp == gpus
     assert per_node % c.tp == 0 and shape.heads % c.tp == 0 and shape.kv_heads % c.tp == 0
-    assert c.memory.total <= GB80
+    assert c.memory.phase_peak() <= GB80
     dims = resolve_dims(gpus, **c.mesh_kwargs())  # init_mesh takes it as it is
     assert (dims.dp_replicate, dims.dp_shard, dims.sp, dims.tp, dims.ep) == (c.dp_replicate, c.dp_shard, c.sp, c.tp,
                                                                             c.ep)
@@ -46,10 +46,11 @@ def test_a_70b_model_at_256k_on_64_gpus():
     _check_layout(p.chosen, shape, 64, 8)
     fits = [c for c in p.candidates if c.feasible]
     assert p.chosen.seconds_per_layer == min(c.seconds_per_layer for c in fits)
-    assert all(c.memory.total > GB80 for c in p.candidates if not c.feasible)
+    assert all(c.memory.phase_peak() > GB80 for c in p.candidates if not c.feasible)
     # a switch lighter than the chosen one would not fit the chosen layout
     lighter = SWITCH_LADDER[:SWITCH_LADDER.index(p.chosen.switches)]
-    assert all(c.memory.total > GB80 for c in p.candidates if c.switches in lighter and c.label == p.chosen.label)
+    assert all(c.memory.phase_peak() > GB80 for c in p.candidates
+               if c.switches in lighter and c.label == p.chosen.label)
     assert set(p.chosen.bytes_per_layer) == {"sp", "tp", "dp", "ep"}
 
 
@@ -78,7 +79,7 @@ def test_cli_prints_the_chosen_layout(tmp_path, capsys):
     p = plan_nd(_shape(MOE, moe=True), gpus=32, gpus_per_node=8, gpu_memory=GB80, seq_len=131072)
     c = p.chosen
     assert f"chosen: {c.label} ({c.strategy}); memory switches: {c.switches.label}" in out
-    assert f"reason: {p.reason}" in out and f"memory per GPU ({format_bytes(c.memory.total)})" in out
+    assert f"reason: {p.reason}" in out and f"memory per GPU ({format_bytes(c.memory.phase_peak())})" in out
     assert "seqpar.init_mesh(" + ", ".join(f"{k}={v}" for k, v in c.mesh_kwargs().items()) + ")" in out
     assert f"ep {format_bytes(c.bytes_per_layer['ep'])}" in out and "64 experts (top 8, width 768)" in out
     assert main(["plan", "--model", str(cfg), "--gpus", "32", "--seq-len", "131072"]) != 0

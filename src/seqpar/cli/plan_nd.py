@@ -60,7 +60,7 @@ def run_nd(args: argparse.Namespace, kw: dict[str, Any]) -> int:
     print(f"use:    mesh = seqpar.init_mesh({mesh}); seqpar.parallelize(model, mesh, strategy={c.strategy!r})"
           + (f"; seqpar.reduce_memory(model, mesh, {switches})" if c.switches.any else "")
           + "; seqpar.apply_fsdp(model, mesh)")
-    print(f"\nmemory per GPU ({format_bytes(m.total)}): weights {format_bytes(m.weights)}, gradients "
+    print(f"\nmemory per GPU ({format_bytes(m.phase_peak())}): weights {format_bytes(m.weights)}, gradients "
           f"{format_bytes(m.gradients)}, AdamW {format_bytes(m.optimizer)} (FSDP2 over dp_shard x sp, float32 master), "
           f"logits {format_bytes(m.logits)}, MLP {format_bytes(m.mlp)}, layers {format_bytes(m.layers)}, other "
           f"{format_bytes(m.other)}" + (f"; host {format_bytes(m.offloaded)}" if m.offloaded else ""))
@@ -81,5 +81,6 @@ def format_layouts(cands: tuple[Any, ...], chosen: Any, top: int = 12) -> str:
     for c in ok[:top]:
         mark = "*" if c is chosen else " "
         lines.append(f"{mark} {c.dp_replicate:>6} {c.dp_shard:>8} {c.ulysses:>7} {c.ring:>4} {c.tp:>3} {c.ep:>3} "
-                     f"{c.switches.label:>18} {format_bytes(c.memory.total):>11} {c.seconds_per_layer * 1e3:>9.3f}")
+                     f"{c.switches.label:>18} {format_bytes(c.memory.phase_peak()):>11} "
+                     f"{c.seconds_per_layer * 1e3:>9.3f}")
     return "\n".join(lines)
