@@ -9,7 +9,7 @@ shims that need them, never at import time.
 
 Checked on the tested set (``seqpar/tested.txt``: torch 2.13.0's CPU build -- the CUDA attention ops on a
 CUDA build where a GPU ran them --, transformers 5.25.0, accelerate 1.16.0) and on the releases before it
-that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0).
+that :data:`CHECKED_ON` lists (transformers 5.24.0, accelerate 1.15.0; and torch 2.15.0, newer).
 
     shim                             outside internal                                  used by
     -------------------------------  ------------------------------------------------  -----------------------
@@ -124,11 +124,12 @@ def tested_set() -> dict[str, str]:
 _TESTED = tested_set()
 CHECKED_ON: dict[str, tuple[str, ...]] = {
     name: tuple(sorted({_TESTED[name], *earlier}))
-    for name, earlier in {"torch": (), "transformers": ("5.24.0",), "accelerate": ("1.15.0",),
+    for name, earlier in {"torch": ("2.15.0",), "transformers": ("5.24.0",), "accelerate": ("1.15.0",),
                           "diffusers": (), "deepspeed": ()}.items()
     if name in _TESTED}
 """The versions every shim here was tested on (``tests/test_compat.py``), per package: the tested set's
-and the earlier releases whose internals the shims still serve (checked with those installed)."""
+and the other releases whose internals the shims serve (checked with those installed: torch 2.15.0,
+the newest on 2026-12-07, by ``make test-latest``: the internals-sensitive tests pass)."""
 
 
 @dataclass(frozen=True)
