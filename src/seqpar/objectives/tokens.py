@@ -120,6 +120,7 @@ class _TiledTokenStats(torch.autograd.Function):
             z = _tile_logits(head, hidden[a:b], temperature)  # [T, V] (V/tp: this rank's rows), one buffer
             valid = targets[a:b] != ignore_index
             top, picked, total, e_s = _tile_sums(z, torch.where(valid, targets[a:b], -1), head)
+            del z  # consumed: freed before the next tile's buffer is made (one tile alive, not two)
             log_total = total.log()
             logps.append((picked - log_total) * valid)
             ents.append(log_total - e_s / total)  # -sum p log p = log Z - sum e s / Z
