@@ -35,13 +35,15 @@ def test_verify_a_refused_vlm_checkpoint_names_the_mechanism(tmp_path, capsys):
 
 
 def test_vlm_zoo_table_counts_families_and_fails_on_a_mismatch(capsys):
-    rows = [VlmParityRow("qwen2_vl", s, 2, "exact", loss_diff=1e-16, grad_max=2e-16) for s in ("ulysses", "ring")]
-    rows += [VlmParityRow("gemma3", s, 2, "refused", "seqpar: bidirectional attention") for s in ("ulysses", "ring")]
-    rows += [VlmParityRow("chameleon", "-", 2, "unbuildable", "AttributeError: ...")]
+    rows = [VlmParityRow("exact", loss_diff=1e-16, grad_max=2e-16, family="qwen2_vl", strategy=s, p=2)
+            for s in ("ulysses", "ring")]
+    rows += [VlmParityRow("refused", "seqpar: bidirectional attention", family="gemma3", strategy=s, p=2)
+              for s in ("ulysses", "ring")]
+    rows += [VlmParityRow("unbuildable", "AttributeError: ...", family="chameleon", strategy="-", p=2)]
     assert summary(rows, print_rows(rows), "families", 2) == 0
     out = capsys.readouterr().out
     assert "3 families at P=2: 1 exact, 1 refused, 1 unbuildable (families)" in out
     assert "placeholder merge, M-RoPE" in out  # qwen2_vl's mechanisms, from the family table
-    bad = rows + [VlmParityRow("llava", "ring", 2, "mismatch", "worst x", 1e-3, 1e-3)]
+    bad = rows + [VlmParityRow("mismatch", "worst x", 1e-3, 1e-3, family="llava", strategy="ring", p=2)]
     assert summary(bad, print_rows(bad), "families", 2) == 1
     assert summary(rows[2:4], print_rows(rows[2:4]), "checkpoint", 2, strict=True) == 1

@@ -45,7 +45,7 @@ from ..integrations.hf.parallelize import unparallelize
 from .diffusers_specs import META, SPECS, make_inputs
 from .float64_casts import Float64Casts
 from .model_parity import GRAD_TOL, LOSS_TOL
-from .zoo import agreed_outcome, verdict
+from .zoo import ZooVerdict, agreed_outcome, verdict
 
 OUTPUTS = ("whole", "sharded")
 FORWARD_SEED = 7
@@ -98,18 +98,14 @@ def build_dit(name: str, seed: int = 0) -> nn.Module:
     return model
 
 
-@dataclass(frozen=True)
-class DitRow:
+@dataclass(frozen=True, kw_only=True)
+class DitRow(ZooVerdict):
     """One class under one strategy and call at one SP size (see the module doc for ``outcome``)."""
 
     name: str
     strategy: str
     output: str
     p: int
-    outcome: str
-    detail: str = ""
-    loss_diff: float = 0.0
-    grad_max: float = 0.0
 
 
 def _target(out: Tensor) -> Tensor:
@@ -180,7 +176,7 @@ def zoo_class(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], outputs:
     try:
         model = build_dit(name)
     except Exception as e:
-        return [DitRow(name, "-", "-", p, "unbuildable", f"{type(e).__name__}: {str(e)[:200]}")]
+        return [DitRow("unbuildable", f"{type(e).__name__}: {str(e)[:200]}", name=name, strategy="-", output="-", p=p)]
     outcome, detail = "exact", ""
     try:
         parallelize_diffusers(model, mesh, strategy=strategies[0])
@@ -189,13 +185,13 @@ def zoo_class(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], outputs:
         outcome, detail = verdict(e)
     outcome, detail = agreed_outcome(outcome, detail, group)
     if outcome != "exact":
-        return [DitRow(name, "-", "-", p, outcome, detail[:2000])]
+        return [DitRow(outcome, detail[:2000], name=name, strategy="-", output="-", p=p)]
     try:
         inputs = make_inputs(name)
         ref = reference(model, inputs)
     except Exception as e:
-        return [DitRow(name, "-", "-", p, "unbuildable", f"its tiny config does not run without seqpar "
-                       f"({type(e).__name__}: {str(e)[:200]})")]
+        return [DitRow("unbuildable", f"its tiny config does not run without seqpar ({type(e).__name__}: "
+                       f"{str(e)[:200]})", name=name, strategy="-", output="-", p=p)]
     rows = []
     for strategy in strategies:
         for output in outputs:
@@ -208,7 +204,8 @@ def zoo_class(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], outputs:
             except Exception as e:
                 outcome, detail = verdict(e)
             outcome, detail = agreed_outcome(outcome, detail, group)
-            rows.append(DitRow(name, strategy, output, p, outcome, detail[:2000], loss_diff, grad_max))
+            rows.append(DitRow(outcome, detail[:2000], loss_diff, grad_max, name=name, strategy=strategy,
+                               output=output, p=p))
     return rows
 
 

@@ -22,18 +22,14 @@ import torch.distributed as dist
 
 from .ep_parity import EPCase, build_moe, compare_ep
 from .scans64 import float64_scans
-from .zoo import VARIANTS, agreed_outcome, causal_lm_types, verdict
+from .zoo import VARIANTS, ZooVerdict, agreed_outcome, causal_lm_types, verdict
 
 
-@dataclass(frozen=True)
-class EPZooRow:
+@dataclass(frozen=True, kw_only=True)
+class EPZooRow(ZooVerdict):
     """One family under EP: its outcome (see the module doc) and the worst differences."""
 
     family: str
-    outcome: str
-    detail: str = ""
-    loss_diff: float = 0.0
-    grad_max: float = 0.0
 
 
 def ep_families() -> list[str]:
@@ -64,7 +60,8 @@ def ep_zoo_family(family: str, world: int) -> EPZooRow:
         model(input_ids=torch.arange(6).view(1, 6) % 5, labels=torch.arange(6).view(1, 6) % 5)
     except Exception as e:
         # the same model, built alike on every rank: the same verdict everywhere, no agreement needed
-        return EPZooRow(family, "unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        return EPZooRow("unbuildable", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+                        family=family)
     try:
         with float64_scans(model):
             row = compare_ep(case)
@@ -75,7 +72,7 @@ def ep_zoo_family(family: str, world: int) -> EPZooRow:
     except Exception as e:
         (outcome, detail), loss, grad = verdict(e), 0.0, 0.0
     outcome, detail = agreed_outcome(outcome, detail, dist.group.WORLD)
-    return EPZooRow(family, outcome, detail[:2000], loss, grad)
+    return EPZooRow(outcome, detail[:2000], loss, grad, family=family)
 
 
 def run_ep_zoo(rank: int, world: int, families: list[str] | None = None) -> list[EPZooRow]:

@@ -34,20 +34,16 @@ from .model_parity import FLOAT64_NOISE, Floor, compare_models, precision_floor
 from .scans64 import float64_scans
 from .vlm_inputs import vlm_batch
 from .vlm_zoo import build_tiny_vlm, run_unsharded, vlm_reference
-from .zoo import agreed_outcome
+from .zoo import ZooVerdict, agreed_outcome
 
 
-@dataclass(frozen=True)
-class VlmParityRow:
+@dataclass(frozen=True, kw_only=True)
+class VlmParityRow(ZooVerdict):
     """One family under one strategy at one SP size."""
 
     family: str
     strategy: str
     p: int
-    outcome: str
-    detail: str = ""
-    loss_diff: float = 0.0
-    grad_max: float = 0.0
     f32_rel: float = 0.0  # worst relative difference of a float32-accurate parameter (exact (float32 model))
     straddling: int = 0  # images whose placeholder tokens cross a shard boundary
 
@@ -145,9 +141,9 @@ def vlm_family_parity(family: str, mesh: DeviceMesh, strategies: tuple[str, ...]
             floor = vlm_floor(model, batch)
         except Exception as e:  # not runnable without seqpar: its own status, measured alone
             if build is not None:
-                return [VlmParityRow(family, "-", p, "fails", f"{type(e).__name__}: {e}")]
+                return [VlmParityRow("fails", f"{type(e).__name__}: {e}", family=family, strategy="-", p=p)]
             status = run_unsharded(family)
-            return [VlmParityRow(family, "-", p, status.status, status.detail)]
+            return [VlmParityRow(status.status, status.detail, family=family, strategy="-", p=p)]
         runs = placeholder_runs(model, batch)
         rows = []
         for strategy in strategies:
@@ -165,8 +161,9 @@ def vlm_family_parity(family: str, mesh: DeviceMesh, strategies: tuple[str, ...]
             except Exception as e:
                 outcome, detail = "crashed", f"{type(e).__name__}: {e}"
             outcome, detail = agreed_outcome(outcome, detail, group)
-            rows.append(VlmParityRow(family, strategy, p, outcome, detail[:2000], loss_diff, grad_max, f32_rel,
-                                     straddling(runs, batch["input_ids"].shape[1], p)))
+            rows.append(VlmParityRow(outcome, detail[:2000], loss_diff, grad_max, family=family, strategy=strategy,
+                                     p=p, f32_rel=f32_rel,
+                                     straddling=straddling(runs, batch["input_ids"].shape[1], p)))
         return rows
 
 

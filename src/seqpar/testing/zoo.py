@@ -256,17 +256,24 @@ def verdict(error: Exception) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
-class ZooRow:
+class ZooVerdict:
+    """One run's verdict, the same on every rank (:func:`agreed_outcome`), and its worst differences
+    from the model without seqpar: what every zoo's row holds (each adds, keyword-only, what it ran)."""
+
+    outcome: str
+    detail: str = ""
+    loss_diff: float = 0.0
+    grad_max: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZooRow(ZooVerdict):
     """One family under one strategy and batch at one SP size (see the module doc for ``outcome``)."""
 
     family: str
     strategy: str
     batch: str
     p: int
-    outcome: str
-    detail: str = ""
-    loss_diff: float = 0.0
-    grad_max: float = 0.0
     mixer_modes: tuple[str, ...] = ()  # "Class=mode" of each hybrid token mixer, as it ran
 
 
@@ -323,7 +330,7 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
         model = build_tiny(model_type, **overrides)
     except Exception:
         outcome, why = meta_verdict(model_type)
-        return [ZooRow(name, "-", "-", p, outcome, why or "its tiny config does not build")]
+        return [ZooRow(outcome, why or "its tiny config does not build", family=name, strategy="-", batch="-", p=p)]
     rows, runnable = [], []
     for strategy in strategies:
         outcome, detail = "exact", ""
@@ -336,7 +343,7 @@ def zoo_family(name: str, mesh: DeviceMesh, strategies: tuple[str, ...], solo: D
         if outcome == "exact":
             runnable.append(strategy)
         else:
-            rows.append(ZooRow(name, strategy, "-", p, outcome, detail[:2000]))
+            rows.append(ZooRow(outcome, detail[:2000], family=name, strategy=strategy, batch="-", p=p))
     if not runnable:
         return rows
     with float64_scans(model):
@@ -359,8 +366,9 @@ def _compared(name: str, model: nn.Module, mesh: DeviceMesh, runnable: list[str]
         dist.broadcast_object_list(box, group_src=owner, group=group)
         if isinstance(box[0], Exception):
             e = box[0]
-            return [ZooRow(name, "-", "-", p, "unbuildable", "its tiny config does not run without seqpar "
-                           f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")]
+            return [ZooRow("unbuildable", "its tiny config does not run without seqpar "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})",
+                           family=name, strategy="-", batch="-", p=p)]
         batch, ref, kind_floor, scaled = box[0]
         refs[kind], floor = (batch, ref, scaled), floor | kind_floor
     floor = floor | Floor(attention=attention_floor(model, *refs["padded"][:2], solo))  # collective over solo's dp
@@ -379,7 +387,8 @@ def _compared(name: str, model: nn.Module, mesh: DeviceMesh, runnable: list[str]
             except Exception as e:
                 outcome, detail = verdict(e)
             outcome, detail = agreed_outcome(outcome, detail, group)
-            rows.append(ZooRow(name, strategy, kind, p, outcome, detail[:2000], loss_diff, grad_max, ran))
+            rows.append(ZooRow(outcome, detail[:2000], loss_diff, grad_max, family=name, strategy=strategy,
+                               batch=kind, p=p, mixer_modes=ran))
     return rows
 
 
