@@ -145,7 +145,12 @@ def _check_builtin_fields(cfg: TrainConfig, data: DataSource) -> None:
 def prepare_job(cfg: TrainConfig, world: int | None = None) -> Job:
     """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --tp / --dp),
     resolve the strategy (and with --plan auto the whole layout, :mod:`.layout`), read the data and
-    load the tokenizer. Raises ValueError with the option to change."""
+    load the tokenizer. Raises ValueError with the option to change. A DiT's job (data the model splits
+    itself: --objective flow-matching) is prepared by :func:`seqpar.train.dit_job.prepare_dit_job`."""
+    if DATA_KINDS[objective_of(cfg.objective).data].model_splits:
+        from .dit_job import prepare_dit_job
+
+        return prepare_dit_job(cfg, world)
     check_plan_options(cfg, world)
     if cfg.plan == "auto":  # everything but the layout now; the layout once the model's shape is known
         world = world if world is not None else cfg.nproc
@@ -189,7 +194,7 @@ def prepare_job(cfg: TrainConfig, world: int | None = None) -> Job:
         _check_builtin_fields(cfg, data)
     job = Job(cfg, world, sp, dp, strategy, mesh_kwargs, layout, heads, kv_heads, reason, data=data,
               tokenizer=tokenizer, tp=cfg.tp, ep=cfg.ep, plan_reason=plan_reason)
-    return _check_save_dir(job)
+    return check_save_dir(job)
 
 
 def _layout(cfg: TrainConfig, sp: int, dp: int, config: Any, planned: dict[str, int] | None = None
@@ -230,7 +235,7 @@ def _layout(cfg: TrainConfig, sp: int, dp: int, config: Any, planned: dict[str, 
     return strategy, reason, kwargs, layout
 
 
-def _check_save_dir(job: Job) -> Job:
+def check_save_dir(job: Job) -> Job:
     """--resume: the checkpoint to continue from, checked; a fresh run: refused where an earlier
     run's checkpoints would be deleted, unless --overwrite (then they are listed in the job)."""
     from . import checkpoint as ckpt
