@@ -241,7 +241,8 @@ OBJECTIVES: dict[str, TrainObjective] = {o.name: o for o in (
                    options=("flow_weighting", "logit_mean", "logit_std"),
                    dynamic_problem=lambda c: "--objective flow-matching calls a diffusers transformer with whole "
                    "inputs on every sp rank, which a dynamic schedule's bins do not: use --sp-schedule static",
-                   defaults=dict(model="tiny-wan", lr=2e-3, warmup=20, steps=300, micro_batch=4, eval_every=100),
+                   defaults=dict(model="tiny-wan", lr=3e-3, warmup=20, steps=300, micro_batch=4, eval_every=100,
+                                 checkpoint="none", tiled_mlp=False),
                    finish=lambda ctx, data: _flow_samples(ctx, data)),
 )}
 

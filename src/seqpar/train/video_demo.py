@@ -1,18 +1,16 @@
 """The embedded data of ``seqpar train --objective flow-matching`` without --data: a square moving
 across frames, and the picture of what the model learnt (``samples.png``).
 
-Each clip is ``[3, F, H, W]`` RGB in [-1, 1] (the latents are the pixels: no VAE), 4 frames of 32 x 32
-by default -- 1,024 tokens through tiny-wan's 1 x 2 x 2 patches. A clip has a black background and one
-square of side ``H / 4`` in one of six colours, starting anywhere and moving by up to 3 pixels per frame
-in x and y, staying inside the frame; all drawn per clip from the run's seed. Its "text" is 4 embedding
-tokens of width 16 that say the clip: the colour (one-hot), the start and the velocity (Fourier
-features), and a constant token. The training clips are an endless stream; the held-out ones
+Each clip is ``[3, F, H, W]`` RGB in [-1, 1] (the latents are the pixels: no VAE), 16 frames of
+32 x 32 by default -- 1,024 tokens through tiny-wan's 1 x 4 x 4 patches. A clip has a black background
+and one square of 2 x 2 cells (a cell: a patch, 4 pixels) in one of six colours, starting at any cell
+and moving one cell per frame in one of 9 ways (standing still too), bouncing off the edges; all drawn
+per clip from the run's seed. Its "text" is 3 embedding tokens of width 16 that say the colour and the
+move (one-hot) and a constant token. The training clips are an endless stream; the held-out ones
 (--eval-rows) another.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -23,33 +21,42 @@ from .sources import EVAL
 PALETTE = torch.tensor([[1, -1, -1], [-1, 1, -1], [-1, -1, 1], [1, 1, -1], [1, -1, 1], [-1, 1, 1]],
                        dtype=torch.float32)
 """Red, green, blue, yellow, magenta, cyan (RGB in [-1, 1])."""
-TEXT_LEN, TEXT_DIM, MAX_SPEED = 4, 16, 3
+SPEEDS = [(dx, dy) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
+"""The square's moves per frame, in cells (x, y)."""
+TEXT_LEN, TEXT_DIM = 3, 16
 
 
-def _fourier(values: Tensor, n: int = 4) -> Tensor:
-    """``[k]`` numbers in [0, 1] -> ``[2 n k]`` features: sin and cos of pi j v, j = 1..n."""
-    j = torch.arange(1, n + 1, dtype=torch.float32)
-    angles = math.pi * values[:, None] * j  # [k, n]
-    return torch.cat([angles.sin(), angles.cos()], dim=1).reshape(-1)
-
-
-def describe_clip(colour: int, start: tuple[int, int], speed: tuple[int, int], size: int) -> Tensor:
-    """The text embedding ``[TEXT_LEN, TEXT_DIM]`` of a clip (see the module doc)."""
+def describe_clip(colour: int, speed: tuple[int, int]) -> Tensor:
+    """The text embedding ``[TEXT_LEN, TEXT_DIM]`` of a clip: its colour and its move (one-hot), and a
+    constant token. (Not its start: a DiT's positions are relative -- RoPE -- so where the square
+    starts is the sampler's to choose.)"""
     text = torch.zeros(TEXT_LEN, TEXT_DIM)
     text[0, colour] = 1.0
-    text[1] = _fourier(torch.tensor(start, dtype=torch.float32) / size)
-    text[2] = _fourier((torch.tensor(speed, dtype=torch.float32) + MAX_SPEED) / (2 * MAX_SPEED))
-    text[3, 0] = 1.0
+    text[1, SPEEDS.index(speed)] = 1.0
+    text[2, 0] = 1.0
     return text
 
 
-def render(colour: int, start: tuple[int, int], speed: tuple[int, int], *, frames: int, size: int) -> Tensor:
-    """The clip ``[3, frames, size, size]``: the square's top-left corner at ``start + f * speed``."""
-    side = size // 4
+def path(start: tuple[int, int], speed: tuple[int, int], frames: int, room: int) -> list[tuple[int, int]]:
+    """The square's cell on each frame: ``start`` moved by ``speed`` per frame, bouncing off the edges
+    (cells 0 .. ``room``)."""
+    out, (x, y), (dx, dy) = [], start, speed
+    for _ in range(frames):
+        out.append((x, y))
+        if not 0 <= x + dx <= room:
+            dx = -dx
+        if not 0 <= y + dy <= room:
+            dy = -dy
+        x, y = x + dx, y + dy
+    return out
+
+
+def render(colour: int, start: tuple[int, int], speed: tuple[int, int], *, frames: int, size: int,
+           cell: int) -> Tensor:
+    """The clip ``[3, frames, size, size]``: a square of 2 x 2 cells (``cell`` pixels each) on black."""
     clip = -torch.ones(3, frames, size, size)
-    for f in range(frames):
-        x, y = start[0] + f * speed[0], start[1] + f * speed[1]
-        clip[:, f, y:y + side, x:x + side] = PALETTE[colour][:, None, None]
+    for f, (x, y) in enumerate(path(start, speed, frames, size // cell - 2)):
+        clip[:, f, y * cell:(y + 2) * cell, x * cell:(x + 2) * cell] = PALETTE[colour][:, None, None]
     return clip
 
 
@@ -57,35 +64,31 @@ class MovingSquares(LatentSource):
     """The embedded clips (see the module doc): a :class:`~.sources.DataSource` of endless training
     clips and ``eval_rows`` held-out ones."""
 
-    def __init__(self, seed: int, eval_rows: int, *, frames: int = 4, size: int = 32) -> None:
-        if size % 4 or size // 4 + (frames - 1) * MAX_SPEED > size:
-            raise ValueError(f"a {size} x {size} frame cannot hold the square's path over {frames} frames")
+    def __init__(self, seed: int, eval_rows: int, *, frames: int = 16, size: int = 32, cell: int = 4) -> None:
+        if size % cell or size // cell < 3:
+            raise ValueError(f"a {size} x {size} frame of {cell}-pixel cells cannot hold a moving 2 x 2-cell square")
         super().__init__(seed, None, eval_rows)
-        self.frames, self.size = frames, size
+        self.frames, self.size, self.cell = frames, size, cell
 
     def clip(self, i: int, split: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
-        """``(colour, start, speed)`` of clip ``i`` of ``split``."""
+        """``(colour, start cell, speed)`` of clip ``i`` of ``split``."""
         g = torch.Generator().manual_seed(self.seed * 7_919 + 2 * i + (1 if split == EVAL else 0))
         colour = int(torch.randint(len(PALETTE), (1,), generator=g))
-        speed = tuple(int(v) for v in torch.randint(-MAX_SPEED, MAX_SPEED + 1, (2,), generator=g))
-        room = self.size - self.size // 4
-        start = []
-        for v in speed:  # the corner stays in [0, room] on every frame
-            lo, hi = max(0, -v * (self.frames - 1)), room - max(0, v * (self.frames - 1))
-            start.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))
-        return colour, (start[0], start[1]), (speed[0], speed[1])
+        speed = SPEEDS[int(torch.randint(len(SPEEDS), (1,), generator=g))]
+        x, y = (int(v) for v in torch.randint(0, self.size // self.cell - 1, (2,), generator=g))
+        return colour, (x, y), speed
 
     def sample(self, i: int, split: int) -> tuple[Tensor, Tensor]:
         colour, start, speed = self.clip(i, split)
-        return (render(colour, start, speed, frames=self.frames, size=self.size),
-                describe_clip(colour, start, speed, self.size))
+        return (render(colour, start, speed, frames=self.frames, size=self.size, cell=self.cell),
+                describe_clip(colour, speed))
 
     def describe(self) -> str:
-        tokens = self.frames * (self.size // 2) ** 2
+        tokens = self.frames * (self.size // self.cell) ** 2
         return (f"the embedded moving squares: clips of {self.frames} RGB frames of {self.size} x {self.size} "
-                f"({tokens:,} tokens through 1 x 2 x 2 patches), a square of one of {len(PALETTE)} colours moving "
-                f"in a straight line, text embeddings [{TEXT_LEN}, {TEXT_DIM}] that describe it; {self.n_eval} "
-                "held-out clips")
+                f"({tokens:,} tokens through 1 x {self.cell} x {self.cell} patches), a square of one of "
+                f"{len(PALETTE)} colours moving one way and bouncing off the edges, text embeddings "
+                f"[{TEXT_LEN}, {TEXT_DIM}] that say its colour and move; {self.n_eval} held-out clips")
 
 
 def save_frame_grid(path: str, rows: list[tuple[str, Tensor]]) -> str:
@@ -97,7 +100,7 @@ def save_frame_grid(path: str, rows: list[tuple[str, Tensor]]) -> str:
     import matplotlib.pyplot as plt
 
     frames = max(clip.shape[1] for _, clip in rows)
-    fig, axes = plt.subplots(len(rows), frames, figsize=(1.3 * frames + 1.4, 1.3 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), frames, figsize=(0.8 * frames + 1.4, 0.8 * len(rows) + 0.3), squeeze=False)
     for r, (label, clip) in enumerate(rows):
         rgb = ((clip[:3].float().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0)  # [F, H, W, 3]
         for f in range(frames):
