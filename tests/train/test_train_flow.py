@@ -43,8 +43,10 @@ def _parquet(path, latents, text, shape=None):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = {"latents": [x.reshape(-1).tolist() for x in latents], "text_embeds": [e.reshape(-1).tolist() for e in text],
-            "latents_shape": [shape or list(x.shape) for x in latents], "text_embeds_shape": [list(e.shape) for e in text]}
+    rows = {"latents": [x.reshape(-1).tolist() for x in latents],
+            "text_embeds": [e.reshape(-1).tolist() for e in text],
+            "latents_shape": [shape or list(x.shape) for x in latents],
+            "text_embeds_shape": [list(e.shape) for e in text]}
     pq.write_table(pa.table(rows), str(path))
     return str(path)
 
@@ -104,10 +106,9 @@ def test_the_weights_move(steps):
 
 
 def _lifecycle(rank, world, cfgs):
-    full, part, exported = cfgs
-    out = {"full": run_training(prepare_job(full, world))}
-    out["whole"] = run_training(prepare_job(part.replace(save_dir=part.save_dir + "_whole"), world))
-    run_training(prepare_job(part, world), stop_after=3)
+    part, exported = cfgs
+    out = {"whole": run_training(prepare_job(part.replace(save_dir=part.save_dir + "_whole"), world))}
+    run_training(prepare_job(part, world), stop_after=2)
     out["resumed"] = run_training(prepare_job(part.replace(resume=True), world))
     out["exported"] = run_training(prepare_job(exported, world))
     return out
@@ -115,38 +116,56 @@ def _lifecycle(rank, world, cfgs):
 
 @pytest.fixture(scope="module")
 def lifecycle(tmp_path_factory):
-    """The embedded default at sp=2 (short), the same run interrupted at step 3 and resumed, and a float64
-    LoRA run exported at the end: one start of 2 ranks."""
+    """A short run at sp=2, the same run interrupted at step 2 and resumed, and a float64 LoRA run exported
+    at the end: one start of 2 ranks."""
     tmp = tmp_path_factory.mktemp("flow_runs")
-    base = TrainConfig(objective="flow-matching", model="tiny-wan", steps=12, warmup=2, lr=3e-3, micro_batch=2,
-                       eval_rows=4, eval_every=0, checkpoint="none", tiled_mlp=False, progress=False,
-                       save_dir=str(tmp / "full"))
-    part = base.replace(steps=6, plot=False, save_dir=str(tmp / "part"), save_every=3)
-    exported = base.replace(steps=2, dtype="float64", lora_r=4, export_hf=True, plot=False, save_dir=str(tmp / "hf"))
-    out = run_distributed(_lifecycle, 2, (base, part, exported), timeout=600)[0]
+    data = _safetensors(tmp / "odd.safetensors", *_samples(12))
+    part = TrainConfig(objective="flow-matching", model="tiny-wan", data=[data], steps=4, warmup=1, lr=3e-3,
+                       micro_batch=2, eval_rows=1, eval_every=0, save_every=2, progress=False, plot=False,
+                       save_dir=str(tmp / "part"))
+    exported = part.replace(steps=1, dtype="float64", lora_r=4, export_hf=True, save_dir=str(tmp / "hf"))
+    out = run_distributed(_lifecycle, 2, (part, exported), timeout=600)[0]
     return {"tmp": tmp, **out, "cfg": exported}
 
 
-def test_the_default_learns_and_draws_samples(lifecycle):
-    s = lifecycle["full"]
-    assert s.final_eval.loss < 0.8 * s.first_eval.loss, (s.first_eval, s.final_eval)
+def _default(rank, world, cfg):
+    return run_training(prepare_job(cfg, world))
+
+
+@pytest.mark.heavy
+def test_the_default_learns_and_draws_samples(tmp_path):
+    """``seqpar train --objective flow-matching`` as the command line builds it (the objective's own
+    defaults: tiny-wan, 300 steps of 4 clips, sp=2): the held-out flow loss falls below half of where it
+    started, and samples.png is drawn."""
+    import argparse
+
+    from seqpar.cli.train import add_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    cfg = config_from_args(parser.parse_args(["train", "--objective", "flow-matching", "--no-progress",
+                                              "--save-dir", str(tmp_path / "run")]))
+    s = run_distributed(_default, 2, cfg, timeout=900)[0]
+    assert s.sp == 2 and s.steps == 300 and s.tokens_per_step == 4 * 1024
+    assert s.final_eval.loss < 0.5 * s.first_eval.loss, (s.first_eval, s.final_eval)
     assert s.samples and os.path.getsize(s.samples) > 10_000
-    assert s.sp == 2 and s.tokens_per_step == 2 * 1024
 
 
 def test_resume_continues_the_same_curve(lifecycle):
-    """Steps 4..6 after resuming at 3 are the uninterrupted run's (the noise and timesteps come from each
+    """Steps 3, 4 after resuming at 2 are the uninterrupted run's (the noise and timesteps come from each
     unit's seed, a pure function of --seed and the unit's index; the same float32 math in the same order)."""
     resumed, whole = lifecycle["resumed"], lifecycle["whole"]
-    assert resumed.resumed_step == 3 and [s for s, _ in resumed.losses] == [4, 5, 6]
-    assert resumed.losses == whole.losses[3:], (resumed.losses, whole.losses)
+    assert resumed.resumed_step == 2 and [s for s, _ in resumed.losses] == [3, 4]
+    assert resumed.losses == whole.losses[2:], (resumed.losses, whole.losses)
     assert resumed.final_eval == whole.final_eval
 
 
 def test_export_loads_in_diffusers_with_the_trained_output(lifecycle, tmp_path):
-    """--export-hf and seqpar export of a LoRA run (float64) write a save_pretrained directory that
-    WanTransformer3DModel.from_pretrained loads; its output is the trained model's (the checkpoint's
-    weights, adapters unmerged) within 1e-10."""
+    """--export-hf and seqpar export of a LoRA run (float64) write a save_pretrained directory: its weights
+    in a fresh model give the trained model's output (the checkpoint's weights, adapters unmerged) within
+    1e-10; WanTransformer3DModel.from_pretrained loads it, within 1e-6 (diffusers keeps Wan's norms and
+    time embedder in float32 on loading: _keep_in_fp32_modules)."""
+    from safetensors.torch import load_file
     from diffusers import WanTransformer3DModel
 
     from seqpar.integrations.diffusers.catalog import build_dit
@@ -167,10 +186,14 @@ def test_export_loads_in_diffusers_with_the_trained_output(lifecycle, tmp_path):
     with torch.no_grad():
         want = trained.eval()(hidden_states=x, timestep=t, encoder_hidden_states=text).sample
         for out in (e.out, s.export):
-            loaded = WanTransformer3DModel.from_pretrained(out).eval()
+            fresh = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(out)).double().eval()
+            fresh.load_state_dict(load_file(os.path.join(out, "diffusion_pytorch_model.safetensors")))
+            got = fresh(hidden_states=x, timestep=t, encoder_hidden_states=text).sample
+            assert float((got - want).abs().max()) <= 1e-10, out
+            loaded = WanTransformer3DModel.from_pretrained(out, torch_dtype=torch.float64).eval()
             assert not any("lora" in n for n, _ in loaded.named_parameters())
             got = loaded(hidden_states=x, timestep=t, encoder_hidden_states=text).sample
-            assert float((got - want).abs().max()) <= 1e-10, out
+            assert float((got - want).abs().max()) <= 1e-6, out
     with pytest.raises(ValueError, match="--lora-export adapter"):
         export_checkpoint(cfg.save_dir, str(tmp_path / "adapter"), lora="adapter")
 
@@ -196,17 +219,20 @@ def test_the_three_formats_read_alike(tmp_path):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda d, lat, txt: _safetensors(d / "k.safetensors", lat, txt, extra=txt.clone()), r"k\.safetensors.*unexpected \['extra'\]"),
+    (lambda d, lat, txt: _safetensors(d / "k.safetensors", lat, txt, extra=txt.clone()),
+     r"k\.safetensors.*unexpected \['extra'\]"),
     (lambda d, lat, txt: np.savez(d / "k.npz", latent=lat.numpy(), text_embeds=txt.numpy()) or str(d / "k.npz"),
      r"k\.npz.*missing \['latents'\]"),
     (lambda d, lat, txt: _safetensors(d / "s.safetensors", lat[:, 0], txt), r"s\.safetensors: 'latents' has shape "
      r"\[4, 5, 20, 28\], expected \[N, C, F, H, W\]"),
-    (lambda d, lat, txt: _safetensors(d / "n.safetensors", lat, txt[:3]), r"n\.safetensors: 4 rows of 'latents' but 3"),
-    (lambda d, lat, txt: _parquet(d / "r.parquet", lat, txt, shape=[3, 5, 20, 27]), r"r\.parquet row 0: 'latents' holds "
-     "8400 values"),
+    (lambda d, lat, txt: _safetensors(d / "n.safetensors", lat, txt[:3]),
+     r"n\.safetensors: 4 rows of 'latents' but 3"),
+    (lambda d, lat, txt: _parquet(d / "r.parquet", lat, txt, shape=[3, 5, 20, 27]),
+     r"r\.parquet row 0: 'latents' holds 8400 values"),
     (lambda d, lat, txt: np.savez(d / "o.npz", latents=np.array([object()] * 4), text_embeds=txt.numpy()) or
      str(d / "o.npz"), r"o\.npz.*(pickle|never pickled)"),
-    (lambda d, lat, txt: str(torch.save({}, d / "x.pt") or d / "x.pt"), r"x\.pt.*reads \.safetensors, \.npz, \.parquet"),
+    (lambda d, lat, txt: str(torch.save({}, d / "x.pt") or d / "x.pt"),
+     r"x\.pt.*reads \.safetensors, \.npz, \.parquet"),
 ])
 def test_bad_files_are_named(tmp_path, make, match):
     latents, text = _samples(4)
@@ -219,7 +245,7 @@ def test_files_whose_samples_disagree_are_named(tmp_path):
     a = _safetensors(tmp_path / "a.safetensors", *_samples(2))
     lat, txt = _samples(2)
     b = _safetensors(tmp_path / "b.safetensors", lat[:, :, :4], txt)
-    with pytest.raises(ValueError, match=r"b\.safetensors: 'latents' samples are \[3, 4, 20, 28\], but .*a\.safetensors"):
+    with pytest.raises(ValueError, match=r"b\.safetensors: 'latents' samples are \[3, 4, 20, 28\], but .*a\.safe"):
         read_latents([a, b])
     rows = _parquet(tmp_path / "c.parquet", lat, txt)
     import pyarrow.parquet as pq
@@ -229,7 +255,7 @@ def test_files_whose_samples_disagree_are_named(tmp_path):
     import pyarrow as pa
 
     pq.write_table(pa.Table.from_pylist(table), rows)
-    with pytest.raises(ValueError, match=r"c\.parquet row 1: 'latents' has shape \[1, 5, 10, 28\], row 0 \[3, 5, 20, 28\]"):
+    with pytest.raises(ValueError, match=r"c\.parquet row 1: 'latents' has shape \[1, 5, 10, 28\], row 0 \[3, 5"):
         read_latents([rows])
 
 
