@@ -165,8 +165,8 @@ def test_export_loads_in_diffusers_with_the_trained_output(lifecycle, tmp_path):
     in a fresh model give the trained model's output (the checkpoint's weights, adapters unmerged) within
     1e-10; WanTransformer3DModel.from_pretrained loads it, within 1e-6 (diffusers keeps Wan's norms and
     time embedder in float32 on loading: _keep_in_fp32_modules)."""
-    from safetensors.torch import load_file
     from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
 
     from seqpar.integrations.diffusers.catalog import build_dit
     from seqpar.train.checkpoint import latest_checkpoint, load_model_weights

@@ -70,8 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the objective's own (:attr:`seqpar.train.objectives.TrainObjective.defaults`), then
-    the --config file, then the options given on the command line."""
+    """Defaults, then the objective's own (its ``defaults`` in :data:`seqpar.train.objectives.OBJECTIVES`),
+    then the --config file, then the options given on the command line."""
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_config_file(args.config))

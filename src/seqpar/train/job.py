@@ -25,6 +25,7 @@ from seqpar.planner import hybrid_split, plan
 
 from .checks import check_config
 from .config import FIELDS, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
+from .dit_setup import prepare_dit
 from .layout import auto_layout, check_model_layout, check_plan_options, check_tiled_mlp, mesh_kwargs
 from .objectives import DATA_KINDS, objective_of
 from .report import HF_DIR
@@ -146,11 +147,11 @@ def prepare_job(cfg: TrainConfig, world: int | None = None) -> Job:
     """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --tp / --dp),
     resolve the strategy (and with --plan auto the whole layout, :mod:`.layout`), read the data and
     load the tokenizer. Raises ValueError with the option to change. A DiT's job (data the model splits
-    itself: --objective flow-matching) is prepared by :func:`seqpar.train.dit_job.prepare_dit_job`."""
+    itself: --objective flow-matching) is prepared by :func:`seqpar.train.dit_setup.prepare_dit`."""
     if DATA_KINDS[objective_of(cfg.objective).data].model_splits:
-        from .dit_job import prepare_dit_job
-
-        return prepare_dit_job(cfg, world)
+        d = prepare_dit(cfg, world)
+        return check_save_dir(Job(d.cfg, d.world, d.sp, d.dp, d.strategy, d.mesh_kwargs, "contiguous", d.heads,
+                                  d.heads, d.reason, data=d.data))
     check_plan_options(cfg, world)
     if cfg.plan == "auto":  # everything but the layout now; the layout once the model's shape is known
         world = world if world is not None else cfg.nproc

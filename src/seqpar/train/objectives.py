@@ -28,7 +28,7 @@ An entry says what the CLI and the job need to know, derived where the seam alre
     kto      KTO (--kto-loss, --beta) on unpaired rows (prompt, completion, label), or pairs unpaired
              as TRL does, against a reference; its KL term from each unit's KL row (``kl_rows``)
     flow-matching  rectified flow (--flow-weighting, --logit-mean, --logit-std) on a diffusers video DiT
-             (:mod:`.dit_job`), on "latents": one sample per unit, called with whole inputs on every
+             (:mod:`.dit_setup`), on "latents": one sample per unit, called with whole inputs on every
              sp rank (the DiT splits its sequences itself: the kind's ``model_splits``)
 
 Pairs come as :mod:`.preference_data` units: sequences c0 r0 c1 r1 ..., the "interleaved" pairing.
@@ -60,6 +60,7 @@ from seqpar.objectives import (
 
 from .data import load_text_data
 from .demo_data import copy_task_source, preference_demo, rollout_demo, unpaired_demo
+from .dit_samples import save_samples
 from .latent_data import load_latents
 from .preference_data import load_preference_data, load_unpaired
 from .rollout_data import load_rollouts
@@ -191,12 +192,6 @@ def _no_bins(cfg: Options) -> str:
 RL_OPTIONS = ("kl_coef", "clip_epsilon", "clip_epsilon_high")
 
 
-def _flow_samples(ctx: Any, data: DataSource) -> str:
-    from .dit_job import save_samples  # here: the DiT's job module imports this registry
-
-    return save_samples(ctx, data)
-
-
 def _policy_gradient(cfg: Options, loss_type: str) -> Objective:
     return PolicyGradient(loss_type=loss_type, epsilon=cfg.clip_epsilon, epsilon_high=cfg.clip_epsilon_high,
                           beta=cfg.kl_coef, max_completion_length=cfg.max_completion_length)
@@ -243,7 +238,7 @@ OBJECTIVES: dict[str, TrainObjective] = {o.name: o for o in (
                    "inputs on every sp rank, which a dynamic schedule's bins do not: use --sp-schedule static",
                    defaults=dict(model="tiny-wan", lr=3e-3, warmup=20, steps=300, micro_batch=4, eval_every=100,
                                  checkpoint="none", tiled_mlp=False),
-                   finish=lambda ctx, data: _flow_samples(ctx, data)),
+                   finish=save_samples),
 )}
 
 OBJECTIVE_OPTIONS = tuple(dict.fromkeys(n for o in OBJECTIVES.values() for n in o.options))
