@@ -33,6 +33,7 @@ class Exported:
     files: list[str]
     lora: str  # "" (no LoRA), "merged" or "adapter"
     tokenizer: bool
+    loader: str = ""  # what loads it, when not transformers' AutoModelForCausalLM / peft's AutoPeftModel
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -113,7 +114,7 @@ def _export_dit(path: str, out: str, cfg: TrainConfig, step: int, lora: str, dty
     write_dit_pretrained(model, model.state_dict(), out, lora=lora_config_of(model), dtype=dtype)
     files = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
     return Exported(out=os.path.abspath(out), checkpoint=os.path.abspath(path), step=step, files=files, lora=lora,
-                    tokenizer=False)
+                    tokenizer=False, loader=f"diffusers.{type(model).__name__}.from_pretrained")
 
 
 def export_run(ctx: Any, export: str) -> None:
