@@ -79,16 +79,19 @@ def steps(tmp_path_factory):
     cases = {"plain": base.replace(sp=1), "lora": base.replace(sp=1, lora_r=4)}
     out = {1: run_distributed(_steps, 1, cases, timeout=300)[0]}
     out[2] = run_distributed(_steps, 2, {**{k: c.replace(sp=2) for k, c in cases.items()},
-                                         "ring": base.replace(sp=2, strategy="ring")}, timeout=300)[0]
+                                         "ring": base.replace(sp=2, strategy="ring"),
+                                         # dp=2: each dp rank 3 of the step's 6 samples in one micro-batch
+                                         "dp": base.replace(sp=1, grad_accum=1)}, timeout=300)[0]
     out[3] = run_distributed(_steps, 3, {"plain": base.replace(sp=3)}, timeout=300)[0]
     return out
 
 
 @pytest.mark.parametrize("p,case,ref", [(2, "plain", "plain"), (2, "ring", "plain"), (2, "lora", "lora"),
-                                        (3, "plain", "plain")])
+                                        (3, "plain", "plain"), (2, "dp", "plain")])
 def test_one_step_equals_sp1(steps, p, case, ref):
     """175 tokens a sample (no P divides them), 4 heads (3 does not divide them), 3 samples x 2 micro-batches,
-    SD3's cosmap weighting: the step's loss, every gradient and every weight after AdamW equal sp=1's."""
+    SD3's cosmap weighting: the step's loss, every gradient and every weight after AdamW equal sp=1's (and
+    dp=2 x sp=1's, the same 6 samples a step)."""
     got, want = steps[p][case], steps[1][ref]
     assert abs(got["loss"] - want["loss"]) <= LOSS_TOL, (got["loss"], want["loss"])
     assert got["grads"].keys() == want["grads"].keys() and got["grads"]

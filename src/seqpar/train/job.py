@@ -45,7 +45,8 @@ RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packin
                "min_lr_ratio", "weight_decay", "adam_eps", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "tokenizer",
                "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets", "token_budget",
                "objective", "beta", "dpo_loss", "rl_loss", "kl_coef", "clip_epsilon", "clip_epsilon_high",
-               "max_completion_length", "advantages", "scale_rewards", "kto_loss")
+               "max_completion_length", "advantages", "scale_rewards", "kto_loss", "flow_weighting", "logit_mean",
+               "logit_std")
 
 
 @dataclass(frozen=True)

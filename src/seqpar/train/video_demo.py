@@ -52,11 +52,12 @@ def path(start: tuple[int, int], speed: tuple[int, int], frames: int, room: int)
 
 
 def render(colour: int, start: tuple[int, int], speed: tuple[int, int], *, frames: int, size: int,
-           cell: int) -> Tensor:
-    """The clip ``[3, frames, size, size]``: a square of 2 x 2 cells (``cell`` pixels each) on black."""
+           cell: int, side: int) -> Tensor:
+    """The clip ``[3, frames, size, size]``: a square of ``side`` x ``side`` cells (``cell`` pixels each)
+    on black."""
     clip = -torch.ones(3, frames, size, size)
-    for f, (x, y) in enumerate(path(start, speed, frames, size // cell - 2)):
-        clip[:, f, y * cell:(y + 2) * cell, x * cell:(x + 2) * cell] = PALETTE[colour][:, None, None]
+    for f, (x, y) in enumerate(path(start, speed, frames, size // cell - side)):
+        clip[:, f, y * cell:(y + side) * cell, x * cell:(x + side) * cell] = PALETTE[colour][:, None, None]
     return clip
 
 
@@ -64,23 +65,25 @@ class MovingSquares(LatentSource):
     """The embedded clips (see the module doc): a :class:`~.sources.DataSource` of endless training
     clips and ``eval_rows`` held-out ones."""
 
-    def __init__(self, seed: int, eval_rows: int, *, frames: int = 16, size: int = 32, cell: int = 4) -> None:
-        if size % cell or size // cell < 3:
-            raise ValueError(f"a {size} x {size} frame of {cell}-pixel cells cannot hold a moving 2 x 2-cell square")
+    def __init__(self, seed: int, eval_rows: int, *, frames: int = 16, size: int = 32, cell: int = 4,
+                 side: int = 2) -> None:
+        if size % cell or size // cell < side + 1:
+            raise ValueError(f"a {size} x {size} frame of {cell}-pixel cells cannot hold a moving square of {side} "
+                             "cells")
         super().__init__(seed, None, eval_rows)
-        self.frames, self.size, self.cell = frames, size, cell
+        self.frames, self.size, self.cell, self.side = frames, size, cell, side
 
     def clip(self, i: int, split: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
         """``(colour, start cell, speed)`` of clip ``i`` of ``split``."""
         g = torch.Generator().manual_seed(self.seed * 7_919 + 2 * i + (1 if split == EVAL else 0))
         colour = int(torch.randint(len(PALETTE), (1,), generator=g))
         speed = SPEEDS[int(torch.randint(len(SPEEDS), (1,), generator=g))]
-        x, y = (int(v) for v in torch.randint(0, self.size // self.cell - 1, (2,), generator=g))
+        x, y = (int(v) for v in torch.randint(0, self.size // self.cell - self.side + 1, (2,), generator=g))
         return colour, (x, y), speed
 
     def sample(self, i: int, split: int) -> tuple[Tensor, Tensor]:
         colour, start, speed = self.clip(i, split)
-        return (render(colour, start, speed, frames=self.frames, size=self.size, cell=self.cell),
+        return (render(colour, start, speed, frames=self.frames, size=self.size, cell=self.cell, side=self.side),
                 describe_clip(colour, speed))
 
     def describe(self) -> str:
