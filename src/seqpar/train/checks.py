@@ -27,7 +27,7 @@ from .data import OVERFLOW
 from .objectives import DATA_KINDS, OBJECTIVE_OPTIONS, OBJECTIVES, dpo_losses, objective_of
 from .tokenizer import TRAIN_ON
 
-EXTRAS = {"peft": "lora", "tensorboard": "logging", "wandb": "logging"}
+EXTRAS = {"peft": "lora", "tensorboard": "logging", "wandb": "logging", "diffusers": "diffusers", "pyarrow": "data"}
 """Optional packages and the seqpar extra that installs them (pyproject.toml)."""
 
 
@@ -185,6 +185,9 @@ DIT_MOOT = {
 def check_dit_options(cfg: TrainConfig) -> None:
     """--objective flow-matching's model is a diffusers DiT: the options that do not apply to it are
     refused by name (pure). Raises ValueError naming the option."""
+    require("diffusers", "--objective flow-matching")
+    if any(str(p).lower().endswith(".parquet") for p in cfg.data or ()):
+        require("pyarrow", "--data *.parquet")
     given = [n for n in DIT_MOOT if getattr(cfg, n) != FIELDS[n].default]
     if given:
         name = given[0]

@@ -100,7 +100,14 @@ def build_dit(name_or_dir: str, *, dtype: torch.dtype = torch.float32, weights: 
     else:
         model = cls.from_pretrained(name_or_dir)
     if next(model.parameters()).dtype != dtype:  # (diffusers warns on any .to(dtype), even a no-op one)
-        model = model.to(dtype)
+        from diffusers.utils import logging as diffusers_logging
+
+        verbosity = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # its advice to keep norms in float32: the run's --dtype is wanted
+        try:
+            model = model.to(dtype)
+        finally:
+            diffusers_logging.set_verbosity(verbosity)
     return model.train()
 
 
