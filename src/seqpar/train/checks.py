@@ -149,9 +149,10 @@ def check_objective(cfg: TrainConfig) -> None:
     moot = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in sorted(read - set(DATA_KINDS[spec.data].options))
             if getattr(cfg, n) != FIELDS[n].default]
     if moot:
+        why = (" (pairs train on their completions, each sequence cut to --seq-len keeping its start, as TRL)"
+               if spec.data == "pairs" else "")
         raise ValueError(f"{', '.join(moot)} does nothing for --objective {cfg.objective}, which trains on "
-                         f"{spec.data} (pairs train on their completions, each sequence cut to --seq-len keeping its "
-                         "start, as TRL): leave it out")
+                         f"{spec.data}{why}: leave it out")
     if not cfg.beta > 0:
         raise ValueError(f"--beta must be > 0, got {cfg.beta}")
     dpo_losses(cfg)
