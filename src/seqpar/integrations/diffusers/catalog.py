@@ -99,16 +99,22 @@ def build_dit(name_or_dir: str, *, dtype: torch.dtype = torch.float32, weights: 
         model = cls(**config)
     else:
         model = cls.from_pretrained(name_or_dir)
-    if next(model.parameters()).dtype != dtype:  # (diffusers warns on any .to(dtype), even a no-op one)
-        from diffusers.utils import logging as diffusers_logging
+    return cast(model, dtype).train()
 
-        verbosity = diffusers_logging.get_verbosity()
-        diffusers_logging.set_verbosity_error()  # its advice to keep norms in float32: the run's --dtype is wanted
-        try:
-            model = model.to(dtype)
-        finally:
-            diffusers_logging.set_verbosity(verbosity)
-    return model.train()
+
+def cast(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` in ``dtype``, every module (diffusers' advice to keep some norms in float32 silenced: the
+    run's --dtype is what is wanted, and a float64 run is float64 throughout)."""
+    if next(model.parameters()).dtype == dtype:  # diffusers warns on any .to(dtype), even a no-op one
+        return model
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        return model.to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
 
 
 def trainable_of(model: nn.Module) -> Trainable:

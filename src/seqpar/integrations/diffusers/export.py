@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .catalog import cast
+
 
 def lora_config_of(model: nn.Module) -> Any | None:
     """The peft ``LoraConfig`` of a DiT's adapters (diffusers' ``add_adapter``), or None."""
@@ -43,13 +45,13 @@ def write_dit_pretrained(model: nn.Module, state: dict[str, Tensor], save_direct
         fresh = type(model).from_config(dict(model.config))
     if lora is not None:
         fresh.add_adapter(copy.deepcopy(lora))
-    fresh = fresh.to(next(iter(state.values())).dtype)
+    fresh = cast(fresh, next(iter(state.values())).dtype)
     fresh.load_state_dict(state, strict=True)
     if lora is not None:
         fresh.fuse_lora()  # W + scale * B A, in every adapted layer
         fresh.unload_lora()  # the adapter layers out: plain Linear modules holding the merged weights
     if dtype is not None:
-        fresh = fresh.to(dtype)
+        fresh = cast(fresh, dtype)
     os.makedirs(save_directory, exist_ok=True)
     fresh.save_pretrained(save_directory)
     return save_directory
