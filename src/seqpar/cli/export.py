@@ -3,7 +3,8 @@
 CHECKPOINT is a ``step_*`` directory under ``<save-dir>/checkpoints``, or the save dir itself (its
 latest complete checkpoint). DIR gets ``save_pretrained`` output -- model.safetensors, config.json,
 generation_config.json and the run's tokenizer -- that ``AutoModelForCausalLM.from_pretrained(DIR)``
-loads. A LoRA run exports its adapters merged into the weights, or peft's adapter files
+loads (a flow-matching run's DiT: diffusers' files, that its class's ``from_pretrained`` loads).
+A LoRA run exports its adapters merged into the weights, or peft's adapter files
 (``--lora-export adapter``: load with ``peft.AutoPeftModelForCausalLM.from_pretrained(DIR)``; a
 built-in base model is written beside them, in DIR/base). One process, no GPU needed.
 """
@@ -15,6 +16,7 @@ import os
 
 import torch
 
+NO_TOKENIZER = " (no tokenizer: the run read bytes or the copy task)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     size = sum(os.path.getsize(os.path.join(e.out, f)) for f in e.files)
     what = {"": "the model", "merged": "the model, LoRA adapters merged", "adapter": "the LoRA adapter"}[e.lora]
     print(f"seqpar export: {what} of step {e.step} ({e.checkpoint}) -> {e.out}: {len(e.files)} files, "
-          f"{size / 2**20:,.1f} MiB{'' if e.tokenizer else ' (no tokenizer: the run read bytes or the copy task)'}")
-    load = ("peft.AutoPeftModelForCausalLM.from_pretrained" if e.lora == "adapter"
-            else "transformers.AutoModelForCausalLM.from_pretrained")
+          f"{size / 2**20:,.1f} MiB{'' if e.tokenizer or e.loader else NO_TOKENIZER}")
+    load = e.loader or ("peft.AutoPeftModelForCausalLM.from_pretrained" if e.lora == "adapter"
+                        else "transformers.AutoModelForCausalLM.from_pretrained")
     print(f"  load with {load}({e.out!r})")
     return 0

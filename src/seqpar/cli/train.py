@@ -6,6 +6,10 @@ held-out answer accuracy against chance, and peak memory per rank. On GPUs:
 ``torchrun --nproc-per-node 8 -m seqpar.cli.main train --model PATH --data FILE ... --dtype bfloat16``.
 Options may also come from a YAML / TOML file (--config); the command line wins.
 
+Diffusion: ``--objective flow-matching`` trains a diffusers video transformer with rectified flow on
+precomputed latents (--data *.safetensors / *.npz / *.parquet); without --data a tiny Wan learns
+moving squares at sp=2 and draws samples.png.
+
 Fine-tuning: chat (assistant-only loss), prompt/completion, text, parquet / arrow / save_to_disk
 data (--data), LoRA (--lora-r), evaluation every N steps (--eval-every), tensorboard / wandb
 (--report-to), a transformers checkpoint at the end (--export-hf; later: seqpar export).
@@ -32,6 +36,7 @@ from seqpar.train.config import (
 from seqpar.train.dynamic import describe_degrees
 from seqpar.train.job import Job
 from seqpar.train.loop import RunSummary
+from seqpar.train.objectives import OBJECTIVES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,12 +70,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the --config file, then the options given on the command line."""
+    """Defaults, then the objective's own (its ``defaults`` in :data:`seqpar.train.objectives.OBJECTIVES`),
+    then the --config file, then the options given on the command line."""
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(load_config_file(args.config))
     values.update({k: v for k, v in vars(args).items() if k in FIELDS})
-    return TrainConfig(**values)
+    spec = OBJECTIVES.get(values.get("objective", FIELDS["objective"].default))
+    own = dict(spec.defaults) if spec is not None else {}  # an unknown name: refused by the checks
+    return TrainConfig(**{**own, **values})
 
 
 def layout_words(sp: int, dp: int, tp: int | None = 1, ep: int | None = 1) -> str:
@@ -124,6 +132,8 @@ def format_summary(s: RunSummary) -> str:
         lines.append(f"  peak memory {mem} (peak RSS of the process, setup included)")
     lines.append(f"  metrics     {s.metrics} (one JSON line per step and per evaluation)"
                  f"{'; summary.json' if s.summary_file else ''}{'; loss.png' if s.plot else ''}")
+    if s.samples:
+        lines.append(f"  samples     {s.samples} (held-out clips, each above the clip the model samples from its text)")
     if s.checkpoint:
         lines.append(f"  checkpoint  {s.checkpoint} (torch.distributed.checkpoint; --resume continues; seqpar export "
                      "writes it for transformers)")
@@ -131,7 +141,8 @@ def format_summary(s: RunSummary) -> str:
         lines.append(f"  exported    {s.export} (peft's LoRA adapter: peft.AutoPeftModelForCausalLM.from_pretrained "
                      "loads it)")
     elif s.export:
-        auto = "AutoModelForSequenceClassification" if s.objective == "reward" else "AutoModelForCausalLM"
+        auto = {"reward": "AutoModelForSequenceClassification", "flow-matching": "the diffusers class's"}.get(
+            s.objective, "AutoModelForCausalLM")
         lines.append(f"  exported    {s.export} (save_pretrained{', LoRA merged' if s.export_lora else ''}: "
                      f"{auto}.from_pretrained loads it)")
     if s.resumed_from:

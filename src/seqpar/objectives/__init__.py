@@ -13,13 +13,15 @@ integration does not use it: TRL's trainers keep their own losses, run on a shar
 
 Families: :mod:`.causal_lm` (the token mean), :mod:`.preference` (DPO, SimPO, ORPO, KTO), :mod:`.rl`
 (GRPO / DAPO / Dr. GRPO / PPO policy losses), :mod:`.reward` (Bradley-Terry, sequence classification,
-value heads). The per-token and per-sequence quantities live in :mod:`.tokens` and :mod:`.rows`. What
+value heads), :mod:`.flow_matching` (rectified flow on a diffusers DiT, called with whole
+inputs). The per-token and per-sequence quantities live in :mod:`.tokens` and :mod:`.rows`. What
 the RL and preference objectives read from data, pure and tested equal to TRL 1.16: advantages per
 prompt group (:mod:`.advantages`), rollouts made elsewhere (:mod:`.rollouts`), TRL's dataset formats
 and their tokens (:mod:`.trl_formats`).
 """
 
 from .causal_lm import CausalLM
+from .flow_matching import WEIGHTINGS, FlowMatching
 from .preference import DPO, DPO_LOSSES, KTO, KTOKL, ORPO, SimPO
 from .reference import ADAPTERS_OFF
 from .reward import BradleyTerry, SequenceClassification, ValueLoss
@@ -37,6 +39,7 @@ __all__ = [
     "ORPO",
     "BradleyTerry",
     "CausalLM",
+    "FlowMatching",
     "Needs",
     "Objective",
     "ObjectiveOutput",
@@ -47,6 +50,7 @@ __all__ = [
     "Takes",
     "Terms",
     "ValueLoss",
+    "WEIGHTINGS",
     "compute",
     "token_logps_entropy",
 ]

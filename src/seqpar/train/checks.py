@@ -27,7 +27,7 @@ from .data import OVERFLOW
 from .objectives import DATA_KINDS, OBJECTIVE_OPTIONS, OBJECTIVES, dpo_losses, objective_of
 from .tokenizer import TRAIN_ON
 
-EXTRAS = {"peft": "lora", "tensorboard": "logging", "wandb": "logging"}
+EXTRAS = {"peft": "lora", "tensorboard": "logging", "wandb": "logging", "diffusers": "diffusers", "pyarrow": "data"}
 """Optional packages and the seqpar extra that installs them (pyproject.toml)."""
 
 
@@ -125,6 +125,8 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> tuple[int, int, 
                          "use ulysses or ring")
     _check_fine_tuning(cfg)
     check_objective(cfg)
+    if DATA_KINDS[objective_of(cfg.objective).data].model_splits:
+        check_dit_options(cfg)
     check_parallelism(cfg, sp, dp)
     check_schedule(cfg, sp)
     model_overrides(cfg)
@@ -147,9 +149,10 @@ def check_objective(cfg: TrainConfig) -> None:
     moot = [f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in sorted(read - set(DATA_KINDS[spec.data].options))
             if getattr(cfg, n) != FIELDS[n].default]
     if moot:
+        why = (" (pairs train on their completions, each sequence cut to --seq-len keeping its start, as TRL)"
+               if spec.data == "pairs" else "")
         raise ValueError(f"{', '.join(moot)} does nothing for --objective {cfg.objective}, which trains on "
-                         f"{spec.data} (pairs train on their completions, each sequence cut to --seq-len keeping its "
-                         "start, as TRL): leave it out")
+                         f"{spec.data}{why}: leave it out")
     if not cfg.beta > 0:
         raise ValueError(f"--beta must be > 0, got {cfg.beta}")
     dpo_losses(cfg)
@@ -166,6 +169,43 @@ def check_objective(cfg: TrainConfig) -> None:
         raise ValueError(f"--objective {cfg.objective} from a checkpoint builds the model's new score head on "
                          "every rank, which FSDP2's sharded loading does not do yet: use --fsdp off or a built-in "
                          "--model")
+
+
+DIT_MOOT = {
+    "packing": "a sample is one clip: there are no documents to pack",
+    "chat_template": "the data is latents and text embeddings: there is no text to template",
+    "tokenizer": "the data is latents and text embeddings: there is no text to tokenize",
+    "tiled_loss": "a DiT has no vocabulary head to tile (its flow loss is per element already)",
+    "loss_tile": "a DiT has no vocabulary head to tile (its flow loss is per element already)",
+    "plan": "seqpar plan lays out causal LMs; give --sp (and --strategy) yourself",
+    "gpu_memory": "it sizes --plan auto, which lays out causal LMs",
+}
+"""Options that do not apply to a diffusers DiT (--objective flow-matching), and why."""
+
+
+def check_dit_options(cfg: TrainConfig) -> None:
+    """--objective flow-matching's model is a diffusers DiT: the options that do not apply to it are
+    refused by name (pure). Raises ValueError naming the option."""
+    require("diffusers", "--objective flow-matching")
+    if any(str(p).lower().endswith(".parquet") for p in cfg.data or ()):
+        require("pyarrow", "--data *.parquet")
+    given = [n for n in DIT_MOOT if getattr(cfg, n) != FIELDS[n].default]
+    if given:
+        name = given[0]
+        flag = f"--{'no-' if getattr(cfg, name) is False else ''}{name.replace('_', '-')}"
+        raise ValueError(f"{flag} does not apply to --objective flow-matching: {DIT_MOOT[name]}; leave it out")
+    layout = [f"--{n} {getattr(cfg, n)}" for n in ("tp", "ep") if getattr(cfg, n) > 1]
+    if layout:
+        raise ValueError(f"{' '.join(layout)}: a diffusers transformer runs sequence parallelism alone (seqpar "
+                         "refuses a DiT over a tp or ep mesh): use --sp and dp")
+    if cfg.fsdp == "on" or cfg.dtype == "bfloat16":
+        what = "--fsdp on" if cfg.fsdp == "on" else "--dtype bfloat16 (FSDP2's mixed precision)"
+        raise ValueError(f"{what}: --objective flow-matching trains its DiT without FSDP2 (every rank holds the "
+                         "whole model; its gradients by seqpar.sync_gradients): use --fsdp off or auto and --dtype "
+                         "float32 or float64")
+    if cfg.lora_r and cfg.lora_export == "adapter":
+        raise ValueError("--lora-export adapter: a diffusers DiT is exported with its LoRA adapters merged into the "
+                         "weights (from_pretrained loads it): leave it out")
 
 
 def _check_fine_tuning(cfg: TrainConfig) -> None:

@@ -20,13 +20,13 @@ from seqpar.attention.dispatch import STRATEGIES
 from seqpar.batch.tiles import DEFAULT_LOSS_TILE, MAX_MLP_TILE, MIN_TILE
 from seqpar.integrations.memory.switches import CHECKPOINT_MODES
 from seqpar.integrations.models import BUILTIN_MODELS
-from seqpar.objectives import AGGREGATIONS, DPO_LOSSES
+from seqpar.objectives import AGGREGATIONS, DPO_LOSSES, WEIGHTINGS
 from seqpar.objectives.advantages import SCALE_REWARDS
 from seqpar.planner.bins import SP_SCHEDULES
 
 from .data import OVERFLOW
 from .formats import FORMATS_HELP
-from .objectives import OBJECTIVES
+from .objectives import DATA_KINDS, OBJECTIVES
 from .rollout_data import ADVANTAGE_ESTIMATORS
 from .tokenizer import TRAIN_ON
 
@@ -149,7 +149,8 @@ class TrainConfig:
     report_to: str = _opt("none", "also log the metrics to tensorboard (<save-dir>/tensorboard) or wandb (into "
                           "<save-dir>/wandb; offline unless wandb is logged in or WANDB_MODE says otherwise); needs "
                           "pip install 'seqpar[logging]'", choices=REPORT_TO)
-    plot: bool = _opt(True, "write <save-dir>/loss.png at the end: the train and eval loss curves (--no-plot: none)")
+    plot: bool = _opt(True, "write <save-dir>/loss.png at the end: the train and eval loss curves; --objective "
+                      "flow-matching also samples clips and writes samples.png (--no-plot: neither)")
     lora_r: int = _opt(0, "train LoRA adapters of this rank instead of every weight (0: full fine-tuning); needs "
                         "pip install 'seqpar[lora]'")
     lora_alpha: float | None = _opt(None, "LoRA scale numerator: adapters scaled by alpha / r", shown="2 x --lora-r")
@@ -182,7 +183,10 @@ class TrainConfig:
     # --- the objective (seqpar.train.objectives) ---
     objective: str = _opt("sft", "what the run trains: " + "; ".join(f"{o.name} ({o.summary})" for o in
                           OBJECTIVES.values()) + "; the preference objectives train on --data with prompt / chosen / "
-                          "rejected, and without --data learn the embedded preference demo", choices=tuple(OBJECTIVES))
+                          "rejected, and without --data learn the embedded preference demo" + "".join(
+                              f"; {o.name} runs with " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                                                                  o.defaults.items()) + " unless given"
+                              for o in OBJECTIVES.values() if o.defaults), choices=tuple(OBJECTIVES))
     beta: float = _opt(0.1, "--objective dpo / simpo / orpo / kto: the beta of the loss (TRL's)",
                        shown="0.1 (TRL's DPO and KTO)")
     kto_loss: str = _opt("kto", "--objective kto: the loss type, TRL's: kto (with the KL term) or apo_zero_unpaired",
@@ -208,6 +212,12 @@ class TrainConfig:
                               "(Dr. GRPO)", choices=SCALE_REWARDS)
     dpo_loss: str = _opt("sigmoid", f"--objective dpo: the loss type, TRL's ({', '.join(DPO_LOSSES)}); several joined "
                          "by commas add up")
+    # --- rectified flow (--objective flow-matching: seqpar.objectives.flow_matching) ---
+    flow_weighting: str = _opt("none", "--objective flow-matching: SD3's loss weighting per sample at timestep t: "
+                               "none, sigma_sqrt (1 / t^2) or cosmap (2 / (pi (1 - 2t + 2t^2)))", choices=WEIGHTINGS)
+    logit_mean: float = _opt(0.0, "--objective flow-matching: the mean of the logit-normal timesteps, "
+                             "t = sigmoid(mean + std * N(0, 1)) (SD3's logit_mean)")
+    logit_std: float = _opt(1.0, "--objective flow-matching: the std of the logit-normal timesteps (SD3's logit_std)")
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -326,16 +336,22 @@ def memory_options(cfg: TrainConfig, device_type: str) -> dict[str, Any] | None:
     if not (cfg.tiled_loss or cfg.tiled_mlp or cfg.checkpoint != "none"):
         return None
     checkpoint = "layers" if cfg.checkpoint == "offload" and device_type == "cpu" else cfg.checkpoint
-    # a score model (reward) has no vocabulary head to tile (its score head is [hidden, 1])
-    return dict(tiled_loss=cfg.tiled_loss and not OBJECTIVES[cfg.objective].scores,
+    return dict(tiled_loss=tiles_loss(cfg),
                 tiled_mlp=cfg.tiled_mlp, checkpoint=checkpoint, loss_tile=cfg.loss_tile,
                 mlp_tile=cfg.mlp_tile)
+
+
+def tiles_loss(cfg: TrainConfig) -> bool:
+    """Whether the run's loss goes through the vocabulary in tiles: --tiled-loss, for a model with a
+    vocabulary head (not a score model's [hidden, 1] head, not a DiT's flow loss)."""
+    spec = OBJECTIVES[cfg.objective]
+    return cfg.tiled_loss and not spec.scores and not DATA_KINDS[spec.data].model_splits
 
 
 def describe_memory(cfg: TrainConfig) -> str:
     """The memory switches of a run, in words (the run header and the summary)."""
     mlp_tile = f"{cfg.mlp_tile} tokens" if cfg.mlp_tile is not None else "tiles following the shard"
-    on = [f"tiled loss ({cfg.loss_tile} tokens)" if cfg.tiled_loss else "",
+    on = [f"tiled loss ({cfg.loss_tile} tokens)" if tiles_loss(cfg) else "",
           f"tiled MLP ({mlp_tile})" if cfg.tiled_mlp else "",
           f"checkpoint {cfg.checkpoint}" if cfg.checkpoint != "none" else ""]
     return ", ".join(w for w in on if w) or "none (full logits, whole MLPs, no checkpoints)"

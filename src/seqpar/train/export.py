@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ class Exported:
     files: list[str]
     lora: str  # "" (no LoRA), "merged" or "adapter"
     tokenizer: bool
+    loader: str = ""  # what loads it, when not transformers' AutoModelForCausalLM / peft's AutoPeftModel
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -67,6 +69,8 @@ def export_checkpoint(path: str, out: str, *, lora: str = "", dtype: torch.dtype
     lora = (lora or cfg.lora_export) if cfg.lora_r else ""
     if os.path.isdir(out) and os.listdir(out):
         raise ValueError(f"--out {out!r} is not empty: choose a new directory")
+    if _is_dit(path):
+        return _export_dit(path, out, cfg, int(state["step"]), lora, dtype)
     config = AutoConfig.from_pretrained(path)
     param_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # the dtype it was trained in
     with torch.device("meta"):
@@ -81,3 +85,53 @@ def export_checkpoint(path: str, out: str, *, lora: str = "", dtype: torch.dtype
     files = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
     return Exported(out=os.path.abspath(out), checkpoint=os.path.abspath(path), step=int(state["step"]), files=files,
                     lora=lora, tokenizer=tokenizer is not None)
+
+
+def _is_dit(path: str) -> bool:
+    """Whether the checkpoint's config.json is a diffusers model's (it names its ``_class_name``)."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        return "_class_name" in json.load(f)
+
+
+def _export_dit(path: str, out: str, cfg: TrainConfig, step: int, lora: str, dtype: torch.dtype | None) -> Exported:
+    """A flow-matching checkpoint as a diffusers ``save_pretrained`` directory, LoRA merged
+    (:func:`seqpar.integrations.diffusers.export.write_dit_pretrained`)."""
+    from seqpar.integrations.diffusers.catalog import build_dit
+    from seqpar.integrations.diffusers.export import lora_config_of, write_dit_pretrained
+
+    from .lora import add_dit_lora
+
+    if lora == "adapter":
+        raise ValueError("--lora-export adapter: a diffusers DiT is exported with its LoRA adapters merged into the "
+                         "weights (from_pretrained loads it): use --lora-export merged")
+    param_dtype = torch.float64 if cfg.dtype == "float64" else torch.float32  # the dtype it was trained in
+    model = build_dit(path, dtype=param_dtype, weights=False)
+    if cfg.lora_r:
+        add_dit_lora(model, cfg)
+    ckpt.load_model_weights(path, model)
+    write_dit_pretrained(model, model.state_dict(), out, lora=lora_config_of(model), dtype=dtype)
+    files = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    return Exported(out=os.path.abspath(out), checkpoint=os.path.abspath(path), step=step, files=files, lora=lora,
+                    tokenizer=False, loader=f"diffusers.{type(model).__name__}.from_pretrained")
+
+
+def export_run(ctx: Any, export: str) -> None:
+    """``--export-hf`` at the end of a run (every rank): a transformers model through
+    :func:`seqpar.integrations.hf.export.save_pretrained` (a collective), a diffusers DiT through
+    :func:`seqpar.integrations.diffusers.export.save_dit_pretrained` (rank 0 writes; LoRA merged)."""
+    import torch.distributed as dist
+
+    from seqpar.integrations.models import is_diffusers_model
+
+    cfg = ctx.job.cfg
+    if is_diffusers_model(ctx.model):
+        from seqpar.integrations.diffusers.export import save_dit_pretrained
+
+        save_dit_pretrained(ctx.model, export, rank=ctx.rank)
+        dist.barrier()
+        return
+    from seqpar.integrations.hf.export import save_pretrained
+
+    save_pretrained(ctx.policy, export, ctx.mesh, tokenizer=ctx.job.tokenizer, lora=cfg.lora_export)

@@ -25,6 +25,7 @@ from seqpar.planner import hybrid_split, plan
 
 from .checks import check_config
 from .config import FIELDS, RESUME_AUTO, TrainConfig, builtin_fields, model_overrides
+from .dit_setup import prepare_dit
 from .layout import auto_layout, check_model_layout, check_plan_options, check_tiled_mlp, mesh_kwargs
 from .objectives import DATA_KINDS, objective_of
 from .report import HF_DIR
@@ -44,7 +45,8 @@ RESUME_KEYS = ("model", "model_config", "data", "text_field", "seq_len", "packin
                "min_lr_ratio", "weight_decay", "adam_eps", "dtype", "tiled_loss", "tiled_mlp", "loss_tile", "tokenizer",
                "train_on", "chat_template", "overflow", "lora_r", "lora_alpha", "lora_targets", "token_budget",
                "objective", "beta", "dpo_loss", "rl_loss", "kl_coef", "clip_epsilon", "clip_epsilon_high",
-               "max_completion_length", "advantages", "scale_rewards", "kto_loss")
+               "max_completion_length", "advantages", "scale_rewards", "kto_loss", "flow_weighting", "logit_mean",
+               "logit_std")
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,12 @@ def _check_builtin_fields(cfg: TrainConfig, data: DataSource) -> None:
 def prepare_job(cfg: TrainConfig, world: int | None = None) -> Job:
     """Validate ``cfg`` for a job of ``world`` ranks (default: from --nproc / --sp / --tp / --dp),
     resolve the strategy (and with --plan auto the whole layout, :mod:`.layout`), read the data and
-    load the tokenizer. Raises ValueError with the option to change."""
+    load the tokenizer. Raises ValueError with the option to change. A DiT's job (data the model splits
+    itself: --objective flow-matching) is prepared by :func:`seqpar.train.dit_setup.prepare_dit`."""
+    if DATA_KINDS[objective_of(cfg.objective).data].model_splits:
+        d = prepare_dit(cfg, world)
+        return check_save_dir(Job(d.cfg, d.world, d.sp, d.dp, d.strategy, d.mesh_kwargs, "contiguous", d.heads,
+                                  d.heads, d.reason, data=d.data))
     check_plan_options(cfg, world)
     if cfg.plan == "auto":  # everything but the layout now; the layout once the model's shape is known
         world = world if world is not None else cfg.nproc
@@ -189,7 +196,7 @@ def prepare_job(cfg: TrainConfig, world: int | None = None) -> Job:
         _check_builtin_fields(cfg, data)
     job = Job(cfg, world, sp, dp, strategy, mesh_kwargs, layout, heads, kv_heads, reason, data=data,
               tokenizer=tokenizer, tp=cfg.tp, ep=cfg.ep, plan_reason=plan_reason)
-    return _check_save_dir(job)
+    return check_save_dir(job)
 
 
 def _layout(cfg: TrainConfig, sp: int, dp: int, config: Any, planned: dict[str, int] | None = None
@@ -230,7 +237,7 @@ def _layout(cfg: TrainConfig, sp: int, dp: int, config: Any, planned: dict[str, 
     return strategy, reason, kwargs, layout
 
 
-def _check_save_dir(job: Job) -> Job:
+def check_save_dir(job: Job) -> Job:
     """--resume: the checkpoint to continue from, checked; a fresh run: refused where an earlier
     run's checkpoints would be deleted, unless --overwrite (then they are listed in the job)."""
     from . import checkpoint as ckpt

@@ -26,9 +26,10 @@ from . import checkpoint as ckpt
 from .config import describe_memory
 from .context import RunContext, rank_device
 from .dynamic import DynamicSteps
+from .export import export_run
 from .job import Job
 from .lora import describe_lora
-from .model_setup import RankModel, build_rank_model, make_reference
+from .model_setup import RankModel, build_rank_model, make_reference, saved_config
 from .objective_step import ObjectiveStep
 from .report import (
     HF_DIR,
@@ -95,6 +96,7 @@ class RunSummary:
     ep: int = 1
     plan: str = ""  # --plan auto: what it chose and why
     accuracy_of: str = "answers"  # what the held-out accuracy counts, in words (the objective's)
+    samples: str | None = None  # the objective's picture of what it learnt (flow-matching: samples.png)
 
     @property
     def first_loss(self) -> float | None:
@@ -312,7 +314,8 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             if due or opt.step == last:
                 saved = ckpt.save_checkpoint(cfg.save_dir, opt.step, ctx.model, opt.optimizer, opt.scheduler,
                                              trainer_state, keep=cfg.keep_checkpoints,
-                                             model_config=ctx.model.config, tokenizer=job.tokenizer, mesh=ctx.mesh)
+                                             model_config=saved_config(ctx.model), tokenizer=job.tokenizer,
+                                             mesh=ctx.mesh)
         train_time = time.perf_counter() - t_start
         t_eval = time.perf_counter()
         with faults.publishing("the evaluation"):
@@ -327,12 +330,14 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
             bar.close()
         if log is not None:
             log.close()
+    samples = None
+    if cfg.plot and opt.step >= cfg.steps and run.objective.spec.finish is not None:
+        with faults.publishing("the samples"):
+            samples = run.objective.spec.finish(ctx, run.data)  # a picture of what it learnt (flow-matching)
     export = None
     if cfg.export_hf and opt.step >= cfg.steps:
-        from seqpar.integrations.hf.export import save_pretrained
-
         export = os.path.abspath(os.path.join(cfg.save_dir, HF_DIR))
-        save_pretrained(ctx.policy, export, ctx.mesh, tokenizer=job.tokenizer, lora=cfg.lora_export)
+        export_run(ctx, export)
     if saved is None:
         saved = ckpt.latest_checkpoint(cfg.save_dir)
     plot = os.path.abspath(os.path.join(cfg.save_dir, PLOT_FILE)) if cfg.plot else None
@@ -350,7 +355,7 @@ def run_training(job: Job, *, stop_after: int | None = None) -> RunSummary:
         attention=run.built.attention, dtype=run.built.dtype, memory=describe_memory(cfg), setup_s=setup_s,
         eval_s=eval_s, summary_file=os.path.abspath(os.path.join(cfg.save_dir, SUMMARY_FILE)), plot=plot,
         export=export, export_lora=cfg.lora_export if cfg.lora_r and export else "", objective=cfg.objective,
-        accuracy_of=spec.accuracy_of,
+        accuracy_of=spec.accuracy_of, samples=samples,
         sp_degrees=dict(dyn.rows_at_degree) if dyn is not None else {},
         sp_unit=dyn.unit if dyn is not None else "rows",
         sp_cost=dyn.describe_cost() if dyn is not None else "")

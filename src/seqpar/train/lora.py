@@ -21,19 +21,46 @@ from torch import Tensor, nn
 
 from .config import TrainConfig
 
-DEFAULT_TARGETS = "all-linear"  # peft: every linear layer but the output head
-
 
 def lora_alpha(cfg: TrainConfig) -> float:
     return float(cfg.lora_alpha) if cfg.lora_alpha is not None else 2.0 * cfg.lora_r
 
 
-def lora_config(cfg: TrainConfig) -> Any:
+def default_targets(cfg: TrainConfig) -> str | tuple[str, ...]:
+    """The modules --lora-r adapts unless --lora-targets: the objective's kind of data says
+    (all-linear for a transformers model, a DiT's attention projections)."""
+    from .objectives import DATA_KINDS, objective_of
+
+    return DATA_KINDS[objective_of(cfg.objective).data].lora_targets
+
+
+def _targets(cfg: TrainConfig) -> Any:
+    default = default_targets(cfg)
+    return cfg.lora_targets or (list(default) if isinstance(default, tuple) else default)
+
+
+def lora_config(cfg: TrainConfig, task_type: str | None = "CAUSAL_LM") -> Any:
     """peft's LoraConfig for the run: no dropout (the step stays exact and deterministic), no bias."""
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.lora_r, lora_alpha=lora_alpha(cfg), target_modules=cfg.lora_targets or DEFAULT_TARGETS,
-                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(r=cfg.lora_r, lora_alpha=lora_alpha(cfg), target_modules=_targets(cfg), lora_dropout=0.0,
+                      bias="none", task_type=task_type)
+
+
+def add_dit_lora(model: nn.Module, cfg: TrainConfig) -> None:
+    """Adapters into a diffusers DiT in place (diffusers' ``add_adapter``: the base frozen, the model
+    stays a ``ModelMixin``). ValueError when --lora-targets names no module of the model."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.add_adapter(lora_config(cfg, task_type=None))
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"--lora-targets {' '.join(_words(cfg))}: {e}") from None
+
+
+def _words(cfg: TrainConfig) -> list[str]:
+    targets = _targets(cfg)
+    return [targets] if isinstance(targets, str) else list(targets)
 
 
 def add_lora(model: nn.Module, cfg: TrainConfig) -> Any:
@@ -46,7 +73,7 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> Any:
             warnings.simplefilter("ignore", FutureWarning)
             peft = get_peft_model(model, lora_config(cfg))
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        raise ValueError(f"--lora-targets {' '.join(cfg.lora_targets or [DEFAULT_TARGETS])}: {e}") from None
+        raise ValueError(f"--lora-targets {' '.join(_words(cfg))}: {e}") from None
     # the base an exported adapter names: the --model checkpoint (None for a built-in: the export
     # then writes the base beside the adapter)
     peft.peft_config[peft.active_adapter].base_model_name_or_path = (
@@ -55,8 +82,7 @@ def add_lora(model: nn.Module, cfg: TrainConfig) -> Any:
 
 
 def describe_lora(cfg: TrainConfig) -> str:
-    return (f"LoRA r={cfg.lora_r}, alpha={lora_alpha(cfg):g} on {' '.join(cfg.lora_targets or [DEFAULT_TARGETS])}"
-            if cfg.lora_r else "")
+    return f"LoRA r={cfg.lora_r}, alpha={lora_alpha(cfg):g} on {' '.join(_words(cfg))}" if cfg.lora_r else ""
 
 
 def lora_init(model: nn.Module, seed: int) -> dict[str, Tensor]:

@@ -1,7 +1,8 @@
 """One rank's model for ``seqpar train``, built in the order that keeps every rank's memory small::
 
     meta model           the causal LM --model names, or a sequence-classification model with one
-                         output where the objective takes a score (its new head drawn at random)
+                         output where the objective takes a score (its new head drawn at random); a
+                         diffusers DiT for --objective flow-matching: :mod:`.dit_setup`
     + LoRA               --lora-r: peft's adapters, the base frozen (their initial values drawn the
                          same on every rank, :mod:`.lora`)
     parallelize          seqpar.parallelize over the mesh (the strategy; tp and ep from the mesh: the
@@ -30,13 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import seqpar
 from seqpar.integrations.distributed.materialize import load_full_state_dict, materialize, meta_model
-from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_config
+from seqpar.integrations.models import BUILTIN_MODELS, build_model, builtin_config, is_diffusers_model
 from seqpar.objectives import ADAPTERS_OFF
 
 from .config import DTYPES, TrainConfig, builtin_fields, memory_options, resolve_dtype
+from .dit_setup import build_dit_model, config_writer
 from .job import Job
 from .lora import add_lora, count_params, init_lora, with_lora_names
-from .objectives import TrainObjective, objective_of
+from .objectives import DATA_KINDS, TrainObjective, objective_of
 from .tokenizer import make_tokenizer
 
 
@@ -109,6 +111,9 @@ def build_rank_model(job: Job, mesh: DeviceMesh, device: torch.device, rank: int
     switches cannot tile, a checkpoint the data does not fit) is the same on every rank."""
     cfg = job.cfg
     spec = objective_of(cfg.objective)
+    if DATA_KINDS[spec.data].model_splits:  # a diffusers DiT (--objective flow-matching), without FSDP2
+        model, params, trainable, dtype_name = build_dit_model(cfg, job.strategy, mesh, device)
+        return RankModel(model, None, params, trainable, dtype_name, False, seqpar.attention_kernel(model))
     dtype_name = resolve_dtype(cfg, device.type)
     dtype = DTYPES[dtype_name]
     param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -189,3 +194,11 @@ def make_reference(job: Job, built: RankModel) -> nn.Module | str | None:
                          "which FSDP2 does not shard: add --lora-r (the reference is then the model with its adapters "
                          "off) or use --fsdp off")
     return copy.deepcopy(built.model).requires_grad_(False).eval()
+
+
+def saved_config(model: nn.Module) -> Any:
+    """What a checkpoint writes as the model's config.json (``save_pretrained(dir)``): a transformers
+    model's config, or a diffusers DiT's (with its ``_class_name``)."""
+    if is_diffusers_model(model):
+        return config_writer(model)
+    return model.config

@@ -2,7 +2,8 @@
 (:mod:`seqpar.objectives`), in the static step, in a dynamic schedule's bins and in evaluation::
 
     n      = step.count(micro-batches)              the step's units over every dp rank
-    local  = seqpar.shard_batch(batch, mesh)        this SP rank's slice (or a bin's, from DynamicSP)
+    local  = seqpar.shard_batch(batch, mesh)        this SP rank's slice (or a bin's, from DynamicSP; the
+                                                    whole batch for a DiT, which splits it itself)
     loss   = step.loss(local, n)                    objective(policy, local, mesh, reference=...,
                                                     num_units=n): this rank's share of the step's mean
     step.evaluate(data)                             the held-out units: the mean loss and the accuracy
@@ -26,7 +27,7 @@ from seqpar.comm.mesh import axis_group
 from seqpar.objectives import KTOKL
 
 from .context import RunContext
-from .objectives import objective_of, units_in
+from .objectives import DATA_KINDS, objective_of, units_in
 from .report import EvalResult
 from .sources import EVAL, MODEL_KEYS, DataSource, stack
 
@@ -42,6 +43,7 @@ class ObjectiveStep:
         self.objective = self.spec.make(cfg)
         self.evaluation = self.spec.evaluator(cfg)
         self.tile = cfg.loss_tile if cfg.tiled_loss else 1 << 62  # off: the whole shard in one tile
+        self.model_splits = DATA_KINDS[self.spec.data].model_splits  # a DiT: whole inputs on every sp rank
         self.metrics: dict[str, float] = {}  # the objective's metrics of the last step: over its every unit
         # [units, each metric times its units] of this rank's batches so far, each divided by the ranks that
         # hold the same batch (its SP group, or its bin's block): the sum over the job counts each batch once
@@ -119,9 +121,16 @@ class ObjectiveStep:
         model_batch, inputs, kl_rows = self.split(batch)
         if kl_rows is not None:
             inputs["kl"] = self.kl_estimate(kl_rows)
-        local = seqpar.shard_batch(model_batch, self.ctx.mesh, layout=self.ctx.job.layout)
+        local = self.local(model_batch)
         return self.loss(local, n_units, units=units_in(model_batch, self.objective.unit),
                          copies=self.ctx.job.batch_ranks, inputs=inputs)
+
+    def local(self, model_batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What the objective gets of a whole batch on this rank: its shard (:func:`seqpar.shard_batch`),
+        or the whole batch where the model splits its sequences itself (a DiT: ``model_splits``)."""
+        if self.model_splits:
+            return model_batch
+        return seqpar.shard_batch(model_batch, self.ctx.mesh, layout=self.ctx.job.layout)
 
     def loss(self, local: dict[str, Tensor], n_units: float, *, units: float = 0.0, copies: int = 1,
              inputs: dict[str, Tensor] | None = None) -> Tensor:
@@ -162,7 +171,7 @@ class ObjectiveStep:
             with faults.publishing("the evaluation"):
                 if kl_rows is not None:
                     inputs["kl"] = self.kl_estimate(kl_rows)
-                local = seqpar.shard_batch(model_batch, ctx.mesh, layout=ctx.job.layout)
+                local = self.local(model_batch)
                 out = self.evaluation(ctx.policy, local, ctx.mesh, reference=reference, tile=self.tile, **inputs)
             units = torch.tensor(out.units, dtype=torch.float64, device=ctx.device)
             # the mean over the batch's units; an objective without an accuracy counts 0 hits

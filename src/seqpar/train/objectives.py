@@ -27,6 +27,9 @@ An entry says what the CLI and the job need to know, derived where the seam alre
     ppo      PPO's clipped policy loss (token mean) on rollouts with an advantage per token (GAE)
     kto      KTO (--kto-loss, --beta) on unpaired rows (prompt, completion, label), or pairs unpaired
              as TRL does, against a reference; its KL term from each unit's KL row (``kl_rows``)
+    flow-matching  rectified flow (--flow-weighting, --logit-mean, --logit-std) on a diffusers video DiT
+             (:mod:`.dit_setup`), on "latents": one sample per unit, called with whole inputs on every
+             sp rank (the DiT splits its sequences itself: the kind's ``model_splits``)
 
 Pairs come as :mod:`.preference_data` units: sequences c0 r0 c1 r1 ..., the "interleaved" pairing.
 A new objective is one entry here (and its data kind, if new).
@@ -49,6 +52,7 @@ from seqpar.objectives import (
     ORPO,
     BradleyTerry,
     CausalLM,
+    FlowMatching,
     Objective,
     PolicyGradient,
     SimPO,
@@ -56,10 +60,13 @@ from seqpar.objectives import (
 
 from .data import load_text_data
 from .demo_data import copy_task_source, preference_demo, rollout_demo, unpaired_demo
+from .dit_samples import save_samples
+from .latent_data import load_latents
 from .preference_data import load_preference_data, load_unpaired
 from .rollout_data import load_rollouts
 from .sources import DataSource
 from .tokenizer import make_tokenizer
+from .video_demo import MovingSquares
 
 Options = Any
 """A :class:`seqpar.train.config.TrainConfig` (not imported: the config takes its choices from here)."""
@@ -68,12 +75,17 @@ Options = Any
 @dataclass(frozen=True)
 class DataKind:
     """What one kind of data is read with: ``demo`` (the embedded task, no --data), ``load`` (--data
-    files, with the run's tokenizer) and the --options only its reader reads."""
+    files, with the run's tokenizer) and the --options only its reader reads. ``model_splits``: the
+    model is called with the whole batch on every sp rank and splits its sequences itself (a
+    diffusers DiT), so the batch is not sharded before the objective; ``lora_targets``: the modules
+    --lora-r adapts by default."""
 
     name: str
     demo: Callable[[Options], DataSource]
     load: Callable[[Options, Any], DataSource]
     options: tuple[str, ...] = ()
+    model_splits: bool = False
+    lora_targets: str | tuple[str, ...] = "all-linear"  # peft: every linear layer but the output head
 
 
 def _text(cfg: Options, hf_tokenizer: Any) -> DataSource:
@@ -116,6 +128,10 @@ DATA_KINDS: dict[str, DataKind] = {
                                                _rollouts(per_token=True)),
     "unpaired": DataKind("unpaired", lambda c: unpaired_demo(c.seq_len, c.seed, c.eval_rows, packing=c.packing),
                          _unpaired),
+    # a DiT's: precomputed latents and text embeddings, one sample per unit (no tokenizer)
+    "latents": DataKind("latents", lambda c: MovingSquares(c.seed, c.eval_rows),
+                        lambda c, _tok: load_latents(c.data, seed=c.seed, eval_rows=c.eval_rows), model_splits=True,
+                        lora_targets=("to_q", "to_k", "to_v", "to_out.0")),
 }
 
 
@@ -145,6 +161,9 @@ class TrainObjective:
     evaluation: Callable[[Options], Objective] | None = None  # default: make
     dynamic_problem: Callable[[Options], str | None] = field(default=lambda cfg: None)
     kl_rows: bool = False  # each unit's second row is its KL row (KTO): a no-grad estimate, the "kl" input
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # options it runs with unless given (the CLI's)
+    # at the end of a completed run with --plot, on every rank: a picture of what the model learnt (a path)
+    finish: Callable[[Any, DataSource], str] | None = None
 
     @property
     def scores(self) -> bool:
@@ -209,6 +228,17 @@ OBJECTIVES: dict[str, TrainObjective] = {o.name: o for o in (
     TrainObjective("kto", "KTO on unpaired rows (prompt, completion, label) against a reference", KTO,
                    lambda c: KTO(beta=c.beta, loss_type=c.kto_loss), data="unpaired", accuracy=None, accuracy_of="",
                    options=("beta", "kto_loss"), kl_rows=True, dynamic_problem=_no_bins),
+    TrainObjective("flow-matching", "rectified flow on a diffusers video transformer: logit-normal timesteps, target "
+                   "noise - x0, optional SD3 loss weighting; without --data a tiny Wan learns moving squares and "
+                   "draws samples.png", FlowMatching,
+                   lambda c: FlowMatching(weighting=c.flow_weighting, mean=c.logit_mean, std=c.logit_std),
+                   data="latents", accuracy=None, accuracy_of="",
+                   options=("flow_weighting", "logit_mean", "logit_std"),
+                   dynamic_problem=lambda c: "--objective flow-matching calls a diffusers transformer with whole "
+                   "inputs on every sp rank, which a dynamic schedule's bins do not: use --sp-schedule static",
+                   defaults=dict(model="tiny-wan", lr=3e-3, warmup=20, steps=300, micro_batch=4, eval_every=100,
+                                 checkpoint="none", tiled_mlp=False),
+                   finish=save_samples),
 )}
 
 OBJECTIVE_OPTIONS = tuple(dict.fromkeys(n for o in OBJECTIVES.values() for n in o.options))
@@ -223,9 +253,11 @@ def objective_of(name: str) -> TrainObjective:
 
 
 def units_in(batch: Mapping[str, Tensor], unit: str) -> float:
-    """The units of ``unit`` ("token", "sequence", "pair") in a whole batch (not sharded): its targets
-    (as :func:`seqpar.shard_batch` counts them), its sequences (each starts at position 0), or half
-    of them."""
+    """The units of ``unit`` ("token", "sequence", "pair", "sample") in a whole batch (not sharded): its
+    targets (as :func:`seqpar.shard_batch` counts them), its sequences (each starts at position 0), half
+    of them, or its latents' samples."""
+    if unit == "sample":  # latents [B, C, F, H, W]: one sample per row
+        return float(batch["latents"].shape[0])
     batch = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}  # a unit of [S] or [k, S]: [B, S]
     if unit == "token":
         return float(count_target_tokens(batch))

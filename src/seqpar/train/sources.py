@@ -4,7 +4,8 @@ A source holds *units*, read by index from its training split (``TRAIN``, in the
 or its held-out split (``EVAL``)::
 
     unit      a dict of ``[S]`` tensors (one row: a document, or a packed row of them), or of
-              ``[k, S]`` tensors (k rows read together: a preference pair's chosen and rejected rows)
+              ``[k, S]`` tensors (k rows read together: a preference pair's chosen and rejected rows),
+              or a latents sample (``[1, C, F, H, W]`` latents, ``[1, L, D]`` text, ``[1]`` noise seed)
     row(i)    unit i of the split; the training split is read in the seeded data order, so that
               resuming at a step reads the rows the uninterrupted run would have read
 
@@ -91,9 +92,10 @@ def rows_in(unit: dict[str, Tensor]) -> int:
 
 
 def stack(units: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Units of ``[S]`` tensors (or ``[k, S]``: a preference pair's two rows) -> a batch of ``[B, S]``
-    tensors, in order."""
-    return {k: torch.cat([u[k].reshape(-1, u[k].shape[-1]) for u in units]) for k in units[0]}
+    """Units of ``[S]`` tensors (or ``[k, ...]``: a preference pair's two rows ``[2, S]``, a latents
+    sample ``[1, C, F, H, W]``) -> a batch of ``[B, ...]`` tensors, in order (concatenated along the
+    rows)."""
+    return {k: torch.cat([u[k] if u[k].dim() > 1 else u[k][None] for u in units]) for k in units[0]}
 
 
 def row_index(step: int, micro: int, dp_rank: int, b: int, *, grad_accum: int, dp: int, micro_batch: int) -> int:
