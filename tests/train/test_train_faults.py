@@ -47,12 +47,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _terminal_signals() -> None:
+    """In the child before exec: SIGINT and SIGQUIT at their defaults, as a shell gives a foreground
+    job. An ignored disposition survives exec, and Python installs no KeyboardInterrupt handler for
+    an ignored SIGINT: measured in a full ``make test`` run, where this pytest process had come to
+    ignore both (the job then ignored the Ctrl-C this test sends, rightly, as ``nohup`` would have it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def _start(save_dir):
     cmd = [sys.executable, "-m", "seqpar.cli.main", "train", "--seq-len", "64", "--micro-batch", "2", "--steps",
            "100000", "--save-every", "3", "--save-dir", str(save_dir), "--no-progress", "--timeout", "30"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # its own process group, as a shell job would be
+                            start_new_session=True,  # its own process group, as a shell job would be
+                            preexec_fn=_terminal_signals)
     deadline = time.monotonic() + 120
     while len(complete_checkpoints(str(save_dir))) < 2:
         if proc.poll() is not None or time.monotonic() > deadline:
