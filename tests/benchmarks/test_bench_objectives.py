@@ -31,6 +31,7 @@ def bench():
     del sys.modules["bench_objectives"]
 
 
+@pytest.mark.heavy  # a whole script or launcher run (make verify): make test stays under 10 minutes
 def test_quick_run_reports_every_step_and_sp_and_sp4_holds_less(bench):
     # a script of its own: the gloo workers find their functions in its __main__
     p = subprocess.run([sys.executable, str(_PATH), "--quick"], capture_output=True, text=True, timeout=400)

@@ -70,6 +70,7 @@ def test_memory_verdicts_judge_what_a_step_keeps_not_file_pages(bench):
     assert bench.analyse(result(anon=1.0 / 1800), warmup)["anon_flat"]
 
 
+@pytest.mark.heavy  # a whole script or launcher run (make verify): make test stays under 10 minutes
 @pytest.mark.distributed
 def test_soak_runs_and_prints_its_table():
     # its own process, as make bench runs it: the workers unpickle the bench's function from __main__

@@ -90,6 +90,7 @@ def _both(rank, world, case):
     return mine, alst_peak_worker(rank, world, case, None)["peak_mib"]
 
 
+@pytest.mark.heavy  # a whole script or launcher run (make verify): make test stays under 10 minutes
 @pytest.mark.distributed
 def test_both_models_within_10_percent_of_measured_peaks():
     """benchmarks/bench_alst.py's model and systems, P = 2, S = 2048 (the bench measures S = 4k-16k:

@@ -20,6 +20,7 @@ def _torchrun(*args, timeout=180):
                            *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.heavy  # a whole script or launcher run (make verify): make test stays under 10 minutes
 @pytest.mark.distributed
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed")
 def test_torchrun_trains_and_reports_once(tmp_path):
@@ -30,6 +31,7 @@ def test_torchrun_trains_and_reports_once(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002", "step_00000003"]
 
 
+@pytest.mark.heavy  # a whole script or launcher run (make verify): make test stays under 10 minutes
 @pytest.mark.distributed
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun not installed")
 def test_torchrun_bad_input_said_once(tmp_path):
