@@ -77,7 +77,12 @@ def _start(save_dir):
 
 def _finish(proc, everything, limit=20.0):
     t0 = time.monotonic()
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # fail, but leave no job behind training for 100000 steps
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     took = time.monotonic() - t0
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in everything) and time.monotonic() < deadline:
