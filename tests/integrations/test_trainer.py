@@ -25,11 +25,11 @@ import os
 
 import pytest
 import torch
+from trainer_rows import VOCAB, rows
 
 from seqpar.comm.launch import run_distributed
 
 TOL = 1e-6
-VOCAB = 128
 STEPS = 3
 MICRO = 2  # per-device micro-batch (rows) of one dp rank
 ACCUM = 2
@@ -38,16 +38,6 @@ ACCUM = 2
 # ---------------------------------------------------------------------------------------------
 # the "script": data, model, trainer -- the same with and without seqpar
 # ---------------------------------------------------------------------------------------------
-
-def _rows(n: int, seed: int) -> list[dict[str, list[int]]]:
-    """``n`` tokenized rows of 9..30 tokens; labels are the ids with the first two ignored."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(9, 31, (1,), generator=g))
-        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": [-100, -100, *ids[2:]]})
-    return rows
 
 
 class PadCollator:
@@ -125,12 +115,12 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, resume: str | None = N
     if kind == "trainer":
         from transformers import Trainer
 
-        trainer = Trainer(model=net, args=_args(out, batch, steps=STEPS + 1, save=2), train_dataset=_rows(48, 1),
-                          eval_dataset=_rows(6, 2), data_collator=PadCollator())
+        trainer = Trainer(model=net, args=_args(out, batch, steps=STEPS + 1, save=2), train_dataset=rows(48, 1),
+                          eval_dataset=rows(6, 2), data_collator=PadCollator())
     elif kind == "trainer-moe":
         from transformers import Trainer
 
-        trainer = Trainer(model=net, args=_args(out, batch), train_dataset=_rows(48, 1), data_collator=PadCollator())
+        trainer = Trainer(model=net, args=_args(out, batch), train_dataset=rows(48, 1), data_collator=PadCollator())
     else:
         from datasets import Dataset
         from trl import SFTTrainer
@@ -144,7 +134,7 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, resume: str | None = N
 
             cls, extra = MySFTTrainer, {"mesh": mesh}
         trainer = cls(model=net, args=_args(out, batch, trl=True, packing=packing),
-                      train_dataset=Dataset.from_list(_rows(160 if packing else 48, 1)),
+                      train_dataset=Dataset.from_list(rows(160 if packing else 48, 1)),
                       processing_class=_tokenizer(), **extra)
     if mesh is not None and not isinstance(trainer, SeqParTrainerMixin):
         ring = kind == "sft-packed"
@@ -155,7 +145,7 @@ def train(kind: str, out: str, *, mesh=None, dp: int = 1, resume: str | None = N
               "weights": {n: p.detach().clone() for n, p in net.named_parameters()}}
     if kind == "trainer" and not resume:
         result["eval"] = trainer.evaluate()["eval_loss"]
-        pred = trainer.predict(_rows(3, 3))
+        pred = trainer.predict(rows(3, 3))
         result["predict"] = (torch.as_tensor(pred.predictions), torch.as_tensor(pred.label_ids))
     return result
 
@@ -181,7 +171,7 @@ def _bad(case: str, out: str):
 
     trainer = (OwnLossTrainer if case == "own-loss" else Trainer)(
         model=_model("roberta" if case == "model" else "tiny-llama"), args=_args(out, MICRO),
-        train_dataset=_rows(48, 1), data_collator=PadCollator(extra_on_rank=1 if case == "collator" else None))
+        train_dataset=rows(48, 1), data_collator=PadCollator(extra_on_rank=1 if case == "collator" else None))
     try:
         if case == "sp":
             parallelize_trainer(trainer, sp=3)

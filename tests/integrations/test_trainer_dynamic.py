@@ -12,33 +12,12 @@ import os
 
 import pytest
 import torch
+from trainer_rows import VOCAB, collate, rows
 
 from seqpar.comm.launch import run_distributed
 
-VOCAB = 128
 BUDGET = 16  # tokens per rank per bin: rows of <= 16 tokens on one rank, longer ones on both
 LOSS_TOL, WEIGHT_TOL = 1e-9, 1e-8
-
-
-def _rows(n: int, seed: int) -> list[dict[str, list[int]]]:
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(9, 31, (1,), generator=g))
-        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": [-100, -100, *ids[2:]]})
-    return rows
-
-
-def _collate(rows):
-    width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def _fsdp_as_on_gpus(trainer) -> None:
@@ -75,7 +54,7 @@ def train(out: str, mesh=None, fsdp: bool = False) -> dict:
     args = _args(out, 2 if fsdp else None, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                  max_steps=2, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
                  weight_decay=0.0, logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
-    trainer = Trainer(model=net, args=args, train_dataset=_rows(32, 1), data_collator=_collate)
+    trainer = Trainer(model=net, args=args, train_dataset=rows(32, 1), data_collator=collate)
     if fsdp:
         _fsdp_as_on_gpus(trainer)
     if mesh is not None:
@@ -104,7 +83,7 @@ def _bad(mesh, out: str) -> dict:
     for name, kw in [("sp", dict(sp=2)), ("layout", dict(layout="zigzag")), ("fsdp1", {}), ("deepspeed", {})]:
         net, _ = build_model("tiny-llama", dtype=torch.float64, vocab_size=VOCAB)
         trainer = Trainer(model=net, args=_args(out, 1 if name == "fsdp1" else None),
-                          train_dataset=_rows(4, 1), data_collator=_collate)
+                          train_dataset=rows(4, 1), data_collator=collate)
         if name == "fsdp1":
             _fsdp_as_on_gpus(trainer)
         trainer.is_deepspeed_enabled = name == "deepspeed"  # the Trainer's flag (deepspeed is not installed)

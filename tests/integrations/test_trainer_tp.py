@@ -23,33 +23,12 @@ import os
 
 import pytest
 import torch
+from trainer_rows import VOCAB, collate, rows
 
 from seqpar.comm.launch import run_distributed
 
-VOCAB = 128
 MICRO = 2
 LOSS_TOL, WEIGHT_TOL = 1e-9, 1e-8
-
-
-def _rows(n: int, seed: int) -> list[dict[str, list[int]]]:
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(9, 31, (1,), generator=g))
-        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": [-100, -100, *ids[2:]]})
-    return rows
-
-
-def _collate(rows):
-    width = max(len(r["input_ids"]) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def _parallelism_as_on_gpus(trainer, pc) -> None:
@@ -105,7 +84,7 @@ def train(out: str, *, tp: int) -> dict:
                              gradient_accumulation_steps=2, max_steps=2, learning_rate=1.0, optim="sgd",
                              lr_scheduler_type="constant", max_grad_norm=0.5, weight_decay=0.0, logging_steps=1,
                              save_strategy="no", seed=0, disable_tqdm=True)
-    trainer = Trainer(model=net, args=args, train_dataset=_rows(32, 1), data_collator=_collate)
+    trainer = Trainer(model=net, args=args, train_dataset=rows(32, 1), data_collator=collate)
     trainer.add_callback(Float64Log(trainer))
     _parallelism_as_on_gpus(trainer, ParallelismConfig(dp_shard_size=2, tp_size=tp))
     if tp > 1:
