@@ -314,3 +314,20 @@ def test_per_token_timesteps_are_split_with_their_tokens():
     for out in run_distributed(_per_token_timesteps, 3, timeout=600):
         for case, (loss, grad) in out.items():
             assert loss <= EXACT["loss"] and grad <= EXACT["grad"], (case, loss, grad)
+
+
+@pytest.mark.parametrize("extra", [{}, {"ep": "an expert group"}], ids=["mesh with tp", "ep given"])
+def test_tensor_or_expert_parallelism_with_a_dit_is_refused(extra):
+    """A diffusers transformer on a tp2 x sp2 mesh, or with expert parallelism asked for: Refused by
+    name before anything is split (a fake process group: no collective runs)."""
+    import seqpar
+    from seqpar import compat
+    from seqpar.errors import Refused
+    from seqpar.testing.diffusers_zoo import build_dit
+
+    model = build_dit("WanTransformer3DModel")
+    with compat.fake_process_group(0, 4):
+        mesh = seqpar.init_mesh(tp=2, sp=2) if not extra else seqpar.init_mesh(sp=4)
+        with pytest.raises(Refused, match="diffusers transformer runs sequence parallelism alone"):
+            seqpar.parallelize(model, mesh, **extra)
+    assert seqpar.integrations.state.state_of(model) is None  # nothing was done to it
